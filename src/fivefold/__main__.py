@@ -1,0 +1,5 @@
+"""`python -m fivefold` is the `fivefold` command line."""
+
+from fivefold.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,126 @@
+"""The `fivefold` command line: thin parsing, then calls into the library.
+
+    fivefold train [--config FILE.toml] [--section.key VALUE ...]
+    fivefold generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
+    fivefold info --model PRESET [--seq-len S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fivefold.errors import FivefoldError
+
+
+def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from fivefold.config import load_config
+    from fivefold.train.trainer import Trainer
+
+    config = load_config(args.config, overrides)
+    Trainer(config).fit()
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from fivefold.config import config_from_dict
+    from fivefold.data.tokenizer import load_tokenizer_from
+    from fivefold.model import build_model, materialize
+    from fivefold.model.generate import generate
+    from fivefold.train.checkpoint import latest_checkpoint, load_config_dict, load_model_weights
+    from fivefold.train.trainer import resolve_device
+
+    folder = Path(args.checkpoint)
+    if not (folder / "meta.json").is_file() and latest_checkpoint(folder):
+        folder = latest_checkpoint(folder)  # a run folder: take its newest checkpoint
+    config = config_from_dict(load_config_dict(folder))
+    device = resolve_device(args.device)
+    model = materialize(build_model(config.model), device, seed=None)
+    load_model_weights(folder, model)
+    model.eval()
+    tokenizer = load_tokenizer_from(folder)
+    generator = torch.Generator().manual_seed(args.seed)
+    ids = generate(model, tokenizer.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k,
+                   eos_id=tokenizer.eos_id, use_cache=not args.no_cache, generator=generator)
+    print(args.prompt + tokenizer.decode(ids))
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from fivefold.model.presets import get_preset
+    from fivefold.plan.flops import attention_flops_per_token, count_parameters, flops_per_token
+    from fivefold.plan.memory import adam_fp32, adam_mixed_precision
+
+    model = get_preset(args.model)
+    if model.vocab_size == 0:
+        model.vocab_size = args.vocab_size
+    seq = args.seq_len or model.max_seq_len
+    counts = count_parameters(model)
+    n = counts.total
+    kv = model.kv_heads
+    attn_kind = "MHA" if kv == model.n_heads else ("MQA" if kv == 1 else f"GQA ({kv} kv heads)")
+    gib = 2**30
+    rows = [
+        ("model", model.name),
+        ("shape", f"h={model.dim} L={model.n_layers} heads={model.n_heads} {attn_kind} ffn={model.ffn_hidden_dim} "
+                  f"V={model.vocab_size}{' tied' if model.tie_embeddings else ''}"),
+        ("parameters", f"{n:,}"),
+        ("  embedding", f"{counts.embedding:,}"),
+        ("  attention", f"{counts.attention:,}"),
+        ("  mlp", f"{counts.mlp:,}"),
+        ("  norms", f"{counts.norms:,}"),
+        ("  output head", f"{counts.head:,}" + (" (tied to embedding)" if model.tie_embeddings else "")),
+        ("training FLOPs/token", f"{flops_per_token(model, seq):.4e} at seq_len {seq} "
+                                 f"(6N = {6 * counts.matmul:.4e}, attention = {attention_flops_per_token(model, seq):.4e})"),
+    ]
+    for label, states in (("fp32 Adam", adam_fp32(n)), ("mixed-precision Adam", adam_mixed_precision(n))):
+        rows.append((f"model states, {label}", f"{states.total / gib:,.1f} GiB (params {states.parameters / gib:,.1f} + "
+                                               f"grads {states.gradients / gib:,.1f} + optimizer {states.optimizer / gib:,.1f})"))
+    width = max(len(label) for label, _ in rows)
+    for label, value in rows:
+        print(f"{label:<{width}}  {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fivefold", description="Distributed LLM training on torch.distributed")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model; any config key can be overridden as --section.key VALUE")
+    train.add_argument("--config", help="TOML config file (defaults apply to anything it leaves out)")
+
+    gen = sub.add_parser("generate", help="sample text from a checkpoint (KV-cached)")
+    gen.add_argument("--checkpoint", required=True, help="a step-* checkpoint folder, or a run folder (newest is used)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=200)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = whole vocabulary")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    gen.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each token (for checking)")
+
+    info = sub.add_parser("info", help="parameters, FLOPs per token and model-state memory of a preset")
+    info.add_argument("--model", required=True, help="preset name, e.g. llama3-8b")
+    info.add_argument("--seq-len", type=int, default=0, help="context for the attention FLOPs (default: preset max)")
+    info.add_argument("--vocab-size", type=int, default=257, help="for presets whose vocabulary comes from the tokenizer")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    try:
+        if args.command == "train":
+            return _train(args, rest)
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.command == "generate":
+            return _generate(args)
+        return _info(args)
+    except FivefoldError as exc:
+        print(f"fivefold: error: {exc}", file=sys.stderr)
+        return 2

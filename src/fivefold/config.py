@@ -1,0 +1,318 @@
+"""Run configuration: dataclasses, TOML loading, `--section.key value` overrides, validation.
+
+One `JobConfig` drives everything (the trainer today; the planner and simulator later read
+the same objects). Sources are applied in order: dataclass defaults, then the TOML file,
+then command-line overrides. Every key is checked before any work starts: an unknown key
+names the valid ones and the closest match; a bad value names the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+from fivefold.errors import ConfigError
+from fivefold.model.config import ModelConfig
+from fivefold.model.presets import PRESETS, get_preset
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"
+    """`stdlib` (the running interpreter's standard library source, the embedded default corpus)
+    or a path to a .txt/.jsonl file or a folder of them (comma-separate several paths)."""
+    tokenizer: str = "byte"
+    """`byte` (256 byte values + end-of-text), `bpe` (trained locally on the train split) or a
+    path to a saved `tokenizer.json`."""
+    bpe_vocab_size: int = 4096
+    """Vocabulary size when training a BPE tokenizer."""
+    val_fraction: float = 0.05
+    """Fraction of files (chosen by a hash of their path) held out for validation."""
+    jsonl_field: str = "text"
+    """Field of each .jsonl record that holds the text."""
+    cache_dir: str = ".cache/fivefold"
+    """Where pre-tokenised token files and trained tokenizers are cached."""
+
+    def validate(self) -> None:
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction = {self.val_fraction}: must lie strictly between 0 and 1")
+        if self.bpe_vocab_size < 257:
+            raise ConfigError(f"data.bpe_vocab_size = {self.bpe_vocab_size}: must be at least 257 (all bytes + end-of-text)")
+        if not self.source:
+            raise ConfigError("data.source is empty: use `stdlib` or a path to your text")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    """Optimizer steps to run."""
+    seq_len: int = 256
+    """Tokens per sample."""
+    micro_batch_size: int = 16
+    """Samples per forward/backward pass."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step (global batch = micro x accum x dp)."""
+    seed: int = 1234
+    """Seed for weight init and the data sampler."""
+    dtype: str = "fp32"
+    """Compute dtype: `fp32`, or `bf16` (autocast; parameters and optimizer stay fp32)."""
+    device: str = "auto"
+    """`auto` (cuda if available, else cpu), `cpu` or `cuda`."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    eval_every: int = 50
+    """Evaluate the validation loss every N steps (and at the end); 0 disables."""
+    eval_batches: int = 8
+    """Micro-batches in one validation pass (fixed windows, identical every time)."""
+    log_every: int = 10
+    """Write metrics every N steps."""
+    peak_tflops: float = 0.0
+    """Peak TFLOP/s for MFU; 0 = look up the device table (GPU) or measure a matmul (CPU)."""
+    output_dir: str = "runs/default"
+    """Folder for checkpoints, metrics.jsonl, TensorBoard events and the loss plot."""
+
+    def validate(self) -> None:
+        for name in ("steps", "seq_len", "micro_batch_size", "grad_accum_steps", "eval_batches", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} = {getattr(self, name)}: must be a positive integer")
+        if self.eval_every < 0:
+            raise ConfigError(f"train.eval_every = {self.eval_every}: must be >= 0 (0 disables evaluation)")
+        if self.max_grad_norm < 0:
+            raise ConfigError(f"train.max_grad_norm = {self.max_grad_norm}: must be >= 0 (0 disables clipping)")
+        _check_choice("train.dtype", self.dtype, ("fp32", "bf16"))
+        _check_choice("train.device", self.device, ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak (cosine and linear schedules)."""
+    warmup_steps: int = 20
+    """Linear warmup from 0 to the peak over this many steps."""
+    schedule: str = "cosine"
+    """Decay after warmup: `cosine`, `linear` or `constant`."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not norms)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr = {self.lr}: must be positive")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"optim.min_lr_ratio = {self.min_lr_ratio}: must lie in [0, 1]")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps = {self.warmup_steps}: must be >= 0")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"optim.{name} = {getattr(self, name)}: must lie in [0, 1)")
+        _check_choice("optim.schedule", self.schedule, ("cosine", "linear", "constant"))
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100
+    """Save a checkpoint every N steps (and at the end); 0 saves only at the end."""
+    keep_last: int = 3
+    """Keep the newest K checkpoints, delete older ones."""
+    resume: str = "none"
+    """`none`, `auto` (newest complete checkpoint in train.output_dir, if any) or a checkpoint folder."""
+    enabled: bool = True
+    """Write checkpoints at all."""
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"checkpoint.every = {self.every}: must be >= 0")
+        if self.keep_last < 1:
+            raise ConfigError(f"checkpoint.keep_last = {self.keep_last}: must be >= 1")
+
+
+@dataclass
+class LoggingConfig:
+    progress: bool = True
+    """Show a progress bar (rank 0 only)."""
+    tensorboard: bool = True
+    """Write TensorBoard events to <output_dir>/tensorboard."""
+    plot: bool = True
+    """Write <output_dir>/loss.png at the end."""
+    sample_prompt: str = "def "
+    """Prompt for the sample generated at the end of training; empty disables it."""
+    sample_tokens: int = 200
+    """Tokens generated for that sample."""
+
+    def validate(self) -> None:
+        if self.sample_tokens < 0:
+            raise ConfigError(f"logging.sample_tokens = {self.sample_tokens}: must be >= 0")
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=lambda: get_preset("tiny"))
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> "JobConfig":
+        for section in SECTIONS:
+            getattr(self, section).validate()
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"train.seq_len = {self.train.seq_len} exceeds model.max_seq_len = {self.model.max_seq_len}: "
+                "lower train.seq_len or raise model.max_seq_len"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(JobConfig))
+PRESET_KEY = "preset"
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} = {value!r} is not one of {', '.join(choices)}{_did_you_mean(value, choices)}")
+
+
+def _did_you_mean(word: str, options: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(key: str, raw: Any, annotation: Any) -> Any:
+    """Convert a TOML or command-line value to the field's declared type."""
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null")):
+            return None
+        return _coerce(key, raw, args[0])
+    try:
+        if annotation is bool:
+            if isinstance(raw, bool):
+                return raw
+            if isinstance(raw, str) and raw.lower() in ("true", "1", "yes", "on"):
+                return True
+            if isinstance(raw, str) and raw.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if annotation is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError
+            return int(raw) if not isinstance(raw, str) else int(raw.replace("_", ""))
+        if annotation is float:
+            if isinstance(raw, bool):
+                raise ValueError
+            return float(raw)
+        if annotation is str:
+            if not isinstance(raw, (str, int, float)) or isinstance(raw, bool):
+                raise ValueError
+            return str(raw)
+    except ValueError:
+        pass
+    else:
+        raise ConfigError(f"{key}: unsupported field type {annotation}")  # pragma: no cover
+    kind = getattr(annotation, "__name__", str(annotation))
+    raise ConfigError(f"{key} = {raw!r}: expected {kind}")
+
+
+def _apply_section(cfg: JobConfig, section: str, values: dict[str, Any], source: str) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(
+            f"unknown config section [{section}] in {source}; valid sections: {', '.join(SECTIONS)}"
+            f"{_did_you_mean(section, SECTIONS)}"
+        )
+    if not isinstance(values, dict):
+        raise ConfigError(f"[{section}] in {source} must be a table of key = value pairs")
+    current = getattr(cfg, section)
+    values = {k.replace("-", "_"): v for k, v in values.items()}
+    if section == "model" and PRESET_KEY in values:
+        name = values.pop(PRESET_KEY)
+        if name not in PRESETS:
+            raise ConfigError(
+                f"model.preset = {name!r} is unknown; valid presets: {', '.join(PRESETS)}{_did_you_mean(str(name), PRESETS)}"
+            )
+        current = get_preset(name)
+    hints = _field_types(type(current))
+    valid = [f.name for f in dataclasses.fields(current)] + ([PRESET_KEY] if section == "model" else [])
+    updates = {}
+    for key, raw in values.items():
+        if key not in hints:
+            raise ConfigError(
+                f"unknown key {section}.{key} in {source}; valid keys of [{section}]: {', '.join(valid)}"
+                f"{_did_you_mean(key, valid)}"
+            )
+        updates[key] = _coerce(f"{section}.{key}", raw, hints[key])
+    setattr(cfg, section, dataclasses.replace(current, **updates))
+
+
+def parse_overrides(args: list[str]) -> dict[str, dict[str, str]]:
+    """Turn `--section.key value` / `--section.key=value` pairs into {section: {key: value}}."""
+    out: dict[str, dict[str, str]] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key VALUE (e.g. --train.steps 100)")
+        if "=" in arg:
+            name, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {arg} has no value: write {arg} VALUE")
+            name, value = arg[2:], args[i + 1]
+            i += 2
+        section, key = name.split(".", 1)
+        out.setdefault(section.replace("-", "_"), {})[key.replace("-", "_")] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Defaults, then the TOML file, then `--section.key value` overrides; validated."""
+    cfg = JobConfig()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
+        for section, values in data.items():
+            _apply_section(cfg, section, values, str(path))
+    for section, values in parse_overrides(overrides or []).items():
+        _apply_section(cfg, section, values, "command-line overrides")
+    return cfg.validate()
+
+
+def config_from_dict(data: dict[str, Any]) -> JobConfig:
+    """Rebuild a JobConfig saved with `to_dict` (e.g. from a checkpoint)."""
+    cfg = JobConfig()
+    for section, values in data.items():
+        _apply_section(cfg, section, dict(values), "saved config")
+    return cfg.validate()

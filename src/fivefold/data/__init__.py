@@ -1,0 +1,1 @@
+"""Corpus discovery, tokenizers, pre-tokenised token files and the resumable sampler."""

@@ -1,0 +1,1 @@
+"""Training loop, optimizer and schedule, metrics, checkpoints."""

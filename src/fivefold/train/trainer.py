@@ -1,0 +1,252 @@
+"""The training loop: one process today, the base every parallel layout is tested against.
+
+Each optimizer step draws its global batch from the stateless sampler, runs forward and
+backward on each micro-batch, and normalises by the step's total number of target tokens
+(token-weighted, so accumulation over uneven micro-batches gives the full-batch gradient):
+    loss = sum over micro-batches of sum_t CE_t  /  total target tokens of the step.
+Then it clips the global gradient norm, sets the scheduled learning rate, and steps AdamW.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from fivefold.config import JobConfig
+from fivefold.data.dataset import PreparedData, eval_batches, prepare_data, sample_batch, unigram_cross_entropy
+from fivefold.errors import ConfigError
+from fivefold.model import ModelConfig, Transformer, build_model, materialize
+from fivefold.model.generate import generate
+from fivefold.plan.flops import count_parameters, flops_per_token
+from fivefold.train import checkpoint as ckpt
+from fivefold.train.metrics import MetricsLogger, peak_memory_gib, peak_tflops, plot_losses, read_metrics
+from fivefold.train.optim import build_optimizer, lr_at, set_lr
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float
+    val_loss: float | None
+    unigram_baseline: float
+    checkpoint: Path | None
+    metrics_path: Path
+    plot_path: Path | None
+    sample: str | None
+    losses: list[float]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device = cuda but no CUDA device is available; use auto or cpu")
+    return torch.device(name)
+
+
+def resolve_model_config(model: ModelConfig, vocab_size: int) -> ModelConfig:
+    """Fill in the tokenizer's vocabulary size, or check the configured one can hold it."""
+    if model.vocab_size == 0:
+        return dataclasses.replace(model, vocab_size=vocab_size)
+    if model.vocab_size < vocab_size:
+        raise ConfigError(
+            f"model.vocab_size = {model.vocab_size} is smaller than the tokenizer's {vocab_size}: "
+            "set model.vocab_size = 0 to take the tokenizer's"
+        )
+    return model
+
+
+def token_weighted_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of token cross-entropies, in fp32; divided by the step's token count later."""
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+class Trainer:
+    def __init__(self, config: JobConfig, data: PreparedData | None = None):
+        self.config = config
+        self.is_rank0 = int(os.environ.get("RANK", "0")) == 0
+        self.device = resolve_device(config.train.device)
+        self.output_dir = Path(config.train.output_dir)
+        self.data = data or prepare_data(config.data)
+        self.model_config = resolve_model_config(config.model, self.data.tokenizer.vocab_size)
+        torch.manual_seed(config.train.seed)
+        self.model: Transformer = materialize(build_model(self.model_config), self.device, seed=config.train.seed)
+        self.optimizer = build_optimizer(self.model, config.optim)
+        self.state = ckpt.TrainerState(step=0, tokens_seen=0, seed=config.train.seed)
+        self.autocast_dtype = torch.bfloat16 if config.train.dtype == "bf16" else None
+        t = config.train
+        self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * t.seq_len
+        self.flops_per_token = flops_per_token(self.model_config, t.seq_len)
+        self.resumed_from = self._maybe_resume()
+
+    def _maybe_resume(self) -> Path | None:
+        folder = ckpt.resolve_resume(self.config.checkpoint.resume, self.output_dir)
+        if folder is None:
+            return None
+        saved = ckpt.load_config_dict(folder)
+        current = dataclasses.asdict(self.model_config)
+        diffs = [k for k in current if k != "name" and saved.get("model", {}).get(k, current[k]) != current[k]]
+        if diffs:
+            raise ckpt.CheckpointError(
+                f"checkpoint {folder} was trained with different model settings ({', '.join('model.' + d for d in diffs)}); "
+                "resume with the same model config or start a new train.output_dir"
+            )
+        self.state = ckpt.load_checkpoint(folder, self.model, self.optimizer)
+        return folder
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step at `self.state.step`; returns its metrics."""
+        t = self.config.train
+        step = self.state.step
+        batches = [
+            sample_batch(self.data.train_tokens, t.seq_len, t.micro_batch_size, t.seed, step, i, t.grad_accum_steps)
+            for i in range(t.grad_accum_steps)
+        ]
+        total_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, labels in batches:
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            with self._autocast():
+                logits = self.model(inputs)
+            loss = token_weighted_loss(logits, labels)
+            (loss / total_tokens).backward()
+            loss_sum += loss.detach()
+        max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        lr = lr_at(step, self.config.optim, t.steps)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.step += 1
+        self.state.tokens_seen += total_tokens
+        return {"loss": float(loss_sum) / total_tokens, "lr": lr, "grad_norm": float(grad_norm)}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        t = self.config.train
+        self.model.eval()
+        loss_sum, count = 0.0, 0
+        for inputs, labels in eval_batches(self.data.val_tokens, t.seq_len, t.micro_batch_size, t.eval_batches):
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            with self._autocast():
+                logits = self.model(inputs)
+            loss_sum += float(token_weighted_loss(logits, labels))
+            count += int((labels != IGNORE_INDEX).sum())
+        self.model.train()
+        return loss_sum / count
+
+    def save(self) -> Path:
+        return ckpt.save_checkpoint(
+            self.output_dir, self.model, self.optimizer, self.state,
+            self.config_dict(), self.data.tokenizer, self.config.checkpoint.keep_last,
+        )
+
+    def config_dict(self) -> dict:
+        resolved = self.config.to_dict()
+        resolved["model"] = dataclasses.asdict(self.model_config)
+        return resolved
+
+    def sample(self, prompt: str, max_new_tokens: int) -> str:
+        tok = self.data.tokenizer
+        generator = torch.Generator().manual_seed(self.config.train.seed)
+        self.model.eval()
+        ids = generate(self.model, tok.encode(prompt), max_new_tokens, temperature=0.8, top_k=40,
+                       eos_id=tok.eos_id, generator=generator)
+        self.model.train()
+        return prompt + tok.decode(ids)
+
+    def fit(self) -> TrainResult:
+        """Train to `train.steps`, evaluating, logging and checkpointing on the way."""
+        t, c, log = self.config.train, self.config.checkpoint, self.config.logging
+        if self.is_rank0:
+            self._trim_metrics()
+        metrics = MetricsLogger(self.output_dir, log.tensorboard) if self.is_rank0 else None
+        peak, peak_source = peak_tflops(self.device, t.peak_tflops)
+        params = count_parameters(self.model_config).total
+        self._print(
+            f"model {self.model_config.name}: {params:,} parameters, {self.flops_per_token / 1e6:.1f} MFLOP/token; "
+            f"{self.tokens_per_step:,} tokens/step; peak {peak:.3f} TFLOP/s ({peak_source})"
+            + (f"; resumed from {self.resumed_from}" if self.resumed_from else "")
+        )
+        losses: list[float] = []
+        val_loss = None
+        last_checkpoint = self.resumed_from
+        bar = tqdm(total=t.steps, initial=self.state.step, disable=not (self.is_rank0 and log.progress),
+                   desc="train", unit="step", dynamic_ncols=True)
+        window_start, window_tokens = time.perf_counter(), 0
+        while self.state.step < t.steps:
+            values = self.train_step()
+            losses.append(values["loss"])
+            window_tokens += self.tokens_per_step
+            step = self.state.step
+            bar.update(1)
+            if step % t.log_every == 0 or step == t.steps:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - window_start
+                tokens_per_s = window_tokens / elapsed
+                values.update(
+                    tokens_per_s=tokens_per_s,
+                    mfu=self.flops_per_token * tokens_per_s / (peak * 1e12),
+                    peak_mem_gib=peak_memory_gib(self.device),
+                    tokens_seen=self.state.tokens_seen,
+                )
+                if metrics:
+                    metrics.log(step, values)
+                bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{values['mfu']:.1%}")
+                window_start, window_tokens = time.perf_counter(), 0
+            if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+                val_loss = self.evaluate()
+                if metrics:
+                    metrics.log(step, {"val_loss": val_loss})
+                self._print(f"step {step}: validation loss {val_loss:.4f}")
+            if c.enabled and self.is_rank0 and ((c.every and step % c.every == 0) or step == t.steps):
+                last_checkpoint = self.save()
+        bar.close()
+        if metrics:
+            metrics.close()
+        return self._finish(losses, val_loss, last_checkpoint)
+
+    def _finish(self, losses: list[float], val_loss: float | None, checkpoint: Path | None) -> TrainResult:
+        log = self.config.logging
+        baseline = unigram_cross_entropy(self.data.train_tokens, self.data.val_tokens, self.data.tokenizer.vocab_size)
+        metrics_path = self.output_dir / "metrics.jsonl"
+        plot = None
+        if self.is_rank0 and log.plot:
+            plot = plot_losses(metrics_path, self.output_dir / "loss.png", baseline)
+        sample = self.sample(log.sample_prompt, log.sample_tokens) if log.sample_prompt and log.sample_tokens else None
+        final = losses[-1] if losses else float("nan")
+        self._print(f"final train loss {final:.4f}" + (f", validation loss {val_loss:.4f}" if val_loss is not None else "")
+                    + f"; unigram baseline {baseline:.4f} nats/token")
+        self._print(f"checkpoint: {checkpoint}\nmetrics:    {metrics_path}" + (f"\nplot:       {plot}" if plot else "")
+                    + (f"\ntensorboard: {self.output_dir / 'tensorboard'}" if log.tensorboard else ""))
+        if sample is not None:
+            self._print("sample:\n" + "-" * 60 + f"\n{sample}\n" + "-" * 60)
+        return TrainResult(self.state.step, final, val_loss, baseline, checkpoint, metrics_path, plot, sample, losses)
+
+    def _trim_metrics(self) -> None:
+        """On resume, drop metric records past the resumed step so the log reads as one run."""
+        path = self.output_dir / "metrics.jsonl"
+        records = read_metrics(path)
+        if records and any(r["step"] > self.state.step for r in records):
+            kept = [r for r in records if r["step"] <= self.state.step]
+            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def _print(self, text: str) -> None:
+        if self.is_rank0:
+            tqdm.write(text)
