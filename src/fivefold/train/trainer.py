@@ -109,14 +109,19 @@ class Trainer:
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
 
+    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (inputs, labels) micro-batches of optimizer step `step`."""
+        t = self.config.train
+        return [
+            sample_batch(self.data.train_tokens, t.seq_len, t.micro_batch_size, t.seed, step, i, t.grad_accum_steps)
+            for i in range(t.grad_accum_steps)
+        ]
+
     def train_step(self) -> dict[str, float]:
         """One optimizer step at `self.state.step`; returns its metrics."""
         t = self.config.train
         step = self.state.step
-        batches = [
-            sample_batch(self.data.train_tokens, t.seq_len, t.micro_batch_size, t.seed, step, i, t.grad_accum_steps)
-            for i in range(t.grad_accum_steps)
-        ]
+        batches = self.micro_batches(step)
         total_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
         loss_sum = torch.zeros((), device=self.device)
         for inputs, labels in batches:
