@@ -3,6 +3,7 @@
     fivefold train [--config FILE.toml] [--section.key VALUE ...]
     fivefold generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
     fivefold info --model PRESET [--seq-len S]
+    fivefold config [--config FILE.toml] [--section.key VALUE ...] | --reference
 """
 
 from __future__ import annotations
@@ -86,12 +87,26 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace, overrides: list[str]) -> int:
+    from fivefold.config import describe_config, load_config
+
+    if args.reference:
+        print(describe_config(), end="")
+    else:
+        print(load_config(args.config, overrides).to_json())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fivefold", description="Distributed LLM training on torch.distributed")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model; any config key can be overridden as --section.key VALUE")
     train.add_argument("--config", help="TOML config file (defaults apply to anything it leaves out)")
+
+    config = sub.add_parser("config", help="print the resolved config as JSON, or --reference for every key")
+    config.add_argument("--config", help="TOML config file")
+    config.add_argument("--reference", action="store_true", help="markdown table of every key, its default and meaning")
 
     gen = sub.add_parser("generate", help="sample text from a checkpoint (KV-cached)")
     gen.add_argument("--checkpoint", required=True, help="a step-* checkpoint folder, or a run folder (newest is used)")
@@ -116,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args, rest)
+        if args.command == "config":
+            return _config(args, rest)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "generate":

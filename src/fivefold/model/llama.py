@@ -105,16 +105,14 @@ class Attention(nn.Module):
         if cache is not None:
             past = cache.lengths[self.layer_id]
             k, v = cache.update(self.layer_id, k, v)
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
+        # Query head j reads key/value head j // (n_heads / n_kv_heads), without materialising copies.
+        gqa = q.shape[1] != k.shape[1]
         if past == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, enable_gqa=gqa)
         else:
             # Query i (absolute position past + i) sees keys 0 .. past + i.
             mask = torch.ones(seq, past + seq, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

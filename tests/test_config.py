@@ -1,0 +1,86 @@
+"""Config: defaults < TOML < command line; every bad key or value fails before any work."""
+
+import pytest
+
+from fivefold.config import config_from_dict, load_config, parse_overrides
+from fivefold.errors import ConfigError
+
+
+def write(tmp_path, text):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def test_toml_then_overrides(tmp_path):
+    path = write(tmp_path, '[model]\npreset = "small"\nn_layers = 3\n[train]\nsteps = 7\nseq_len = 64\n')
+    cfg = load_config(path, ["--train.steps", "9", "--optim.lr=0.5", "--logging.progress", "false", "--model.rope-theta", "5e5"])
+    assert cfg.model.name == "small" and cfg.model.dim == 768 and cfg.model.n_layers == 3
+    assert cfg.train.steps == 9 and cfg.train.seq_len == 64
+    assert cfg.optim.lr == 0.5 and cfg.logging.progress is False and cfg.model.rope_theta == 5e5
+
+
+def test_preset_from_command_line():
+    cfg = load_config(None, ["--model.preset", "llama3-8b", "--train.seq_len", "128"])
+    assert cfg.model.vocab_size == 128256 and cfg.model.ffn_hidden_dim == 14336
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--train.stpes", "3"], r"unknown key train.stpes .*valid keys of \[train\]: steps, .*did you mean 'steps'"),
+        (["--trian.steps", "3"], r"unknown config section \[trian\].*did you mean 'train'"),
+        (["--train.steps", "many"], r"train.steps = 'many': expected int"),
+        (["--train.steps", "0"], r"train.steps = 0: must be a positive integer"),
+        (["--train.dtype", "bf61"], r"train.dtype = 'bf61' is not one of fp32, bf16 \(did you mean 'bf16'\?\)"),
+        (["--optim.schedule", "cosin"], r"did you mean 'cosine'"),
+        (["--model.preset", "llama3-9b"], r"model.preset = 'llama3-9b' is unknown.*did you mean 'llama3-8b'"),
+        (["--model.n_heads", "5"], r"model.dim = 256 is not divisible by model.n_heads = 5"),
+        (["--model.n_kv_heads", "3"], r"not a multiple of model.n_kv_heads = 3"),
+        (["--train.seq_len", "4096"], r"train.seq_len = 4096 exceeds model.max_seq_len = 1024"),
+        (["--logging.plot", "maybe"], r"logging.plot = 'maybe': expected bool"),
+        (["--train.steps"], r"has no value"),
+        (["steps=3"], r"overrides look like --section.key VALUE"),
+    ],
+)
+def test_bad_input_names_the_setting(args, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, args)
+
+
+def test_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[train\nsteps = 1"))
+    with pytest.raises(ConfigError, match=r"unknown key data.tokeniser .*did you mean 'tokenizer'"):
+        load_config(write(tmp_path, '[data]\ntokeniser = "bpe"\n'))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_round_trip_through_dict():
+    cfg = load_config(None, ["--model.preset", "small", "--train.steps", "3"])
+    assert config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_parse_overrides_dashes():
+    assert parse_overrides(["--train.micro-batch-size", "2"]) == {"train": {"micro_batch_size": "2"}}
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+    assert configs
+    for path in configs:
+        load_config(path)
+
+
+def test_configuration_reference_is_current():
+    """docs/configuration.md is the output of `fivefold config --reference`; regenerate it when fields change."""
+    from pathlib import Path
+
+    from fivefold.config import describe_config
+
+    doc = Path(__file__).parent.parent / "docs" / "configuration.md"
+    assert doc.read_text() == describe_config(), "run: fivefold config --reference > docs/configuration.md"
+    assert "| steps | int | 200 | Optimizer steps to run. |" in describe_config()
