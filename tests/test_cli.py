@@ -40,3 +40,5 @@ def test_train_then_generate(capsys, tmp_path, corpus_dir):
     assert greedy.startswith("def ")
     assert main(["generate", "--checkpoint", str(run), "--prompt", "def ", "--max-new-tokens", "8", "--no-cache"]) == 0
     assert capsys.readouterr().out == greedy  # run folder -> newest checkpoint; cache == no cache
+    assert main([*args, "--train.steps", "6", "--resume", "auto"]) == 0
+    assert "resumed from" in capsys.readouterr().out

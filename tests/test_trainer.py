@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from fivefold.config import OptimConfig
+from fivefold.plan.flops import flops_per_token
+from fivefold.train.metrics import lookup_gpu_peak_tflops, peak_tflops
 from fivefold.train.optim import lr_at
 from fivefold.train.trainer import IGNORE_INDEX, Trainer
 
@@ -114,8 +116,21 @@ def test_fit_writes_metrics_plot_tensorboard_and_sample(job):
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == [2, 4, 6]
     assert {"lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_gib"} <= set(train[0])
+    flops = flops_per_token(dataclasses.replace(job.model, vocab_size=257), job.train.seq_len)
+    assert train[0]["mfu"] == pytest.approx(flops * train[0]["tokens_per_s"] / 1e12)  # peak_tflops = 1
     assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
     assert result.plot_path.stat().st_size > 1000
     assert list((result.metrics_path.parent / "tensorboard").glob("events.out.tfevents.*"))
     assert result.sample.startswith("def ")
     assert result.val_loss < math.log(257) - 0.5  # learned something in 6 steps
+
+
+def test_peak_flops_table_and_sources():
+    assert lookup_gpu_peak_tflops("NVIDIA H100 80GB HBM3") == 989.5
+    assert lookup_gpu_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert lookup_gpu_peak_tflops("NVIDIA H200") == 989.5
+    assert lookup_gpu_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert lookup_gpu_peak_tflops("Some Future Chip") is None
+    assert peak_tflops(torch.device("cpu"), 2.5) == (2.5, "train.peak_tflops")
+    measured, source = peak_tflops(torch.device("cpu"))
+    assert measured > 0 and "measured" in source

@@ -1,6 +1,6 @@
 """The `fivefold` command line: thin parsing, then calls into the library.
 
-    fivefold train [--config FILE.toml] [--section.key VALUE ...]
+    fivefold train [--config FILE.toml] [--resume auto|none|DIR] [--section.key VALUE ...]
     fivefold generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
     fivefold info --model PRESET [--seq-len S]
     fivefold config [--config FILE.toml] [--section.key VALUE ...] | --reference
@@ -18,6 +18,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from fivefold.config import load_config
     from fivefold.train.trainer import Trainer
 
+    if args.resume is not None:
+        overrides = [*overrides, "--checkpoint.resume", args.resume]
     config = load_config(args.config, overrides)
     Trainer(config).fit()
     return 0
@@ -103,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a model; any config key can be overridden as --section.key VALUE")
     train.add_argument("--config", help="TOML config file (defaults apply to anything it leaves out)")
+    train.add_argument("--resume", help="shorthand for --checkpoint.resume: auto, none or a checkpoint folder")
 
     config = sub.add_parser("config", help="print the resolved config as JSON, or --reference for every key")
     config.add_argument("--config", help="TOML config file")
