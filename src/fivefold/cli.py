@@ -38,8 +38,8 @@ def _generate(args: argparse.Namespace) -> int:
     from fivefold.train.trainer import resolve_device
 
     folder = Path(args.checkpoint)
-    if not (folder / "meta.json").is_file() and latest_checkpoint(folder):
-        folder = latest_checkpoint(folder)  # a run folder: take its newest checkpoint
+    if not (folder / "meta.json").is_file():
+        folder = latest_checkpoint(folder) or folder  # a run folder: take its newest checkpoint
     config = config_from_dict(load_config_dict(folder))
     device = resolve_device(args.device)
     model = materialize(build_model(config.model), device, seed=None)

@@ -107,7 +107,10 @@ class BPETokenizer:
         return self._tok.decode(list(ids))
 
     def save(self, folder: Path) -> None:
-        self._tok.save(str(Path(folder) / "tokenizer.json"))
+        self.save_json(Path(folder) / "tokenizer.json")
+
+    def save_json(self, path: Path) -> None:
+        self._tok.save(str(path))
 
     def identity(self) -> str:
         return "bpe-" + hashlib.sha256(self._tok.to_str().encode()).hexdigest()[:16]
@@ -136,7 +139,7 @@ def resolve_tokenizer(
         tok = BPETokenizer.train(train_texts(), vocab_size)
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(".tmp")
-        tok._tok.save(str(tmp))
+        tok.save_json(tmp)
         shutil.move(tmp, cached)
         return tok
     return BPETokenizer.load(spec)

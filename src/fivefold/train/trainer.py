@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from fivefold.config import JobConfig
 from fivefold.data.dataset import PreparedData, eval_batches, prepare_data, sample_batch, unigram_cross_entropy
-from fivefold.errors import ConfigError
+from fivefold.errors import CheckpointError, ConfigError
 from fivefold.model import ModelConfig, Transformer, build_model, materialize
 from fivefold.model.generate import generate
 from fivefold.plan.flops import count_parameters, flops_per_token
@@ -99,7 +99,7 @@ class Trainer:
         current = dataclasses.asdict(self.model_config)
         diffs = [k for k in current if k != "name" and saved.get("model", {}).get(k, current[k]) != current[k]]
         if diffs:
-            raise ckpt.CheckpointError(
+            raise CheckpointError(
                 f"checkpoint {folder} was trained with different model settings ({', '.join('model.' + d for d in diffs)}); "
                 "resume with the same model config or start a new train.output_dir"
             )
