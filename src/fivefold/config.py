@@ -164,6 +164,30 @@ class LoggingConfig:
 
 
 @dataclass
+class ParallelConfig:
+    dp_replicate: int = -1
+    """Data-parallel replicas, each holding the whole model (our DDP); -1 takes all ranks."""
+    bucket_mb: float = 25.0
+    """DDP gradient bucket size in MiB: smaller starts communication earlier, larger sends fewer messages."""
+    reduce_dtype: str = "fp32"
+    """Dtype gradients are all-reduced in: `fp32`, or `bf16` (half the bytes on the wire, less precise)."""
+
+    def validate(self) -> None:
+        if self.dp_replicate == 0 or self.dp_replicate < -1:
+            raise ConfigError(f"parallel.dp_replicate = {self.dp_replicate}: use a positive degree or -1 (all ranks)")
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"parallel.bucket_mb = {self.bucket_mb}: must be positive")
+        _check_choice("parallel.reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
+
+    def dims(self, world_size: int):
+        """The ParallelDims for a world of `world_size` ranks (validated: product == world size)."""
+        from fivefold.parallel.mesh import ParallelDims
+
+        replicate = world_size if self.dp_replicate == -1 else self.dp_replicate
+        return ParallelDims(dp_replicate=replicate, world_size=world_size)
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=lambda: get_preset("tiny"))
     data: DataConfig = field(default_factory=DataConfig)
@@ -171,6 +195,7 @@ class JobConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> "JobConfig":
         for section in SECTIONS:

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
 from fivefold.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -75,10 +78,29 @@ class ParallelDims:
         return "\n".join(lines)
 
 
-def build_mesh(dims: ParallelDims, device_type: str):
-    """The DeviceMesh over MESH_DIMS, with a flattened `dp` dimension. Needs an initialised process group."""
-    from torch.distributed.device_mesh import init_device_mesh
+@dataclass
+class Mesh:
+    """The DeviceMesh over MESH_DIMS, and the flattened data-parallel mesh kept beside it."""
 
-    mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    return mesh
+    dims: ParallelDims
+    device_mesh: DeviceMesh
+    dp_mesh: DeviceMesh
+
+    def _sub(self, name: str) -> DeviceMesh:
+        return self.dp_mesh if name == "dp" else self.device_mesh[name]
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        return self._sub(name).get_group()
+
+    def local_rank(self, name: str) -> int:
+        return self._sub(name).get_local_rank()
+
+    def ranks(self, name: str) -> list[int]:
+        return dist.get_process_group_ranks(self.group(name))
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> Mesh:
+    """Build the mesh (needs an initialised process group; every rank must call this)."""
+    device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
+    dp_mesh = device_mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return Mesh(dims, device_mesh, dp_mesh)

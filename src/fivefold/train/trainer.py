@@ -1,22 +1,26 @@
-"""The training loop: one process today, the base every parallel layout is tested against.
+"""The training loop, single-process or data-parallel over torch.distributed.
 
-Each optimizer step draws its global batch from the stateless sampler, runs forward and
-backward on each micro-batch, and normalises by the step's total number of target tokens
-(token-weighted, so accumulation over uneven micro-batches gives the full-batch gradient):
-    loss = sum over micro-batches of sum_t CE_t  /  total target tokens of the step.
-Then it clips the global gradient norm, sets the scheduled learning rate, and steps AdamW.
+Each optimizer step draws its global batch from the stateless sampler (each data-parallel rank
+takes its slice), runs forward and backward on each micro-batch, and normalises by the step's
+total number of target tokens over all ranks (token-weighted, so accumulation and data
+parallelism over uneven micro-batches give the full-batch gradient):
+    loss = sum over ranks and micro-batches of sum_t CE_t  /  total target tokens of the step.
+Gradients are summed across data-parallel ranks by our DDP (parallel/data_parallel.py), once,
+after the last micro-batch. Then the global gradient norm is clipped, the scheduled learning
+rate set, and AdamW stepped. With one process this is the reference every layout is tested against.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
@@ -26,7 +30,10 @@ from fivefold.errors import CheckpointError, ConfigError
 from fivefold.model import ModelConfig, Transformer, build_model, materialize
 from fivefold.model.generate import generate
 from fivefold.plan.flops import count_parameters, flops_per_token
+from fivefold.parallel.data_parallel import DataParallel
+from fivefold.parallel.mesh import build_mesh
 from fivefold.train import checkpoint as ckpt
+from fivefold.train.distributed import all_reduce_sum, init_distributed, local_device
 from fivefold.train.metrics import MetricsLogger, peak_memory_gib, peak_tflops, plot_losses, read_metrics
 from fivefold.train.optim import build_optimizer, lr_at, set_lr
 
@@ -76,20 +83,39 @@ def token_weighted_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 class Trainer:
     def __init__(self, config: JobConfig, data: PreparedData | None = None):
         self.config = config
-        self.is_rank0 = int(os.environ.get("RANK", "0")) == 0
-        self.device = resolve_device(config.train.device)
+        device = resolve_device(config.train.device)
+        self.env = init_distributed(device)
+        self.is_rank0 = self.env.is_rank0
+        self.device = local_device(device, self.env)
+        self.dims = config.parallel.dims(self.env.world_size)
+        self.mesh = build_mesh(self.dims, self.device.type) if self.env.world_size > 1 else None
+        self.dp_group = self.mesh.group("dp") if self.mesh is not None else None
+        self.dp_rank = self.mesh.local_rank("dp") if self.mesh is not None else 0
         self.output_dir = Path(config.train.output_dir)
-        self.data = data or prepare_data(config.data)
+        self.data = data or self._prepare_data()
         self.model_config = resolve_model_config(config.model, self.data.tokenizer.vocab_size)
         torch.manual_seed(config.train.seed)
         self.model: Transformer = materialize(build_model(self.model_config), self.device, seed=config.train.seed)
+        self.ddp = None
+        if self.dp_group is not None:
+            reduce_dtype = torch.bfloat16 if config.parallel.reduce_dtype == "bf16" else torch.float32
+            self.ddp = DataParallel(self.model, self.dp_group, config.parallel.bucket_mb, reduce_dtype)
         self.optimizer = build_optimizer(self.model, config.optim)
         self.state = ckpt.TrainerState(step=0, tokens_seen=0, seed=config.train.seed)
         self.autocast_dtype = torch.bfloat16 if config.train.dtype == "bf16" else None
         t = config.train
-        self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * t.seq_len
+        self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * self.dims.dp * t.seq_len
         self.flops_per_token = flops_per_token(self.model_config, t.seq_len)
         self.resumed_from = self._maybe_resume()
+
+    def _prepare_data(self) -> PreparedData:
+        """Rank 0 builds the token cache first; the others then only open it."""
+        if self.env.world_size > 1 and not self.is_rank0:
+            dist.barrier()
+        data = prepare_data(self.config.data)
+        if self.env.world_size > 1 and self.is_rank0:
+            dist.barrier()
+        return data
 
     def _maybe_resume(self) -> Path | None:
         folder = ckpt.resolve_resume(self.config.checkpoint.resume, self.output_dir)
@@ -110,27 +136,39 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
 
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The (inputs, labels) micro-batches of optimizer step `step`."""
+        """This rank's (inputs, labels) micro-batches of optimizer step `step`."""
         t = self.config.train
         return [
-            sample_batch(self.data.train_tokens, t.seq_len, t.micro_batch_size, t.seed, step, i, t.grad_accum_steps)
+            sample_batch(self.data.train_tokens, t.seq_len, t.micro_batch_size, t.seed, step, i, t.grad_accum_steps,
+                         self.dp_rank, self.dims.dp)
             for i in range(t.grad_accum_steps)
         ]
+
+    def _sync_context(self, micro_step: int, count: int):
+        """No gradient communication on accumulation micro-steps, only on the last."""
+        if self.ddp is not None and micro_step < count - 1:
+            return self.ddp.no_sync()
+        return contextlib.nullcontext()
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step at `self.state.step`; returns its metrics."""
         t = self.config.train
         step = self.state.step
         batches = self.micro_batches(step)
-        total_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
+        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
+        total_tokens = int(all_reduce_sum(torch.tensor(float(local_tokens), device=self.device), self.dp_group))
         loss_sum = torch.zeros((), device=self.device)
-        for inputs, labels in batches:
+        for micro_step, (inputs, labels) in enumerate(batches):
             inputs, labels = inputs.to(self.device), labels.to(self.device)
-            with self._autocast():
-                logits = self.model(inputs)
-            loss = token_weighted_loss(logits, labels)
-            (loss / total_tokens).backward()
+            with self._sync_context(micro_step, len(batches)):
+                with self._autocast():
+                    logits = self.model(inputs)
+                loss = token_weighted_loss(logits, labels)
+                (loss / total_tokens).backward()
             loss_sum += loss.detach()
+        if self.ddp is not None:
+            self.ddp.finish_gradient_sync()
+        all_reduce_sum(loss_sum, self.dp_group)
         max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         lr = lr_at(step, self.config.optim, t.steps)
@@ -145,15 +183,17 @@ class Trainer:
     def evaluate(self) -> float:
         t = self.config.train
         self.model.eval()
-        loss_sum, count = 0.0, 0
-        for inputs, labels in eval_batches(self.data.val_tokens, t.seq_len, t.micro_batch_size, t.eval_batches):
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, token count
+        batches = eval_batches(self.data.val_tokens, t.seq_len, t.micro_batch_size, t.eval_batches)
+        for inputs, labels in batches[self.dp_rank :: self.dims.dp]:  # each data-parallel rank takes every dp-th
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             with self._autocast():
                 logits = self.model(inputs)
-            loss_sum += float(token_weighted_loss(logits, labels))
-            count += int((labels != IGNORE_INDEX).sum())
+            totals[0] += token_weighted_loss(logits, labels).double()
+            totals[1] += int((labels != IGNORE_INDEX).sum())
         self.model.train()
-        return loss_sum / count
+        all_reduce_sum(totals, self.dp_group)
+        return float(totals[0] / totals[1])
 
     def save(self) -> Path:
         return ckpt.save_checkpoint(
@@ -185,7 +225,8 @@ class Trainer:
         params = count_parameters(self.model_config).total
         self._print(
             f"model {self.model_config.name}: {params:,} parameters, {self.flops_per_token / 1e6:.1f} MFLOP/token; "
-            f"{self.tokens_per_step:,} tokens/step; peak {peak:.3f} TFLOP/s ({peak_source})"
+            f"{self.tokens_per_step:,} tokens/step; {self.env.world_size} rank(s), dp {self.dims.dp}; "
+            f"peak {peak:.3f} TFLOP/s per rank ({peak_source})"
             + (f"; resumed from {self.resumed_from}" if self.resumed_from else "")
         )
         losses: list[float] = []
@@ -207,7 +248,7 @@ class Trainer:
                 tokens_per_s = window_tokens / elapsed
                 values.update(
                     tokens_per_s=tokens_per_s,
-                    mfu=self.flops_per_token * tokens_per_s / (peak * 1e12),
+                    mfu=self.flops_per_token * tokens_per_s / (peak * 1e12 * self.env.world_size),
                     peak_mem_gib=peak_memory_gib(self.device),
                     tokens_seen=self.state.tokens_seen,
                 )
@@ -234,7 +275,8 @@ class Trainer:
         plot = None
         if self.is_rank0 and log.plot:
             plot = plot_losses(metrics_path, self.output_dir / "loss.png", baseline)
-        sample = self.sample(log.sample_prompt, log.sample_tokens) if log.sample_prompt and log.sample_tokens else None
+        wanted = self.is_rank0 and log.sample_prompt and log.sample_tokens
+        sample = self.sample(log.sample_prompt, log.sample_tokens) if wanted else None
         final = losses[-1] if losses else float("nan")
         self._print(f"final train loss {final:.4f}" + (f", validation loss {val_loss:.4f}" if val_loss is not None else "")
                     + f"; unigram baseline {baseline:.4f} nats/token")
