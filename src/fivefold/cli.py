@@ -1,6 +1,6 @@
 """The `fivefold` command line: thin parsing, then calls into the library.
 
-    fivefold train [--config FILE.toml] [--resume auto|none|DIR] [--section.key VALUE ...]
+    fivefold train [--config FILE.toml] [--nproc-per-node N] [--resume auto|none|DIR] [--section.key VALUE ...]
     fivefold generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
     fivefold info --model PRESET [--seq-len S]
     fivefold config [--config FILE.toml] [--section.key VALUE ...] | --reference
@@ -15,12 +15,20 @@ from fivefold.errors import FivefoldError
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    import os
+
     from fivefold.config import load_config
     from fivefold.train.trainer import Trainer
 
     if args.resume is not None:
         overrides = [*overrides, "--checkpoint.resume", args.resume]
     config = load_config(args.config, overrides)
+    if args.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
+        from fivefold.train.launch import launch
+
+        config.parallel.dims(args.nproc_per_node)  # fail here, before starting any rank
+        forwarded = ([f"--config={args.config}"] if args.config else []) + overrides
+        return launch(args.nproc_per_node, forwarded)
     Trainer(config).fit()
     return 0
 
@@ -106,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model; any config key can be overridden as --section.key VALUE")
     train.add_argument("--config", help="TOML config file (defaults apply to anything it leaves out)")
     train.add_argument("--resume", help="shorthand for --checkpoint.resume: auto, none or a checkpoint folder")
+    train.add_argument("--nproc-per-node", type=int, default=1,
+                       help="ranks on this machine; > 1 runs torchrun underneath (gloo on CPU, NCCL on GPU)")
 
     config = sub.add_parser("config", help="print the resolved config as JSON, or --reference for every key")
     config.add_argument("--config", help="TOML config file")

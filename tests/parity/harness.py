@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from fivefold.config import JobConfig
 from fivefold.train.trainer import Trainer
 
-from dist.spawn import run_distributed
+from distributed.spawn import run_distributed
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
