@@ -166,7 +166,15 @@ class LoggingConfig:
 @dataclass
 class ParallelConfig:
     dp_replicate: int = -1
-    """Data-parallel replicas, each holding the whole model (our DDP); -1 takes all ranks."""
+    """Data-parallel replicas, each holding the whole model or a whole set of shards; -1 takes the ranks dp_shard leaves."""
+    dp_shard: int = 1
+    """Ranks the model states are sharded over with ZeRO (needs zero_stage >= 1); dp = dp_replicate x dp_shard."""
+    zero_stage: int = 0
+    """0: DDP (nothing sharded); 1: optimizer states; 2: + gradients; 3: + parameters (ZeRO)."""
+    param_dtype: str = "fp32"
+    """Compute weights with ZeRO: `fp32`, or `bf16` with fp32 master shards (mixed precision)."""
+    offload: bool = False
+    """ZeRO-Offload: keep fp32 masters and optimizer states on the CPU and run the step there."""
     bucket_mb: float = 25.0
     """DDP gradient bucket size in MiB: smaller starts communication earlier, larger sends fewer messages."""
     reduce_dtype: str = "fp32"
@@ -178,13 +186,24 @@ class ParallelConfig:
         if self.bucket_mb <= 0:
             raise ConfigError(f"parallel.bucket_mb = {self.bucket_mb}: must be positive")
         _check_choice("parallel.reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
+        _check_choice("parallel.param_dtype", self.param_dtype, ("fp32", "bf16"))
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.zero_stage = {self.zero_stage}: use 0 (DDP), 1, 2 or 3")
+        if self.dp_shard < 1:
+            raise ConfigError(f"parallel.dp_shard = {self.dp_shard}: must be a positive integer")
+        if self.zero_stage == 0 and self.dp_shard > 1:
+            raise ConfigError(f"parallel.dp_shard = {self.dp_shard} shards model states with ZeRO: set parallel.zero_stage to 1, 2 or 3")
+        if self.zero_stage > 0 and self.dp_shard < 2:
+            raise ConfigError(f"parallel.zero_stage = {self.zero_stage} needs parallel.dp_shard >= 2 ranks to shard over")
+        if self.zero_stage == 0 and (self.param_dtype != "fp32" or self.offload):
+            raise ConfigError("parallel.param_dtype = bf16 and parallel.offload need ZeRO: set parallel.zero_stage >= 1")
 
     def dims(self, world_size: int):
         """The ParallelDims for a world of `world_size` ranks (validated: product == world size)."""
         from fivefold.parallel.mesh import ParallelDims
 
-        replicate = world_size if self.dp_replicate == -1 else self.dp_replicate
-        return ParallelDims(dp_replicate=replicate, world_size=world_size)
+        replicate = world_size // self.dp_shard if self.dp_replicate == -1 else self.dp_replicate
+        return ParallelDims(dp_replicate=max(replicate, 1), dp_shard=self.dp_shard, world_size=world_size)
 
 
 @dataclass

@@ -56,25 +56,51 @@ def _fsync_tree(folder: Path) -> None:
         os.close(fd)
 
 
+def optimizer_file(shard: int | None) -> str:
+    """`optimizer.pt`, or `optimizer-shard003.pt` for rank 3's ZeRO shard of the optimizer state."""
+    return "optimizer.pt" if shard is None else f"optimizer-shard{shard:03d}.pt"
+
+
+def temporary_folder(output_dir: Path, step: int) -> Path:
+    """Where a checkpoint is assembled before the rename (the same name on every rank)."""
+    return output_dir / f".tmp-{checkpoint_name(step)}"
+
+
+def write_optimizer_shard(output_dir: Path, step: int, optimizer: torch.optim.Optimizer, shard: int) -> None:
+    """ZeRO: each rank writes its own optimizer shard into the temporary folder rank 0 created."""
+    torch.save(optimizer.state_dict(), temporary_folder(output_dir, step) / optimizer_file(shard))
+
+
+def start_checkpoint(output_dir: Path, step: int) -> Path:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_folder(output_dir, step)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
 def save_checkpoint(
     output_dir: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    weights: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | None,
     state: TrainerState,
     config: dict[str, Any],
     tokenizer,
     keep_last: int,
+    started: bool = False,
 ) -> Path:
-    """Write `output_dir/step-NNNNNN` atomically, then delete all but the newest `keep_last`."""
-    output_dir.mkdir(parents=True, exist_ok=True)
+    """Write `output_dir/step-NNNNNN` atomically, then delete all but the newest `keep_last`.
+
+    With `started`, the temporary folder already exists and holds the ranks' optimizer shards
+    (ZeRO); otherwise the (whole) optimizer state is written here.
+    """
     final = output_dir / checkpoint_name(state.step)
-    tmp = output_dir / f".tmp-{final.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    tmp = temporary_folder(output_dir, state.step) if started else start_checkpoint(output_dir, state.step)
+    weights = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
     save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "fivefold", "step": str(state.step)})
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), tmp / optimizer_file(None))
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
@@ -121,8 +147,7 @@ def prune_checkpoints(output_dir: Path, keep_last: int) -> None:
     for old in list_checkpoints(output_dir)[:-keep_last]:
         shutil.rmtree(old)
     for leftover in output_dir.glob(".tmp-step-*"):
-        if not leftover.name.endswith(f"-{os.getpid()}"):
-            shutil.rmtree(leftover, ignore_errors=True)
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def resolve_resume(resume: str, output_dir: Path) -> Path | None:
@@ -167,10 +192,15 @@ def load_model_weights(folder: Path, model: nn.Module) -> None:
     model.load_state_dict(weights, strict=True)
 
 
-def load_checkpoint(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
-    """Restore weights, optimizer and RNG; return the trainer state to continue from."""
-    load_model_weights(folder, model)
-    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu"))
+def load_training_state(folder: Path, optimizer: torch.optim.Optimizer, shard: int | None = None) -> TrainerState:
+    """Restore the optimizer (whole, or this rank's ZeRO shard) and RNG; return the trainer state."""
+    path = folder / optimizer_file(shard)
+    if not path.is_file():
+        raise CheckpointError(
+            f"{folder} has no {path.name}: it was saved with another ZeRO shard count (or without ZeRO); "
+            "resume with the same parallel.dp_shard and parallel.zero_stage"
+        )
+    optimizer.load_state_dict(torch.load(path, weights_only=True, map_location="cpu"))
     rng = torch.load(folder / "rng.pt", weights_only=True)
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():

@@ -21,9 +21,15 @@ def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.AdamW:
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
+    return build_adamw(decay, no_decay, config)
+
+
+def build_adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], config: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over explicit decay / no-decay parameter lists (e.g. ZeRO's master shards)."""
     groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": params, "weight_decay": wd}
+        for params, wd in ((decay, config.weight_decay), (no_decay, 0.0))
+        if params
     ]
     return torch.optim.AdamW(
         groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, foreach=True

@@ -32,10 +32,11 @@ from fivefold.model.generate import generate
 from fivefold.plan.flops import count_parameters, flops_per_token
 from fivefold.parallel.data_parallel import DataParallel
 from fivefold.parallel.mesh import build_mesh
+from fivefold.parallel.zero import ZeroDataParallel
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.distributed import all_reduce_sum, init_distributed, local_device
 from fivefold.train.metrics import MetricsLogger, peak_memory_gib, peak_tflops, plot_losses, read_metrics
-from fivefold.train.optim import build_optimizer, lr_at, set_lr
+from fivefold.train.optim import build_adamw, build_optimizer, lr_at, set_lr
 
 IGNORE_INDEX = -100
 
@@ -96,17 +97,30 @@ class Trainer:
         self.model_config = resolve_model_config(config.model, self.data.tokenizer.vocab_size)
         torch.manual_seed(config.train.seed)
         self.model: Transformer = materialize(build_model(self.model_config), self.device, seed=config.train.seed)
-        self.ddp = None
-        if self.dp_group is not None:
-            reduce_dtype = torch.bfloat16 if config.parallel.reduce_dtype == "bf16" else torch.float32
-            self.ddp = DataParallel(self.model, self.dp_group, config.parallel.bucket_mb, reduce_dtype)
-        self.optimizer = build_optimizer(self.model, config.optim)
+        self.resumed_from = self._resume_folder()
+        if self.resumed_from is not None:  # into the plain model, before any sharding
+            ckpt.load_model_weights(self.resumed_from, self.model)
+        self.ddp, self.zero = None, None
+        par = config.parallel
+        reduce_dtype = torch.bfloat16 if par.reduce_dtype == "bf16" else torch.float32
+        if par.zero_stage > 0:
+            param_dtype = torch.bfloat16 if par.param_dtype == "bf16" else torch.float32
+            replicate = self.mesh.group("dp_replicate") if self.dims.dp_replicate > 1 else None
+            self.zero = ZeroDataParallel(self.model, self.mesh.group("dp_shard"), replicate, par.zero_stage,
+                                         param_dtype, reduce_dtype, par.offload)
+            self.optimizer = build_adamw(self.zero.master_parameters(True), self.zero.master_parameters(False), config.optim)
+        else:
+            if self.dp_group is not None:
+                self.ddp = DataParallel(self.model, self.dp_group, par.bucket_mb, reduce_dtype)
+            self.optimizer = build_optimizer(self.model, config.optim)
+        self.grad_sync = self.zero or self.ddp
         self.state = ckpt.TrainerState(step=0, tokens_seen=0, seed=config.train.seed)
         self.autocast_dtype = torch.bfloat16 if config.train.dtype == "bf16" else None
         t = config.train
         self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * self.dims.dp * t.seq_len
         self.flops_per_token = flops_per_token(self.model_config, t.seq_len)
-        self.resumed_from = self._maybe_resume()
+        if self.resumed_from is not None:
+            self.state = ckpt.load_training_state(self.resumed_from, self.optimizer, self.zero.rank if self.zero else None)
 
     def _prepare_data(self) -> PreparedData:
         """Rank 0 builds the token cache first; the others then only open it."""
@@ -117,7 +131,8 @@ class Trainer:
             dist.barrier()
         return data
 
-    def _maybe_resume(self) -> Path | None:
+    def _resume_folder(self) -> Path | None:
+        """The checkpoint to resume from, checked against this run's model settings."""
         folder = ckpt.resolve_resume(self.config.checkpoint.resume, self.output_dir)
         if folder is None:
             return None
@@ -129,7 +144,6 @@ class Trainer:
                 f"checkpoint {folder} was trained with different model settings ({', '.join('model.' + d for d in diffs)}); "
                 "resume with the same model config or start a new train.output_dir"
             )
-        self.state = ckpt.load_checkpoint(folder, self.model, self.optimizer)
         return folder
 
     def _autocast(self):
@@ -146,8 +160,8 @@ class Trainer:
 
     def _sync_context(self, micro_step: int, count: int):
         """No gradient communication on accumulation micro-steps, only on the last."""
-        if self.ddp is not None and micro_step < count - 1:
-            return self.ddp.no_sync()
+        if self.grad_sync is not None and micro_step < count - 1:
+            return self.grad_sync.no_sync()
         return contextlib.nullcontext()
 
     def train_step(self) -> dict[str, float]:
@@ -166,14 +180,20 @@ class Trainer:
                 loss = token_weighted_loss(logits, labels)
                 (loss / total_tokens).backward()
             loss_sum += loss.detach()
-        if self.ddp is not None:
-            self.ddp.finish_gradient_sync()
+        if self.grad_sync is not None:
+            self.grad_sync.finish_gradient_sync()
         all_reduce_sum(loss_sum, self.dp_group)
         max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         lr = lr_at(step, self.config.optim, t.steps)
         set_lr(self.optimizer, lr)
-        self.optimizer.step()
+        if self.zero is not None:
+            grad_norm = self.zero.clip_grad_norm_(max_norm)
+            self.zero.prepare_step()
+            self.optimizer.step()
+            self.zero.after_step()
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.tokens_seen += total_tokens
@@ -196,10 +216,21 @@ class Trainer:
         return float(totals[0] / totals[1])
 
     def save(self) -> Path:
-        return ckpt.save_checkpoint(
-            self.output_dir, self.model, self.optimizer, self.state,
-            self.config_dict(), self.data.tokenizer, self.config.checkpoint.keep_last,
-        )
+        """Write a checkpoint. Without ZeRO rank 0 alone writes; with ZeRO every rank must call this."""
+        args = (self.state, self.config_dict(), self.data.tokenizer, self.config.checkpoint.keep_last)
+        if self.zero is None:
+            return ckpt.save_checkpoint(self.output_dir, self.model.state_dict(), self.optimizer, *args)
+        weights = self.zero.full_state_dict()  # collective: fp32 weights gathered from the master shards
+        if self.is_rank0:
+            ckpt.start_checkpoint(self.output_dir, self.state.step)
+        dist.barrier()
+        if self.mesh.local_rank("dp_replicate") == 0:  # replicas hold identical shards: one writes
+            ckpt.write_optimizer_shard(self.output_dir, self.state.step, self.optimizer, self.zero.rank)
+        dist.barrier()
+        if self.is_rank0:
+            ckpt.save_checkpoint(self.output_dir, weights, None, *args, started=True)
+        dist.barrier()
+        return self.output_dir / ckpt.checkpoint_name(self.state.step)
 
     def config_dict(self) -> dict:
         resolved = self.config.to_dict()
@@ -261,7 +292,8 @@ class Trainer:
                 if metrics:
                     metrics.log(step, {"val_loss": val_loss})
                 self._print(f"step {step}: validation loss {val_loss:.4f}")
-            if c.enabled and self.is_rank0 and ((c.every and step % c.every == 0) or step == t.steps):
+            writer = self.is_rank0 or self.zero is not None
+            if c.enabled and writer and ((c.every and step % c.every == 0) or step == t.steps):
                 last_checkpoint = self.save()
         bar.close()
         if metrics:
@@ -275,7 +307,9 @@ class Trainer:
         plot = None
         if self.is_rank0 and log.plot:
             plot = plot_losses(metrics_path, self.output_dir / "loss.png", baseline)
-        wanted = self.is_rank0 and log.sample_prompt and log.sample_tokens
+        # ZeRO-3 gathers weights collectively inside forward, so every rank must generate.
+        stage3 = self.zero is not None and self.zero.stage == 3
+        wanted = (self.is_rank0 or stage3) and log.sample_prompt and log.sample_tokens
         sample = self.sample(log.sample_prompt, log.sample_tokens) if wanted else None
         final = losses[-1] if losses else float("nan")
         self._print(f"final train loss {final:.4f}" + (f", validation loss {val_loss:.4f}" if val_loss is not None else "")

@@ -1,0 +1,329 @@
+"""ZeRO stages 1, 2 and 3 with optional CPU offload (Rajbhandari et al. 2020; Ren et al. 2021, ZeRO-Offload).
+
+The model's parameters are packed into flat groups, one per (unit, weight-decay class), where a
+unit is a transformer block or the rest of the model (embedding, final norm, head). Each flat
+group is padded to a multiple of the shard degree N and split into N equal shards; rank r owns
+shard r, and the optimizer (AdamW, decoupled decay per group) steps only the fp32 master copy of
+its shard.
+
+    stage 1: parameters and gradients whole on every rank; gradients all-reduced (once, after the
+             last micro-batch), each rank updates its shard, updated shards are all-gathered.
+    stage 2: gradients reduce-scattered as soon as a group's gradients are ready (every
+             micro-batch, accumulated into the shard); full gradients are freed at once.
+    stage 3: parameters sharded too. A unit's parameters are all-gathered before its forward and
+             freed after it, gathered again before its backward, and freed after its gradients
+             are reduce-scattered; the next unit's gather is prefetched asynchronously.
+
+Bytes per parameter held by one rank (Psi parameters, N shards, K = 12 for mixed-precision Adam:
+fp32 master, momentum, variance), as in the ZeRO paper; padding adds at most N - 1 elements
+per flat group:
+    mixed precision (bf16 weights): stage 1 2 + 2 + 12/N; stage 2 2 + 14/N; stage 3 16/N
+    fp32 weights (master aliases the weights): stage 1 4 + 4 + 8/N; stage 2 4 + 12/N; stage 3 16/N
+With offload, masters, optimizer states and the step live on the CPU (ZeRO-Offload); gradient
+shards go to the CPU for the step and updated shards come back.
+
+Gradients are SUMMED over the data-parallel ranks (the trainer divides the loss by the global
+token count). With dp_replicate > 1 (hybrid sharding), each shard is then all-reduced across
+the replicas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class FlatGroup:
+    """Parameters of one unit and one weight-decay class, as one padded flat vector split in N shards."""
+
+    params: list[nn.Parameter]
+    shapes: list[torch.Size]
+    offsets: list[int]
+    numel: int
+    shard_numel: int
+    padded_numel: int
+    decay: bool
+    unit: int
+    flat: torch.Tensor | None = None  # stages 1-2: whole flat parameters (param dtype); params are views
+    local: torch.Tensor | None = None  # stage 3: this rank's shard of the parameters (param dtype)
+    master: nn.Parameter | None = None  # fp32 shard the optimizer steps
+    flat_grad: torch.Tensor | None = None  # stage 1: whole flat gradient (param dtype); .grad are views
+    grad_shard: torch.Tensor | None = None  # this rank's reduced gradient (param dtype)
+    ready: int = 0
+    pending: list = field(default_factory=list)
+
+    def views(self, flat: torch.Tensor):
+        for param, shape, offset in zip(self.params, self.shapes, self.offsets):
+            yield param, flat[offset : offset + shape.numel()].view(shape)
+
+
+def _make_group(params: list[nn.Parameter], decay: bool, unit: int, shards: int) -> FlatGroup:
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += p.numel()
+    shard_numel = -(-total // shards)  # ceil: pad the flat vector to a multiple of the shard count
+    return FlatGroup(params, [p.shape for p in params], offsets, total, shard_numel, shard_numel * shards, decay, unit)
+
+
+def zero_units(model: nn.Module) -> list[nn.Module]:
+    """Transformer blocks, in forward order; parameters outside them form the root unit."""
+    layers = getattr(model, "layers", None)
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or [])
+
+
+class ZeroDataParallel:
+    """Apply ZeRO stage 1, 2 or 3 to a model, from outside (the model's names and modules are kept)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        shard_group: dist.ProcessGroup,
+        replicate_group: dist.ProcessGroup | None,
+        stage: int,
+        param_dtype: torch.dtype = torch.float32,
+        reduce_dtype: torch.dtype = torch.float32,
+        offload: bool = False,
+    ):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
+        self.model, self.stage = model, stage
+        self.shard_group, self.replicate_group = shard_group, replicate_group
+        self.shards = dist.get_world_size(shard_group)
+        self.rank = dist.get_rank(shard_group)
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.device = next(model.parameters()).device
+        self.offload_device = torch.device("cpu") if offload else self.device
+        self.offload = offload
+        self._sync = True
+        self._broadcast_parameters()
+        self.units = zero_units(model)
+        self.groups = self._build_groups()
+        self._groups_of_unit: dict[int, list[FlatGroup]] = {}
+        for g in self.groups:
+            self._groups_of_unit.setdefault(g.unit, []).append(g)
+        self._slot = {id(p): g for g in self.groups for p in g.params}
+        self._gathered: dict[int, list] = {}  # unit -> pending all-gather works (stage 3)
+        for g in self.groups:
+            self._shard_group(g)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for g in self.groups for p in g.params]
+        if stage == 3:
+            self._install_stage3_hooks()
+
+    # ----------------------------------------------------------------- set-up
+    @torch.no_grad()
+    def _broadcast_parameters(self) -> None:
+        for group in (self.shard_group, self.replicate_group):
+            if group is not None:
+                src = dist.get_global_rank(group, 0)
+                for tensor in [*self.model.parameters(), *self.model.buffers()]:
+                    dist.broadcast(tensor, src=src, group=group)
+
+    def _build_groups(self) -> list[FlatGroup]:
+        owner = {}
+        for index, unit in enumerate(self.units):
+            for p in unit.parameters():
+                owner[id(p)] = index
+        root = len(self.units)
+        by_key: dict[tuple[int, bool], list[nn.Parameter]] = {}
+        for p in self.model.parameters():
+            if p.requires_grad:
+                by_key.setdefault((owner.get(id(p), root), p.ndim >= 2), []).append(p)
+        return [_make_group(params, decay, unit, self.shards) for (unit, decay), params in sorted(by_key.items())]
+
+    @torch.no_grad()
+    def _shard_group(self, g: FlatGroup) -> None:
+        flat = torch.zeros(g.padded_numel, dtype=self.param_dtype, device=self.device)
+        for param, view in g.views(flat):
+            view.copy_(param.data)
+        lo, hi = self.rank * g.shard_numel, (self.rank + 1) * g.shard_numel
+        if self.stage == 3:
+            g.local = flat[lo:hi].clone()
+            for param, _ in g.views(flat):
+                param.data = torch.empty(0, dtype=self.param_dtype, device=self.device)
+            own = g.local
+        else:
+            g.flat = flat
+            for param, view in g.views(flat):
+                param.data = view
+            own = flat[lo:hi]
+        aliased = self.param_dtype == torch.float32 and not self.offload
+        g.master = nn.Parameter(own if aliased else own.to(self.offload_device, torch.float32, copy=True))
+        if self.stage == 1:
+            g.flat_grad = torch.zeros(g.padded_numel, dtype=self.param_dtype, device=self.device)
+            for param, view in g.views(g.flat_grad):
+                param.grad = view
+
+    def master_parameters(self, decay: bool) -> list[nn.Parameter]:
+        return [g.master for g in self.groups if g.decay == decay]
+
+    # ------------------------------------------------------ stage 3 gathering
+    def _install_stage3_hooks(self) -> None:
+        root = len(self.units)
+        self.model.register_forward_pre_hook(lambda module, args: self._gather(root, wait=True))
+        for index, unit in enumerate(self.units):
+            unit.register_forward_pre_hook(self._pre_forward(index))
+            unit.register_forward_hook(lambda module, args, out, index=index: self._free(index))
+            unit.register_full_backward_pre_hook(self._pre_backward(index))
+
+    def _pre_forward(self, index: int):
+        def hook(module, args):
+            self._gather(index, wait=True)
+            if index + 1 < len(self.units):
+                self._gather(index + 1, wait=False)  # prefetch the next block
+        return hook
+
+    def _pre_backward(self, index: int):
+        def hook(module, grad_output):
+            self._gather(index, wait=True)
+            if index > 0:
+                self._gather(index - 1, wait=False)  # backward runs blocks in reverse
+        return hook
+
+    @torch.no_grad()
+    def _gather(self, unit: int, wait: bool) -> None:
+        if unit not in self._gathered:
+            works = []
+            for g in self._groups_of_unit.get(unit, []):
+                full = torch.empty(g.padded_numel, dtype=self.param_dtype, device=self.device)
+                works.append(dist.all_gather_into_tensor(full, g.local, group=self.shard_group, async_op=True))
+                for param, view in g.views(full):
+                    param.data = view
+            self._gathered[unit] = works
+        if wait:
+            for work in self._gathered[unit]:
+                work.wait()
+            self._gathered[unit] = []
+
+    def _free(self, unit: int) -> None:
+        works = self._gathered.pop(unit, None)
+        for work in works or []:
+            work.wait()
+        for g in self._groups_of_unit.get(unit, []):
+            for param in g.params:
+                param.data = torch.empty(0, dtype=self.param_dtype, device=self.device)
+
+    # ------------------------------------------------------ gradient reduction
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Stage 1 skips communication on accumulation micro-steps; stages 2 and 3 reduce every micro-step."""
+        self._sync = self.stage != 1
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    @torch.no_grad()
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        g = self._slot[id(param)]
+        g.ready += 1
+        if g.ready == len(g.params):
+            self._reduce(g)
+
+    @torch.no_grad()
+    def _reduce(self, g: FlatGroup) -> None:
+        g.ready = len(g.params)
+        if self.stage == 1:
+            buffer = g.flat_grad.to(self.reduce_dtype)
+            work = dist.all_reduce(buffer, group=self.shard_group, async_op=True)
+            g.pending.append((work, buffer))
+            return
+        full = torch.zeros(g.padded_numel, dtype=self.reduce_dtype, device=self.device)
+        for param, view in g.views(full):
+            if param.grad is not None:
+                view.copy_(param.grad)
+            param.grad = None  # the full gradient is not kept (stages 2 and 3)
+        out = torch.empty(g.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        work = dist.reduce_scatter_tensor(out, full, group=self.shard_group, async_op=True)
+        g.pending.append((work, out))
+        if self.stage == 3 and g.unit < len(self.units) and all(x.ready == len(x.params) for x in self._groups_of_unit[g.unit]):
+            self._free(g.unit)
+
+    @torch.no_grad()
+    def finish_gradient_sync(self) -> None:
+        """Reduce what is left, wait for every reduction, and accumulate this rank's gradient shards."""
+        for g in self.groups:
+            if g.ready < len(g.params) and (self.stage != 1 or self._sync):
+                self._reduce(g)
+        for g in self.groups:
+            for work, out in g.pending:
+                work.wait()
+                if self.stage == 1:
+                    g.flat_grad.copy_(out)
+                    shard = g.flat_grad[self.rank * g.shard_numel : (self.rank + 1) * g.shard_numel]
+                    g.grad_shard = shard
+                elif g.grad_shard is None:
+                    g.grad_shard = out.to(self.param_dtype)
+                else:
+                    g.grad_shard += out.to(self.param_dtype)
+            g.pending, g.ready = [], 0
+        if self.replicate_group is not None:
+            for g in self.groups:
+                reduced = g.grad_shard.to(self.reduce_dtype)
+                dist.all_reduce(reduced, group=self.replicate_group)
+                g.grad_shard.copy_(reduced)
+        if self.stage == 3:
+            self._free(len(self.units))
+
+    # ---------------------------------------------------------------- the step
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Global L2 norm of the gradient from the shards; scale the shards if it exceeds max_norm."""
+        local = sum(float(g.grad_shard.double().pow(2).sum()) for g in self.groups)
+        total = torch.tensor(local, dtype=torch.float64, device=self.device)
+        dist.all_reduce(total, group=self.shard_group)
+        norm = float(total.sqrt())
+        if norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            for g in self.groups:
+                g.grad_shard.mul_(scale)
+        return norm
+
+    def prepare_step(self) -> None:
+        """Hand the gradient shards to the fp32 masters (on the offload device)."""
+        for g in self.groups:
+            g.master.grad = g.grad_shard.to(self.offload_device, torch.float32)
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Bring updated masters back to the compute weights; drop gradients."""
+        if self.stage == 3:
+            for unit in range(len(self.units) + 1):
+                self._free(unit)  # gathered copies (e.g. kept by evaluation) are stale now
+        for g in self.groups:
+            g.master.grad = None
+            lo, hi = self.rank * g.shard_numel, (self.rank + 1) * g.shard_numel
+            if self.stage == 3:
+                if g.local.data_ptr() != g.master.data_ptr():
+                    g.local.copy_(g.master)
+            else:
+                if g.flat[lo:hi].data_ptr() != g.master.data_ptr():
+                    g.flat[lo:hi].copy_(g.master)
+                dist.all_gather_into_tensor(g.flat, g.flat[lo:hi].clone(), group=self.shard_group)
+            if self.stage == 1:
+                g.flat_grad.zero_()
+            g.grad_shard = None
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole, in fp32, gathered from the master shards (every rank must call)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = {}
+        for g in self.groups:
+            full = torch.empty(g.padded_numel, dtype=torch.float32, device=self.device)
+            dist.all_gather_into_tensor(full, g.master.detach().to(self.device, torch.float32), group=self.shard_group)
+            for param, view in g.views(full):
+                out[names[id(param)]] = view.clone().cpu()
+        return out
+
+    def zero_grad(self) -> None:
+        if self.stage == 1:
+            for g in self.groups:
+                g.flat_grad.zero_()
