@@ -41,7 +41,7 @@ def train_single(config: JobConfig) -> tuple[list[float], dict[str, torch.Tensor
     return result.losses, _weights(result.checkpoint)
 
 
-def train_distributed(config: JobConfig, world_size: int, timeout: float = 240.0):
+def train_distributed(config: JobConfig, world_size: int, timeout: float = 150.0):
     results = run_distributed(_rank_main, world_size, config, timeout=timeout)
     losses = [r[0] for r in results]
     assert all(l == losses[0] for l in losses), "ranks disagree on the logged loss"

@@ -35,3 +35,46 @@ def test_bf16_gradient_reduction_is_close_but_not_exact(base, tmp_path):
     assert_parity(reference, result, loss_rtol=1e-2, param_atol=1e-2)
     with pytest.raises(AssertionError):
         assert_parity(reference, result)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_zero_matches_single_process(base, tmp_path, stage, world_size):
+    reference = train_single(base)
+    zero = with_changes(base, train={"micro_batch_size": 8 // world_size, "output_dir": str(tmp_path / f"z{stage}-{world_size}")},
+                        parallel={"dp_shard": world_size, "zero_stage": stage})
+    diffs = assert_parity(reference, train_distributed(zero, world_size))
+    print(f"ZeRO-{stage} x{world_size}: {diffs}")
+
+
+def test_hybrid_dp_replicate_2_x_dp_shard_2_zero3_with_accumulation(base, tmp_path):
+    reference = train_single(base)
+    hybrid = with_changes(base, train={"micro_batch_size": 1, "grad_accum_steps": 2, "output_dir": str(tmp_path / "hsdp")},
+                          parallel={"dp_replicate": 2, "dp_shard": 2, "zero_stage": 3})
+    assert_parity(reference, train_distributed(hybrid, 4))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_with_accumulation(base, tmp_path, stage):
+    reference = train_single(base)
+    zero = with_changes(base, train={"micro_batch_size": 2, "grad_accum_steps": 2, "output_dir": str(tmp_path / f"acc{stage}")},
+                        parallel={"dp_shard": 2, "zero_stage": stage})
+    assert_parity(reference, train_distributed(zero, 2))
+
+
+def test_zero3_cpu_offload(base, tmp_path):
+    reference = train_single(base)
+    zero = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "offload")},
+                        parallel={"dp_shard": 2, "zero_stage": 3, "offload": True})
+    assert_parity(reference, train_distributed(zero, 2))
+
+
+def test_bf16_mixed_precision_zero2(base, tmp_path):
+    """bf16 compute weights, fp32 masters: close to fp32 training (looser tolerance), not identical."""
+    reference = train_single(base)
+    zero = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "bf16")},
+                        parallel={"dp_shard": 2, "zero_stage": 2, "param_dtype": "bf16"})
+    result = train_distributed(zero, 2)
+    assert_parity(reference, result, loss_rtol=2e-2, param_atol=2e-2)
+    with pytest.raises(AssertionError):
+        assert_parity(reference, result)

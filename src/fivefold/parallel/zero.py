@@ -54,7 +54,8 @@ class FlatGroup:
     master: nn.Parameter | None = None  # fp32 shard the optimizer steps
     flat_grad: torch.Tensor | None = None  # stage 1: whole flat gradient (param dtype); .grad are views
     grad_shard: torch.Tensor | None = None  # this rank's reduced gradient (param dtype)
-    ready: int = 0
+    ready: int = 0  # gradients arrived since the last reduction
+    reduced: bool = False  # reduced in the current backward pass
     pending: list = field(default_factory=list)
 
     def views(self, flat: torch.Tensor):
@@ -229,7 +230,7 @@ class ZeroDataParallel:
 
     @torch.no_grad()
     def _reduce(self, g: FlatGroup) -> None:
-        g.ready = len(g.params)
+        g.ready, g.reduced = 0, True
         if self.stage == 1:
             buffer = g.flat_grad.to(self.reduce_dtype)
             work = dist.all_reduce(buffer, group=self.shard_group, async_op=True)
@@ -243,14 +244,21 @@ class ZeroDataParallel:
         out = torch.empty(g.shard_numel, dtype=self.reduce_dtype, device=self.device)
         work = dist.reduce_scatter_tensor(out, full, group=self.shard_group, async_op=True)
         g.pending.append((work, out))
-        if self.stage == 3 and g.unit < len(self.units) and all(x.ready == len(x.params) for x in self._groups_of_unit[g.unit]):
-            self._free(g.unit)
+        unit_groups = self._groups_of_unit[g.unit]
+        if self.stage == 3 and g.unit < len(self.units) and all(x.reduced for x in unit_groups):
+            self._free(g.unit)  # this block's backward is done: drop its gathered weights
+            for x in unit_groups:
+                x.reduced = False
 
     @torch.no_grad()
     def finish_gradient_sync(self) -> None:
-        """Reduce what is left, wait for every reduction, and accumulate this rank's gradient shards."""
+        """Reduce what is left, wait for every reduction, and accumulate this rank's gradient shards.
+
+        A group only some of whose parameters got gradients is reduced here; a group that got none
+        (unused on every rank alike) is reduced too under stage 1 and counts as zero under 2 and 3.
+        """
         for g in self.groups:
-            if g.ready < len(g.params) and (self.stage != 1 or self._sync):
+            if g.ready > 0 or (self.stage == 1 and not g.pending):
                 self._reduce(g)
         for g in self.groups:
             for work, out in g.pending:
@@ -263,7 +271,9 @@ class ZeroDataParallel:
                     g.grad_shard = out.to(self.param_dtype)
                 else:
                     g.grad_shard += out.to(self.param_dtype)
-            g.pending, g.ready = [], 0
+            g.pending, g.ready, g.reduced = [], 0, False
+            if g.grad_shard is None:
+                g.grad_shard = torch.zeros(g.shard_numel, dtype=self.param_dtype, device=self.device)
         if self.replicate_group is not None:
             for g in self.groups:
                 reduced = g.grad_shard.to(self.reduce_dtype)

@@ -205,12 +205,20 @@ class Trainer:
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, token count
         batches = eval_batches(self.data.val_tokens, t.seq_len, t.micro_batch_size, t.eval_batches)
-        for inputs, labels in batches[self.dp_rank :: self.dims.dp]:  # each data-parallel rank takes every dp-th
+        # Each data-parallel rank takes every dp-th batch. ZeRO-3 gathers weights collectively inside
+        # forward, so a rank left without a batch still runs (and discards) one to keep in step.
+        rounds = -(-len(batches) // self.dims.dp)
+        for index in range(self.dp_rank, rounds * self.dims.dp, self.dims.dp):
+            counted = index < len(batches)
+            if not counted and (self.zero is None or self.zero.stage != 3):
+                continue
+            inputs, labels = (batches[index] if counted else batches[0])
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             with self._autocast():
                 logits = self.model(inputs)
-            totals[0] += token_weighted_loss(logits, labels).double()
-            totals[1] += int((labels != IGNORE_INDEX).sum())
+            if counted:
+                totals[0] += token_weighted_loss(logits, labels).double()
+                totals[1] += int((labels != IGNORE_INDEX).sum())
         self.model.train()
         all_reduce_sum(totals, self.dp_group)
         return float(totals[0] / totals[1])
