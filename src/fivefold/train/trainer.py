@@ -30,11 +30,13 @@ from fivefold.errors import CheckpointError, ConfigError
 from fivefold.model import ModelConfig, Transformer, build_model, materialize
 from fivefold.model.generate import generate
 from fivefold.plan.flops import count_parameters, flops_per_token
+from fivefold.plan.memory import ModelStateBytes, zero_model_states
 from fivefold.parallel.data_parallel import DataParallel
 from fivefold.parallel.mesh import build_mesh
 from fivefold.parallel.zero import ZeroDataParallel
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.distributed import all_reduce_sum, init_distributed, local_device
+from fivefold.train.memory import measure_model_states
 from fivefold.train.metrics import MetricsLogger, peak_memory_gib, peak_tflops, plot_losses, read_metrics
 from fivefold.train.optim import build_adamw, build_optimizer, lr_at, set_lr
 
@@ -119,8 +121,29 @@ class Trainer:
         t = config.train
         self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * self.dims.dp * t.seq_len
         self.flops_per_token = flops_per_token(self.model_config, t.seq_len)
+        self.model_state_bytes: ModelStateBytes | None = None
         if self.resumed_from is not None:
             self.state = ckpt.load_training_state(self.resumed_from, self.optimizer, self.zero.rank if self.zero else None)
+
+    def expected_model_states(self) -> ModelStateBytes:
+        """The ZeRO-paper formula for this run (before padding)."""
+        par = self.config.parallel
+        mixed = par.zero_stage > 0 and par.param_dtype == "bf16"
+        return zero_model_states(count_parameters(self.model_config).total, par.zero_stage, self.dims.dp_shard, mixed)
+
+    def describe_model_states(self) -> str:
+        par, measured, expected = self.config.parallel, self.model_state_bytes, self.expected_model_states()
+        mixed = par.zero_stage > 0 and par.param_dtype == "bf16"
+        w, k, n = (2, 12, "N") if mixed else (4, 8, "N")
+        shard = {0: ("", "", ""), 1: ("", "", f"/{n}"), 2: ("", f"/{n}", f"/{n}"), 3: (f"/{n}", f"/{n}", f"/{n}")}[par.zero_stage]
+        rows = [("parameters", measured.parameters, expected.parameters, f"{w}Ψ{shard[0]}"),
+                ("gradients", measured.gradients, expected.gradients, f"{w}Ψ{shard[1]}"),
+                ("optimizer", measured.optimizer, expected.optimizer, f"{k}Ψ{shard[2]}"),
+                ("total", measured.total, expected.total, "")]
+        head = (f"model states per rank, measured | formula (ZeRO-{par.zero_stage}, "
+                f"{'bf16 weights + fp32 masters' if mixed else 'fp32'}, Ψ = {count_parameters(self.model_config).total:,}, "
+                f"N = {self.dims.dp_shard}{', offloaded to CPU' if par.offload else ''}):")
+        return "\n".join([head] + [f"  {name:<10} {m:>14,} B | {e:>14,} B  {f}" for name, m, e, f in rows])
 
     def _prepare_data(self) -> PreparedData:
         """Rank 0 builds the token cache first; the others then only open it."""
@@ -190,10 +213,14 @@ class Trainer:
             grad_norm = self.zero.clip_grad_norm_(max_norm)
             self.zero.prepare_step()
             self.optimizer.step()
-            self.zero.after_step()
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
             self.optimizer.step()
+        if self.model_state_bytes is None:  # every state exists now: measure once
+            self.model_state_bytes = measure_model_states(self.model, self.optimizer, self.zero)
+            self._print(self.describe_model_states())
+        if self.zero is not None:
+            self.zero.after_step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.tokens_seen += total_tokens

@@ -1,0 +1,47 @@
+"""Measure the bytes of model states one rank really holds, from the tensors themselves.
+
+Storages are counted once each (views and aliases share one storage: ZeRO's flat buffers, an fp32
+master that *is* the weight shard), in the order parameters, gradients, optimizer states: a
+master that aliases the weights counts as parameters, as in the ZeRO paper's accounting.
+Step counters (0-dim tensors) and per-step temporaries (the fp32 gradient copy handed to the
+optimizer) are not model states and are left out.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from fivefold.plan.memory import ModelStateBytes
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+    total = 0
+    for tensor in tensors:
+        if tensor is None or tensor.dim() == 0:
+            continue
+        storage = tensor.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def measure_model_states(model: nn.Module, optimizer: torch.optim.Optimizer, zero=None) -> ModelStateBytes:
+    """(parameters, gradients, optimizer states) bytes held by this rank right after an optimizer step."""
+    seen: set[int] = set()
+    if zero is None:
+        params = _unique_bytes(model.parameters(), seen)
+        grads = _unique_bytes((p.grad for p in model.parameters()), seen)
+    else:
+        weights = [g.flat for g in zero.groups] + [g.local for g in zero.groups]
+        params = _unique_bytes([*weights, *model.parameters()], seen)
+        grads = _unique_bytes([*(g.flat_grad for g in zero.groups), *(g.grad_shard for g in zero.groups)], seen)
+    transient = {id(p.grad) for group in optimizer.param_groups for p in group["params"] if zero is not None}
+    states = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    masters = [p for group in optimizer.param_groups for p in group["params"]]
+    optimizer_bytes = _unique_bytes([t for t in [*states, *masters] if id(t) not in transient], seen)
+    return ModelStateBytes(params, grads, optimizer_bytes)
