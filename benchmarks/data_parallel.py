@@ -1,0 +1,184 @@
+"""Data-parallel step time and per-rank model-state memory: ours vs PyTorch, in the same run.
+
+    our DDP (parallel/data_parallel.py)  vs  torch.nn.parallel.DistributedDataParallel
+    our ZeRO-3 (parallel/zero.py)        vs  FSDP2 torch.distributed.fsdp.fully_shard (per block, then root)
+
+Each rank builds the four variants from the same seed; every round runs one optimizer step of
+each, in an order that rotates per round, so machine noise hits all alike. Step time is the
+median over rounds, max over ranks. Memory is the bytes of parameters, gradients and optimizer
+states one rank holds after a step, counted from tensor storages (local shards for FSDP2's
+DTensors); communication buffers are not counted for anyone.
+
+    python benchmarks/data_parallel.py --world-sizes 2 4 --preset tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+VARIANTS = ("ours-ddp", "torch-ddp", "ours-zero3", "fsdp2")
+PEERS = {"ours-ddp": "torch-ddp", "ours-zero3": "fsdp2"}
+
+
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or t.dim() == 0:
+            continue
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _optimizer_tensors(optimizer):
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def _build(variant: str, config, group):
+    from torch.distributed.fsdp import fully_shard
+
+    from fivefold.config import OptimConfig
+    from fivefold.model import build_model, materialize
+    from fivefold.parallel.data_parallel import DataParallel
+    from fivefold.parallel.zero import ZeroDataParallel
+    from fivefold.train.memory import measure_model_states
+    from fivefold.train.optim import build_adamw, build_optimizer
+
+    optim = OptimConfig(lr=1e-3)
+    model = materialize(build_model(config), "cpu", seed=0)
+    sync, zero = None, None
+    if variant == "ours-ddp":
+        sync = DataParallel(model, group)
+        optimizer = build_optimizer(model, optim)
+    elif variant == "torch-ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+        optimizer = build_optimizer(model, optim)
+    elif variant == "ours-zero3":
+        zero = sync = ZeroDataParallel(model, group, None, stage=3)
+        optimizer = build_adamw(zero.master_parameters(True), zero.master_parameters(False), optim)
+    else:
+        for block in model.layers.values():
+            fully_shard(block)
+        fully_shard(model)
+        optimizer = build_optimizer(model, optim)
+
+    def step(inputs, labels, world_size):
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum") / labels.numel()
+        if variant in ("ours-ddp", "ours-zero3"):
+            (loss / world_size).backward()  # ours sum gradients; torch averages
+            sync.finish_gradient_sync()
+        else:
+            loss.backward()
+        if zero is not None:
+            zero.prepare_step()
+        optimizer.step()
+        memory = None
+        if zero is not None:
+            memory = measure_model_states(model, optimizer, zero).total
+            zero.after_step()
+        elif variant == "ours-ddp":
+            memory = measure_model_states(model, optimizer).total
+        else:
+            params = list(model.parameters())
+            memory = _storage_bytes([*params, *(p.grad for p in params), *_optimizer_tensors(optimizer)])
+        optimizer.zero_grad(set_to_none=True)
+        return memory
+
+    return step
+
+
+def _rank(rank: int, world_size: int, port: int, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        from fivefold.model import get_preset
+
+        config = get_preset(args.preset)
+        config.vocab_size = config.vocab_size or 257
+        if args.layers:
+            config.n_layers = args.layers
+        group = dist.group.WORLD
+        steps = {v: _build(v, config, group) for v in VARIANTS}
+        times = {v: [] for v in VARIANTS}
+        memory = {}
+        generator = torch.Generator().manual_seed(rank)
+        for round_index in range(args.warmup + args.rounds):
+            order = VARIANTS[round_index % 4:] + VARIANTS[: round_index % 4]
+            tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq_len + 1), generator=generator)
+            for variant in order:
+                dist.barrier()
+                start = time.perf_counter()
+                memory[variant] = steps[variant](tokens[:, :-1], tokens[:, 1:], world_size)
+                elapsed = torch.tensor(time.perf_counter() - start)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if round_index >= args.warmup:
+                    times[variant].append(float(elapsed))
+        if rank == 0:
+            queue.put({v: {"step_ms": statistics.median(times[v]) * 1e3, "model_state_mib": memory[v] / 2**20} for v in VARIANTS})
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(world_size: int, args) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, world_size, port, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=args.timeout)
+    for p in procs:
+        p.join(timeout=30)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count (0 = keep)")
+    parser.add_argument("--batch", type=int, default=4, help="micro-batch per rank")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    results = {w: run_world(w, args) for w in args.world_sizes}
+    if args.json:
+        print(json.dumps({"config": vars(args), "results": results}, indent=2))
+    print(f"{args.preset}, per-rank batch {args.batch} x {args.seq_len}, gloo on CPU, median of {args.rounds} rounds")
+    print(f"{'ranks':>5} {'variant':<11} {'step (ms)':>10} {'model states (MiB/rank)':>24}")
+    ratios = []
+    for world, rows in results.items():
+        for variant, row in rows.items():
+            print(f"{world:>5} {variant:<11} {row['step_ms']:>10.1f} {row['model_state_mib']:>24.2f}")
+        for ours, peer in PEERS.items():
+            time_ratio = rows[ours]["step_ms"] / rows[peer]["step_ms"]
+            mem_ratio = rows[ours]["model_state_mib"] / rows[peer]["model_state_mib"]
+            print(f"{world:>5} {ours} / {peer}: step time x{time_ratio:.2f}, memory x{mem_ratio:.2f}")
+            ratios.append(f"{ours}_vs_{peer}_x{world}_time={time_ratio:.3f} {ours}_vs_{peer}_x{world}_mem={mem_ratio:.3f}")
+    print("RESULT name=data_parallel " + " ".join(ratios))
+
+
+if __name__ == "__main__":
+    main()
