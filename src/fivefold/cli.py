@@ -3,6 +3,7 @@
     fivefold train [--config FILE.toml] [--nproc-per-node N] [--resume auto|none|DIR] [--section.key VALUE ...]
     fivefold generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
     fivefold info --model PRESET [--seq-len S]
+    fivefold convert --checkpoint DIR --to HF_DIR [--dtype fp32|bf16]
     fivefold config [--config FILE.toml] [--section.key VALUE ...] | --reference
 """
 
@@ -97,6 +98,30 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from fivefold.config import config_from_dict
+    from fivefold.data.tokenizer import load_tokenizer_from
+    from fivefold.model import build_model, materialize
+    from fivefold.model.hf import save_hf
+    from fivefold.train.checkpoint import latest_checkpoint, load_config_dict, load_model_weights
+
+    folder = Path(args.checkpoint)
+    if not (folder / "meta.json").is_file():
+        folder = latest_checkpoint(folder) or folder
+    config = config_from_dict(load_config_dict(folder))
+    model = materialize(build_model(config.model), "cpu", seed=None)
+    load_model_weights(folder, model)  # consolidated weights: any training world size, any ZeRO stage
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    out = save_hf(model, args.to, dtype)
+    load_tokenizer_from(folder).save(out)
+    print(f"wrote a Hugging Face Llama folder to {out} ({args.dtype}) from {folder}")
+    return 0
+
+
 def _config(args: argparse.Namespace, overrides: list[str]) -> int:
     from fivefold.config import describe_config, load_config
 
@@ -116,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", help="shorthand for --checkpoint.resume: auto, none or a checkpoint folder")
     train.add_argument("--nproc-per-node", type=int, default=1,
                        help="ranks on this machine; > 1 runs torchrun underneath (gloo on CPU, NCCL on GPU)")
+
+    convert = sub.add_parser("convert", help="write a Hugging Face Llama folder (safetensors) from a checkpoint")
+    convert.add_argument("--checkpoint", required=True, help="a step-* checkpoint folder, or a run folder (newest is used)")
+    convert.add_argument("--to", required=True, help="output folder")
+    convert.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
 
     config = sub.add_parser("config", help="print the resolved config as JSON, or --reference for every key")
     config.add_argument("--config", help="TOML config file")
@@ -150,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "generate":
             return _generate(args)
+        if args.command == "convert":
+            return _convert(args)
         return _info(args)
     except FivefoldError as exc:
         print(f"fivefold: error: {exc}", file=sys.stderr)

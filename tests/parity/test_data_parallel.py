@@ -110,3 +110,22 @@ def test_zero_resume_is_exact(base, tmp_path, stage):
     for name, tensor in _weights(Path(folder)).items():
         assert (tensor == straight_weights[name]).all(), name
     assert {p.name for p in Path(folder).glob("optimizer-shard*.pt")} == {"optimizer-shard000.pt", "optimizer-shard001.pt"}
+
+
+def test_convert_zero3_checkpoint_to_hugging_face(base, tmp_path):
+    """A ZeRO-3 checkpoint from 2 ranks becomes an HF folder in one process, with identical weights."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from fivefold.cli import main
+    from fivefold.model.hf import load_hf
+
+    config = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "z3")},
+                          parallel={"dp_shard": 2, "zero_stage": 3})
+    _, weights = train_distributed(config, 2)
+    assert main(["convert", "--checkpoint", str(tmp_path / "z3"), "--to", str(tmp_path / "hf")]) == 0
+    converted = load_hf(tmp_path / "hf").state_dict()
+    for name, tensor in weights.items():
+        assert torch.equal(converted[name], tensor), name
+    assert transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf") is not None
+    assert (tmp_path / "hf" / "tokenizer.txt").is_file()
