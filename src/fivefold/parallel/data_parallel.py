@@ -62,6 +62,14 @@ def make_buckets(params: list[nn.Parameter], bucket_cap_mb: float, dtype: torch.
     return out
 
 
+@torch.no_grad()
+def broadcast_module(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Copy the parameters and buffers of the group's first rank to every rank of the group."""
+    src = dist.get_global_rank(group, 0)
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor, src=src, group=group)
+
+
 class DataParallel:
     """Attach bucketed, overlapped gradient all-reduce to a model, without wrapping it."""
 
@@ -84,12 +92,9 @@ class DataParallel:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self.broadcast_parameters()
 
-    @torch.no_grad()
     def broadcast_parameters(self) -> None:
         """Make every rank start from the group's first rank's weights."""
-        src = dist.get_global_rank(self.group, 0)
-        for tensor in [*self.model.parameters(), *self.model.buffers()]:
-            dist.broadcast(tensor, src=src, group=self.group)
+        broadcast_module(self.model, self.group)
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fivefold.parallel.data_parallel import broadcast_module
+
 
 @dataclass
 class FlatGroup:
@@ -117,13 +119,10 @@ class ZeroDataParallel:
             self._install_stage3_hooks()
 
     # ----------------------------------------------------------------- set-up
-    @torch.no_grad()
     def _broadcast_parameters(self) -> None:
         for group in (self.shard_group, self.replicate_group):
             if group is not None:
-                src = dist.get_global_rank(group, 0)
-                for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                    dist.broadcast(tensor, src=src, group=group)
+                broadcast_module(self.model, group)
 
     def _build_groups(self) -> list[FlatGroup]:
         owner = {}
