@@ -12,6 +12,14 @@ def test_info_llama3_8b(capsys):
     assert "GQA (8 kv heads)" in out and "mixed-precision Adam" in out
 
 
+def test_config_prints_the_resolved_config(capsys):
+    import json
+
+    assert main(["config", "--model.preset", "small", "--train.steps", "7"]) == 0
+    resolved = json.loads(capsys.readouterr().out)
+    assert resolved["train"]["steps"] == 7 and resolved["model"]["dim"] == 768
+
+
 def test_unknown_preset_exits_2(capsys):
     assert main(["info", "--model", "llama-8b"]) == 2
     assert "did you mean 'llama3-8b'" in capsys.readouterr().err

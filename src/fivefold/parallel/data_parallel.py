@@ -70,7 +70,23 @@ def broadcast_module(model: nn.Module, group: dist.ProcessGroup) -> None:
         dist.broadcast(tensor, src=src, group=group)
 
 
-class DataParallel:
+class GradientSync:
+    """What the trainer needs of a data-parallel scheme: skip communication on accumulation micro-steps."""
+
+    reduces_every_micro_step = False  # ZeRO-2/3 reduce-scatter each micro-step to keep only shards
+    _sync = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulation micro-steps: no communication, unless the scheme must reduce every micro-step."""
+        self._sync = self.reduces_every_micro_step
+        try:
+            yield
+        finally:
+            self._sync = True
+
+
+class DataParallel(GradientSync):
     """Attach bucketed, overlapped gradient all-reduce to a model, without wrapping it."""
 
     def __init__(
@@ -88,22 +104,12 @@ class DataParallel:
         self.buckets = make_buckets(self.params, bucket_cap_mb, reduce_dtype)
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._next_launch = 0
-        self._sync = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self.broadcast_parameters()
 
     def broadcast_parameters(self) -> None:
         """Make every rank start from the group's first rank's weights."""
         broadcast_module(self.model, self.group)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate gradients locally (accumulation micro-steps): no communication."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
 
     @torch.no_grad()
     def _on_grad_ready(self, param: nn.Parameter) -> None:

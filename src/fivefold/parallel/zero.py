@@ -29,14 +29,13 @@ the replicas.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fivefold.parallel.data_parallel import broadcast_module
+from fivefold.parallel.data_parallel import GradientSync, broadcast_module
 
 
 @dataclass
@@ -80,7 +79,7 @@ def zero_units(model: nn.Module) -> list[nn.Module]:
     return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or [])
 
 
-class ZeroDataParallel:
+class ZeroDataParallel(GradientSync):
     """Apply ZeRO stage 1, 2 or 3 to a model, from outside (the model's names and modules are kept)."""
 
     def __init__(
@@ -96,6 +95,7 @@ class ZeroDataParallel:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
         self.model, self.stage = model, stage
+        self.reduces_every_micro_step = stage >= 2  # stage 1 keeps whole gradients and reduces once
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.shards = dist.get_world_size(shard_group)
         self.rank = dist.get_rank(shard_group)
@@ -103,7 +103,6 @@ class ZeroDataParallel:
         self.device = next(model.parameters()).device
         self.offload_device = torch.device("cpu") if offload else self.device
         self.offload = offload
-        self._sync = True
         self._broadcast_parameters()
         self.units = zero_units(model)
         self.groups = self._build_groups()
@@ -209,15 +208,6 @@ class ZeroDataParallel:
                 param.data = torch.empty(0, dtype=self.param_dtype, device=self.device)
 
     # ------------------------------------------------------ gradient reduction
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Stage 1 skips communication on accumulation micro-steps; stages 2 and 3 reduce every micro-step."""
-        self._sync = self.stage != 1
-        try:
-            yield
-        finally:
-            self._sync = True
-
     @torch.no_grad()
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self._sync:
