@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from fivefold.errors import CheckpointError
-from fivefold.train.checkpoint import latest_checkpoint, list_checkpoints, resolve_resume
+from fivefold.train.checkpoint import latest_checkpoint, list_checkpoints, load_layout, resolve_resume
+from fivefold.train.train_state import read_consolidated_weights
 from fivefold.train.trainer import Trainer
 
 
@@ -50,14 +51,28 @@ def test_retention_and_atomicity(job):
     assert not (out / ".tmp-step-000007-12345").exists()
 
 
-def test_checkpoint_files_load_without_pickle(job):
+def test_checkpoint_files(job):
     job.checkpoint = dataclasses.replace(job.checkpoint, every=0)
     folder = Trainer(job).fit().checkpoint
     names = {p.name for p in folder.iterdir()}
-    assert {"model.safetensors", "optimizer.pt", "rng.pt", "trainer.json", "config.json", "meta.json", "tokenizer.txt"} <= names
-    for name in ("optimizer.pt", "rng.pt"):
-        torch.load(folder / name, weights_only=True)
+    assert {"state", "layout.json", "rng.pt", "trainer.json", "config.json", "meta.json", "tokenizer.txt"} <= names
+    assert (folder / "state" / ".metadata").is_file() and list((folder / "state").glob("*.distcp"))
+    torch.load(folder / "rng.pt", weights_only=True)
     assert json.loads((folder / "trainer.json").read_text())["step"] == 6
+    layout = json.loads((folder / "layout.json").read_text())
+    assert list(layout)[0] == "layers.0/decay" and list(layout)[-1] == "root/no_decay"
+
+
+def test_weights_read_back_without_the_trainer(job):
+    """The consolidated weights read from the DCP state equal the trained model's."""
+    job.checkpoint = dataclasses.replace(job.checkpoint, every=0)
+    trainer = Trainer(job)
+    folder = trainer.fit().checkpoint
+    weights = read_consolidated_weights(folder, load_layout(folder))
+    expected = dict(trainer.model.named_parameters())
+    assert set(weights) == set(expected)
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, expected[name].detach()), name
 
 
 def test_resume_with_another_model_is_refused(job):

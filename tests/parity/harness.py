@@ -16,9 +16,10 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from fivefold.config import JobConfig
+from fivefold.train.checkpoint import load_layout
+from fivefold.train.train_state import read_consolidated_weights
 from fivefold.train.trainer import Trainer
 
 from distributed.spawn import run_distributed
@@ -28,7 +29,7 @@ PARAM_ATOL = 1e-5
 
 
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(checkpoint / "model.safetensors"))
+    return read_consolidated_weights(checkpoint, load_layout(checkpoint))
 
 
 def _rank_main(rank: int, world_size: int, config: JobConfig) -> tuple[list[float], str | None]:

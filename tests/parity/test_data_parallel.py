@@ -80,38 +80,6 @@ def test_bf16_mixed_precision_zero2(base, tmp_path):
         assert_parity(reference, result)
 
 
-def _interrupted_then_resumed(rank, world_size, config):
-    """3 steps, save, then a fresh Trainer resumes and finishes: the losses of both halves."""
-    from fivefold.train.trainer import Trainer
-
-    first = Trainer(config)
-    losses = [first.train_step()["loss"] for _ in range(2)]
-    first.save()
-    del first
-    resumed = Trainer(with_changes(config, checkpoint={"resume": "auto"}))
-    result = resumed.fit()
-    return losses + result.losses, str(result.checkpoint)
-
-
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero_resume_is_exact(base, tmp_path, stage):
-    """Save at step 2 of 4 with optimizer shards per rank; resume gives the uninterrupted run bit for bit."""
-    from pathlib import Path
-
-    from distributed.spawn import run_distributed
-    from parity.harness import _weights
-
-    config = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "straight")},
-                          parallel={"dp_shard": 2, "zero_stage": stage})
-    straight_losses, straight_weights = train_distributed(config, 2)
-    resumed = with_changes(config, train={"output_dir": str(tmp_path / "resumed")})
-    (losses, folder), _ = run_distributed(_interrupted_then_resumed, 2, resumed, timeout=150)
-    assert losses == straight_losses
-    for name, tensor in _weights(Path(folder)).items():
-        assert (tensor == straight_weights[name]).all(), name
-    assert {p.name for p in Path(folder).glob("optimizer-shard*.pt")} == {"optimizer-shard000.pt", "optimizer-shard001.pt"}
-
-
 def test_convert_zero3_checkpoint_to_hugging_face(base, tmp_path):
     """A ZeRO-3 checkpoint from 2 ranks becomes an HF folder in one process, with identical weights."""
     transformers = pytest.importorskip("transformers")

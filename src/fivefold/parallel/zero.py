@@ -36,6 +36,11 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.parallel.data_parallel import GradientSync, broadcast_module
+from fivefold.parallel.flat_groups import GroupLayout, flat_group_layout, units
+
+# torch 2.13 renamed the flat-tensor collectives; keep the older names for torch >= 2.5.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -50,6 +55,7 @@ class FlatGroup:
     padded_numel: int
     decay: bool
     unit: int
+    layout: GroupLayout
     flat: torch.Tensor | None = None  # stages 1-2: whole flat parameters (param dtype); params are views
     local: torch.Tensor | None = None  # stage 3: this rank's shard of the parameters (param dtype)
     master: nn.Parameter | None = None  # fp32 shard the optimizer steps
@@ -64,19 +70,10 @@ class FlatGroup:
             yield param, flat[offset : offset + shape.numel()].view(shape)
 
 
-def _make_group(params: list[nn.Parameter], decay: bool, unit: int, shards: int) -> FlatGroup:
-    offsets, total = [], 0
-    for p in params:
-        offsets.append(total)
-        total += p.numel()
-    shard_numel = -(-total // shards)  # ceil: pad the flat vector to a multiple of the shard count
-    return FlatGroup(params, [p.shape for p in params], offsets, total, shard_numel, shard_numel * shards, decay, unit)
-
-
-def zero_units(model: nn.Module) -> list[nn.Module]:
-    """Transformer blocks, in forward order; parameters outside them form the root unit."""
-    layers = getattr(model, "layers", None)
-    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or [])
+def _make_group(layout: GroupLayout, params: list[nn.Parameter], shards: int) -> FlatGroup:
+    shard_numel = -(-layout.numel // shards)  # ceil: pad the flat vector to a multiple of the shard count
+    return FlatGroup(params, list(layout.shapes), layout.offsets, layout.numel, shard_numel, shard_numel * shards,
+                     layout.decay, layout.unit, layout)
 
 
 class ZeroDataParallel(GradientSync):
@@ -104,7 +101,7 @@ class ZeroDataParallel(GradientSync):
         self.offload_device = torch.device("cpu") if offload else self.device
         self.offload = offload
         self._broadcast_parameters()
-        self.units = zero_units(model)
+        self.units = [block for _, block in units(model)]
         self.groups = self._build_groups()
         self._groups_of_unit: dict[int, list[FlatGroup]] = {}
         for g in self.groups:
@@ -124,16 +121,9 @@ class ZeroDataParallel(GradientSync):
                 broadcast_module(self.model, group)
 
     def _build_groups(self) -> list[FlatGroup]:
-        owner = {}
-        for index, unit in enumerate(self.units):
-            for p in unit.parameters():
-                owner[id(p)] = index
-        root = len(self.units)
-        by_key: dict[tuple[int, bool], list[nn.Parameter]] = {}
-        for p in self.model.parameters():
-            if p.requires_grad:
-                by_key.setdefault((owner.get(id(p), root), p.ndim >= 2), []).append(p)
-        return [_make_group(params, decay, unit, self.shards) for (unit, decay), params in sorted(by_key.items())]
+        params = dict(self.model.named_parameters())
+        return [_make_group(layout, [params[n] for n in layout.names], self.shards)
+                for layout in flat_group_layout(self.model)]
 
     @torch.no_grad()
     def _shard_group(self, g: FlatGroup) -> None:
@@ -190,7 +180,7 @@ class ZeroDataParallel(GradientSync):
             works = []
             for g in self._groups_of_unit.get(unit, []):
                 full = torch.empty(g.padded_numel, dtype=self.param_dtype, device=self.device)
-                works.append(dist.all_gather_into_tensor(full, g.local, group=self.shard_group, async_op=True))
+                works.append(_all_gather(full, g.local, group=self.shard_group, async_op=True))
                 for param, view in g.views(full):
                     param.data = view
             self._gathered[unit] = works
@@ -231,7 +221,7 @@ class ZeroDataParallel(GradientSync):
                 view.copy_(param.grad)
             param.grad = None  # the full gradient is not kept (stages 2 and 3)
         out = torch.empty(g.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        work = dist.reduce_scatter_tensor(out, full, group=self.shard_group, async_op=True)
+        work = _reduce_scatter(out, full, group=self.shard_group, async_op=True)
         g.pending.append((work, out))
         unit_groups = self._groups_of_unit[g.unit]
         if self.stage == 3 and g.unit < len(self.units) and all(x.reduced for x in unit_groups):
@@ -293,11 +283,20 @@ class ZeroDataParallel(GradientSync):
     @torch.no_grad()
     def after_step(self) -> None:
         """Bring updated masters back to the compute weights; drop gradients."""
+        for g in self.groups:
+            g.master.grad = None
+            if self.stage == 1:
+                g.flat_grad.zero_()
+            g.grad_shard = None
+        self.publish_masters()
+
+    @torch.no_grad()
+    def publish_masters(self) -> None:
+        """Copy each fp32 master shard into the compute weights (stages 1-2: and all-gather them)."""
         if self.stage == 3:
             for unit in range(len(self.units) + 1):
                 self._free(unit)  # gathered copies (e.g. kept by evaluation) are stale now
         for g in self.groups:
-            g.master.grad = None
             lo, hi = self.rank * g.shard_numel, (self.rank + 1) * g.shard_numel
             if self.stage == 3:
                 if g.local.data_ptr() != g.master.data_ptr():
@@ -305,22 +304,12 @@ class ZeroDataParallel(GradientSync):
             else:
                 if g.flat[lo:hi].data_ptr() != g.master.data_ptr():
                     g.flat[lo:hi].copy_(g.master)
-                dist.all_gather_into_tensor(g.flat, g.flat[lo:hi].clone(), group=self.shard_group)
-            if self.stage == 1:
-                g.flat_grad.zero_()
-            g.grad_shard = None
+                _all_gather(g.flat, g.flat[lo:hi].clone(), group=self.shard_group)
 
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter whole, in fp32, gathered from the master shards (every rank must call)."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        out = {}
-        for g in self.groups:
-            full = torch.empty(g.padded_numel, dtype=torch.float32, device=self.device)
-            dist.all_gather_into_tensor(full, g.master.detach().to(self.device, torch.float32), group=self.shard_group)
-            for param, view in g.views(full):
-                out[names[id(param)]] = view.clone().cpu()
-        return out
+    def owned_range(self, g: FlatGroup) -> tuple[int, int]:
+        """[lo, hi) of the group's unpadded flat vector held in this rank's shard (empty past the end)."""
+        lo = min(self.rank * g.shard_numel, g.numel)
+        return lo, min(lo + g.shard_numel, g.numel)
 
     def zero_grad(self) -> None:
         if self.stage == 1:

@@ -1,17 +1,25 @@
-"""Atomic, pickle-free checkpoints with exact resume.
+"""Atomic, reshardable checkpoints with exact resume.
 
 A checkpoint is a folder `step-NNNNNN` holding
-    model.safetensors     weights
-    optimizer.pt          AdamW state (tensors and numbers only; loaded with weights_only=True)
-    rng.pt                torch CPU/CUDA generator states (weights_only)
+    state/                weights and AdamW state through torch.distributed.checkpoint (DCP):
+                          `.metadata` plus one `__<rank>_0.distcp` file per writing rank
+                          (keys and layout: train/train_state.py)
+    layout.json           which parameters each flat group holds, so weights load without the model
+    rng.pt                torch CPU/CUDA generator states (loaded with weights_only=True)
     trainer.json          step, tokens seen, sampler seed
     config.json           the resolved run configuration
     tokenizer.*           the tokenizer, so generation needs nothing else
     meta.json             written last: format version and the file list
-It is written under a temporary name and renamed into place, so a crash leaves either the
-old set of checkpoints or the new one, never a half-written `step-*` folder. The data
-sampler and LR schedule are pure functions of the step, so (step, weights, optimizer, RNG)
-is the whole training state.
+Every rank writes its own part of `state/` in parallel (under ZeRO, only its shards); rank 0
+writes the rest. All of it goes under a temporary name that rank 0 renames into place once
+every rank has finished, so a crash leaves either the old set of checkpoints or the new one,
+never a half-written `step-*` folder. The data sampler and LR schedule are pure functions of
+the step, so (step, weights, optimizer, RNG) is the whole training state. With several nodes,
+`train.output_dir` must be on a filesystem every node sees.
+
+Tensors are read back with `weights_only=True`; DCP's own `.metadata` index is a pickle that
+torch writes and reads, so load checkpoints only from sources you trust (or convert them to
+safetensors with `fivefold convert`).
 """
 
 from __future__ import annotations
@@ -25,12 +33,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+import torch.distributed as dist
 from torch import nn
 
 from fivefold.errors import CheckpointError
+from fivefold.train.train_state import checkpoint_layout, read_consolidated_weights, write_training_state
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -47,6 +56,9 @@ def checkpoint_name(step: int) -> str:
 
 def _fsync_tree(folder: Path) -> None:
     for path in folder.iterdir():
+        if path.is_dir():
+            _fsync_tree(path)
+            continue
         with open(path, "rb") as handle:
             os.fsync(handle.fileno())
     fd = os.open(folder, os.O_RDONLY)
@@ -56,22 +68,12 @@ def _fsync_tree(folder: Path) -> None:
         os.close(fd)
 
 
-def optimizer_file(shard: int | None) -> str:
-    """`optimizer.pt`, or `optimizer-shard003.pt` for rank 3's ZeRO shard of the optimizer state."""
-    return "optimizer.pt" if shard is None else f"optimizer-shard{shard:03d}.pt"
-
-
 def temporary_folder(output_dir: Path, step: int) -> Path:
     """Where a checkpoint is assembled before the rename (the same name on every rank)."""
     return output_dir / f".tmp-{checkpoint_name(step)}"
 
 
-def write_optimizer_shard(output_dir: Path, step: int, optimizer: torch.optim.Optimizer, shard: int) -> None:
-    """ZeRO: each rank writes its own optimizer shard into the temporary folder rank 0 created."""
-    torch.save(optimizer.state_dict(), temporary_folder(output_dir, step) / optimizer_file(shard))
-
-
-def start_checkpoint(output_dir: Path, step: int) -> Path:
+def _start_checkpoint(output_dir: Path, step: int) -> Path:
     output_dir.mkdir(parents=True, exist_ok=True)
     tmp = temporary_folder(output_dir, step)
     if tmp.exists():
@@ -82,39 +84,47 @@ def start_checkpoint(output_dir: Path, step: int) -> Path:
 
 def save_checkpoint(
     output_dir: Path,
-    weights: dict[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer | None,
+    training_state: dict[str, torch.Tensor],
+    layout: dict[str, dict],
     state: TrainerState,
     config: dict[str, Any],
     tokenizer,
     keep_last: int,
-    started: bool = False,
 ) -> Path:
     """Write `output_dir/step-NNNNNN` atomically, then delete all but the newest `keep_last`.
 
-    With `started`, the temporary folder already exists and holds the ranks' optimizer shards
-    (ZeRO); otherwise the (whole) optimizer state is written here.
+    In a distributed run every rank must call this with its part of `training_state`
+    (train_state.capture_training_state); DCP writes the parts in parallel.
     """
+    distributed = dist.is_available() and dist.is_initialized()
+    coordinator = not distributed or dist.get_rank() == 0
     final = output_dir / checkpoint_name(state.step)
-    tmp = temporary_folder(output_dir, state.step) if started else start_checkpoint(output_dir, state.step)
-    weights = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
-    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "fivefold", "step": str(state.step)})
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / optimizer_file(None))
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
-    torch.save(rng, tmp / "rng.pt")
-    (tmp / "trainer.json").write_text(json.dumps(state.__dict__, indent=2))
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    tokenizer.save(tmp)
-    files = sorted(p.name for p in tmp.iterdir())
-    (tmp / "meta.json").write_text(json.dumps({"format": FORMAT_VERSION, "step": state.step, "files": files}))
-    _fsync_tree(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    prune_checkpoints(output_dir, keep_last)
+    tmp = temporary_folder(output_dir, state.step)
+    if coordinator:
+        _start_checkpoint(output_dir, state.step)
+    if distributed:
+        dist.barrier()
+    write_training_state(training_state, tmp / "state", distributed)
+    if distributed:
+        dist.barrier()  # every rank's shard is on disk
+    if coordinator:
+        (tmp / "layout.json").write_text(json.dumps(layout, indent=1))
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+        torch.save(rng, tmp / "rng.pt")
+        (tmp / "trainer.json").write_text(json.dumps(state.__dict__, indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        tokenizer.save(tmp)
+        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        (tmp / "meta.json").write_text(json.dumps({"format": FORMAT_VERSION, "step": state.step, "files": files}))
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        prune_checkpoints(output_dir, keep_last)
+    if distributed:
+        dist.barrier()  # nobody reads the checkpoint list before the rename
     return final
 
 
@@ -123,10 +133,20 @@ def is_complete(folder: Path) -> bool:
     if not meta.is_file():
         return False
     try:
-        files = json.loads(meta.read_text())["files"]
+        meta_data = json.loads(meta.read_text())
+        files = meta_data["files"]
     except (ValueError, KeyError):
         return False
     return all((folder / name).is_file() for name in files)
+
+
+def check_format(folder: Path) -> None:
+    found = json.loads((folder / "meta.json").read_text()).get("format")
+    if found != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {folder} has format {found}; this fivefold reads format {FORMAT_VERSION} "
+            "(sharded torch.distributed.checkpoint state); retrain or convert it with the fivefold that wrote it"
+        )
 
 
 def list_checkpoints(output_dir: Path) -> list[Path]:
@@ -171,36 +191,38 @@ def load_config_dict(folder: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def load_model_weights(folder: Path, model: nn.Module) -> None:
-    path = Path(folder) / "model.safetensors"
+def load_layout(folder: Path) -> dict[str, dict]:
+    path = Path(folder) / "layout.json"
     if not path.is_file():
-        raise CheckpointError(f"{folder} has no model.safetensors")
-    weights = load_file(str(path))
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    if missing or unexpected:
+        raise CheckpointError(f"{folder} has no layout.json: not a complete fivefold checkpoint")
+    check_format(Path(folder))
+    return json.loads(path.read_text())
+
+
+def check_layout(folder: Path, model: nn.Module) -> None:
+    """Refuse a checkpoint whose parameters (names, shapes, grouping) differ from the model's."""
+    saved, expected = load_layout(folder), checkpoint_layout(model)
+    if saved != expected:
+        saved_names = {n: s for g in saved.values() for n, s in zip(g["names"], g["shapes"])}
+        model_names = {n: s for g in expected.values() for n, s in zip(g["names"], g["shapes"])}
+        missing = sorted(set(model_names) - set(saved_names))
+        unexpected = sorted(set(saved_names) - set(model_names))
+        shapes = sorted(n for n in set(saved_names) & set(model_names) if saved_names[n] != model_names[n])
         raise CheckpointError(
-            f"checkpoint {folder} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}; "
+            f"checkpoint {folder} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+            f"different shapes {[(n, saved_names[n], model_names[n]) for n in shapes[:3]]}; "
             "the model config differs from the one it was saved with"
         )
-    for name, tensor in weights.items():
-        if tensor.shape != expected[name].shape:
-            raise CheckpointError(
-                f"checkpoint {folder}: {name} has shape {tuple(tensor.shape)}, model expects {tuple(expected[name].shape)}"
-            )
-    model.load_state_dict(weights, strict=True)
 
 
-def load_training_state(folder: Path, optimizer: torch.optim.Optimizer, shard: int | None = None) -> TrainerState:
-    """Restore the optimizer (whole, or this rank's ZeRO shard) and RNG; return the trainer state."""
-    path = folder / optimizer_file(shard)
-    if not path.is_file():
-        raise CheckpointError(
-            f"{folder} has no {path.name}: it was saved with another ZeRO shard count (or without ZeRO); "
-            "resume with the same parallel.dp_shard and parallel.zero_stage"
-        )
-    optimizer.load_state_dict(torch.load(path, weights_only=True, map_location="cpu"))
+def load_model_weights(folder: Path, model: nn.Module) -> None:
+    """Consolidated weights into a whole model, from a checkpoint saved under any layout."""
+    check_layout(folder, model)
+    model.load_state_dict(read_consolidated_weights(Path(folder), load_layout(folder)), strict=False)
+
+
+def load_trainer_state(folder: Path) -> TrainerState:
+    """Restore the RNG and return the trainer state (weights and optimizer: train_state.restore_training_state)."""
     rng = torch.load(folder / "rng.pt", weights_only=True)
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():

@@ -39,6 +39,7 @@ from fivefold.train.distributed import all_reduce_sum, init_distributed, local_d
 from fivefold.train.memory import measure_model_states
 from fivefold.train.metrics import MetricsLogger, peak_memory_gib, peak_tflops, plot_losses, read_metrics
 from fivefold.train.optim import build_adamw, build_optimizer, lr_at, set_lr
+from fivefold.train.train_state import capture_training_state, checkpoint_layout, restore_training_state
 
 IGNORE_INDEX = -100
 
@@ -99,9 +100,8 @@ class Trainer:
         self.model_config = resolve_model_config(config.model, self.data.tokenizer.vocab_size)
         torch.manual_seed(config.train.seed)
         self.model: Transformer = materialize(build_model(self.model_config), self.device, seed=config.train.seed)
+        self.checkpoint_layout = checkpoint_layout(self.model)  # before ZeRO-3 empties the parameters
         self.resumed_from = self._resume_folder()
-        if self.resumed_from is not None:  # into the plain model, before any sharding
-            ckpt.load_model_weights(self.resumed_from, self.model)
         self.ddp, self.zero = None, None
         par = config.parallel
         reduce_dtype = torch.bfloat16 if par.reduce_dtype == "bf16" else torch.float32
@@ -122,8 +122,9 @@ class Trainer:
         self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * self.dims.dp * t.seq_len
         self.flops_per_token = flops_per_token(self.model_config, t.seq_len)
         self.model_state_bytes: ModelStateBytes | None = None
-        if self.resumed_from is not None:
-            self.state = ckpt.load_training_state(self.resumed_from, self.optimizer, self.zero.rank if self.zero else None)
+        if self.resumed_from is not None:  # saved under any layout: DCP reads what this one needs
+            restore_training_state(self.resumed_from, self.model, self.optimizer, self.zero, self.mesh)
+            self.state = ckpt.load_trainer_state(self.resumed_from)
 
     def expected_model_states(self) -> ModelStateBytes:
         """The ZeRO-paper formula for this run (before padding)."""
@@ -167,6 +168,7 @@ class Trainer:
                 f"checkpoint {folder} was trained with different model settings ({', '.join('model.' + d for d in diffs)}); "
                 "resume with the same model config or start a new train.output_dir"
             )
+        ckpt.check_layout(folder, self.model)
         return folder
 
     def _autocast(self):
@@ -251,21 +253,12 @@ class Trainer:
         return float(totals[0] / totals[1])
 
     def save(self) -> Path:
-        """Write a checkpoint. Without ZeRO rank 0 alone writes; with ZeRO every rank must call this."""
-        args = (self.state, self.config_dict(), self.data.tokenizer, self.config.checkpoint.keep_last)
-        if self.zero is None:
-            return ckpt.save_checkpoint(self.output_dir, self.model.state_dict(), self.optimizer, *args)
-        weights = self.zero.full_state_dict()  # collective: fp32 weights gathered from the master shards
-        if self.is_rank0:
-            ckpt.start_checkpoint(self.output_dir, self.state.step)
-        dist.barrier()
-        if self.mesh.local_rank("dp_replicate") == 0:  # replicas hold identical shards: one writes
-            ckpt.write_optimizer_shard(self.output_dir, self.state.step, self.optimizer, self.zero.rank)
-        dist.barrier()
-        if self.is_rank0:
-            ckpt.save_checkpoint(self.output_dir, weights, None, *args, started=True)
-        dist.barrier()
-        return self.output_dir / ckpt.checkpoint_name(self.state.step)
+        """Write a checkpoint; in a distributed run every rank must call this (each writes its shards)."""
+        return ckpt.save_checkpoint(
+            self.output_dir, capture_training_state(self.model, self.optimizer, self.zero, self.mesh),
+            self.checkpoint_layout, self.state, self.config_dict(), self.data.tokenizer,
+            self.config.checkpoint.keep_last,
+        )
 
     def config_dict(self) -> dict:
         resolved = self.config.to_dict()
@@ -327,8 +320,7 @@ class Trainer:
                 if metrics:
                     metrics.log(step, {"val_loss": val_loss})
                 self._print(f"step {step}: validation loss {val_loss:.4f}")
-            writer = self.is_rank0 or self.zero is not None
-            if c.enabled and writer and ((c.every and step % c.every == 0) or step == t.steps):
+            if c.enabled and ((c.every and step % c.every == 0) or step == t.steps):
                 last_checkpoint = self.save()
         bar.close()
         if metrics:
