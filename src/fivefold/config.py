@@ -179,6 +179,12 @@ class ParallelConfig:
     """DDP gradient bucket size in MiB: smaller starts communication earlier, larger sends fewer messages."""
     reduce_dtype: str = "fp32"
     """Dtype gradients are all-reduced in: `fp32`, or `bf16` (half the bytes on the wire, less precise)."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron): attention heads, MLP width and vocabulary split over tp ranks."""
+    sequence_parallel: bool = False
+    """With tp > 1: norms and residuals run on 1/tp of the sequence (all-gather / reduce-scatter instead of all-reduce)."""
+    recompute: str = "none"
+    """Activation recomputation: `none`, `full` (each block's forward again in backward) or `selective` (attention core only)."""
 
     def validate(self) -> None:
         if self.dp_replicate == 0 or self.dp_replicate < -1:
@@ -197,13 +203,16 @@ class ParallelConfig:
             raise ConfigError(f"parallel.zero_stage = {self.zero_stage} needs parallel.dp_shard >= 2 ranks to shard over")
         if self.zero_stage == 0 and (self.param_dtype != "fp32" or self.offload):
             raise ConfigError("parallel.param_dtype = bf16 and parallel.offload need ZeRO: set parallel.zero_stage >= 1")
+        if self.tp < 1:
+            raise ConfigError(f"parallel.tp = {self.tp}: must be a positive integer")
+        _check_choice("parallel.recompute", self.recompute, ("none", "full", "selective"))
 
     def dims(self, world_size: int):
         """The ParallelDims for a world of `world_size` ranks (validated: product == world size)."""
         from fivefold.parallel.mesh import ParallelDims
 
-        replicate = world_size // self.dp_shard if self.dp_replicate == -1 else self.dp_replicate
-        return ParallelDims(dp_replicate=max(replicate, 1), dp_shard=self.dp_shard, world_size=world_size)
+        replicate = world_size // (self.dp_shard * self.tp) if self.dp_replicate == -1 else self.dp_replicate
+        return ParallelDims(dp_replicate=max(replicate, 1), dp_shard=self.dp_shard, tp=self.tp, world_size=world_size)
 
 
 @dataclass
@@ -224,6 +233,9 @@ class JobConfig:
                 f"train.seq_len = {self.train.seq_len} exceeds model.max_seq_len = {self.model.max_seq_len}: "
                 "lower train.seq_len or raise model.max_seq_len"
             )
+        from fivefold.parallel.tensor_parallel import check_tensor_parallel
+
+        check_tensor_parallel(self.model, self.parallel.tp, self.parallel.sequence_parallel, self.train.seq_len)
         return self
 
     def to_dict(self) -> dict[str, Any]:

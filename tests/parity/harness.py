@@ -7,7 +7,10 @@ two runs must agree up to floating-point summation order.
 
 Tolerances (fp32): losses rtol 1e-5; parameters atol 1e-5 with rtol 1e-5 after Adam (Adam's
 m / sqrt(v) can turn last-bit differences of near-zero gradients into differences up to ~lr
-on a few elements; the tests use lr 1e-2).
+on a few elements; the tests use lr 1e-2). Tensor parallelism changes the summation order
+inside every matmul (row-parallel layers add t partial products), so a few elements of the
+MLP weights land up to 2e-5 away after 4 steps (2 of 41,184 at tp 4): its parameter tolerance
+is TP_PARAM_ATOL = 1e-4, its loss tolerance the same rtol 1e-5.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from distributed.spawn import run_distributed
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
+TP_PARAM_ATOL = 1e-4
 
 
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:

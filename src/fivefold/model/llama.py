@@ -34,10 +34,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * self.normalize(x)
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None):
@@ -105,15 +107,23 @@ class Attention(nn.Module):
         if cache is not None:
             past = cache.lengths[self.layer_id]
             k, v = cache.update(self.layer_id, k, v)
+        out = self.core(q, k, v, past)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int = 0) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + causal mask) v, on (batch, heads, seq, head_dim) tensors.
+
+        The attention core is a method of its own so that parallel code can replace or wrap it
+        (selective recomputation, context parallelism) without touching the projections.
+        """
+        seq = q.shape[2]
         # Query head j reads key/value head j // (n_heads / n_kv_heads), without materialising copies.
         gqa = q.shape[1] != k.shape[1]
         if past == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, enable_gqa=gqa)
-        else:
-            # Query i (absolute position past + i) sees keys 0 .. past + i.
-            mask = torch.ones(seq, past + seq, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, enable_gqa=gqa)
+        # Query i (absolute position past + i) sees keys 0 .. past + i.
+        mask = torch.ones(seq, past + seq, dtype=torch.bool, device=q.device).tril(diagonal=past)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class FeedForward(nn.Module):

@@ -30,6 +30,7 @@ the replicas.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,7 @@ class FlatGroup:
     ready: int = 0  # gradients arrived since the last reduction
     reduced: bool = False  # reduced in the current backward pass
     pending: list = field(default_factory=list)
+    norm_weights: torch.Tensor | None = None  # with TP: 1 / replicas per element of this rank's shard
 
     def views(self, flat: torch.Tensor):
         for param, shape, offset in zip(self.params, self.shapes, self.offsets):
@@ -88,6 +90,8 @@ class ZeroDataParallel(GradientSync):
         param_dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype = torch.float32,
         offload: bool = False,
+        tp_group: dist.ProcessGroup | None = None,
+        replicas: Callable[[nn.Parameter], int] | None = None,
     ):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
@@ -100,6 +104,8 @@ class ZeroDataParallel(GradientSync):
         self.device = next(model.parameters()).device
         self.offload_device = torch.device("cpu") if offload else self.device
         self.offload = offload
+        self.tp_group = tp_group
+        self._replicas = replicas
         self._broadcast_parameters()
         self.units = [block for _, block in units(model)]
         self.groups = self._build_groups()
@@ -109,6 +115,7 @@ class ZeroDataParallel(GradientSync):
         self._slot = {id(p): g for g in self.groups for p in g.params}
         self._gathered: dict[int, list] = {}  # unit -> pending all-gather works (stage 3)
         for g in self.groups:
+            g.norm_weights = self._norm_weights(g)
             self._shard_group(g)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for g in self.groups for p in g.params]
         if stage == 3:
@@ -147,6 +154,15 @@ class ZeroDataParallel(GradientSync):
             g.flat_grad = torch.zeros(g.padded_numel, dtype=self.param_dtype, device=self.device)
             for param, view in g.views(g.flat_grad):
                 param.grad = view
+
+    def _norm_weights(self, g: FlatGroup) -> torch.Tensor | None:
+        """Per-element 1 / (tensor-parallel replicas) of this rank's shard, so replicated values count once."""
+        if self.tp_group is None:
+            return None
+        full = torch.zeros(g.padded_numel, dtype=torch.float64, device=self.device)
+        for param, shape, offset in zip(g.params, g.shapes, g.offsets):
+            full[offset : offset + shape.numel()] = 1.0 / self._replicas(param)
+        return full[self.rank * g.shard_numel : (self.rank + 1) * g.shard_numel].clone()
 
     def master_parameters(self, decay: bool) -> list[nn.Parameter]:
         return [g.master for g in self.groups if g.decay == decay]
@@ -265,9 +281,12 @@ class ZeroDataParallel(GradientSync):
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Global L2 norm of the gradient from the shards; scale the shards if it exceeds max_norm."""
-        local = sum(float(g.grad_shard.double().pow(2).sum()) for g in self.groups)
+        local = sum(float(g.grad_shard.double().pow(2).sum() if g.norm_weights is None
+                          else (g.grad_shard.double().pow(2) * g.norm_weights).sum()) for g in self.groups)
         total = torch.tensor(local, dtype=torch.float64, device=self.device)
         dist.all_reduce(total, group=self.shard_group)
+        if self.tp_group is not None:  # the other tensor-parallel ranks hold the other pieces
+            dist.all_reduce(total, group=self.tp_group)
         norm = float(total.sqrt())
         if norm > max_norm:
             scale = max_norm / (norm + 1e-6)

@@ -37,7 +37,12 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.errors import CheckpointError
-from fivefold.train.train_state import checkpoint_layout, read_consolidated_weights, write_training_state
+from fivefold.train.train_state import (
+    checkpoint_layout,
+    consolidated_shapes,
+    read_consolidated_weights,
+    write_training_state,
+)
 
 FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -199,26 +204,47 @@ def load_layout(folder: Path) -> dict[str, dict]:
     return json.loads(path.read_text())
 
 
-def check_layout(folder: Path, model: nn.Module) -> None:
-    """Refuse a checkpoint whose parameters (names, shapes, grouping) differ from the model's."""
-    saved, expected = load_layout(folder), checkpoint_layout(model)
-    if saved != expected:
-        saved_names = {n: s for g in saved.values() for n, s in zip(g["names"], g["shapes"])}
-        model_names = {n: s for g in expected.values() for n, s in zip(g["names"], g["shapes"])}
-        missing = sorted(set(model_names) - set(saved_names))
-        unexpected = sorted(set(saved_names) - set(model_names))
-        shapes = sorted(n for n in set(saved_names) & set(model_names) if saved_names[n] != model_names[n])
+def _tp_degree(layout: dict[str, dict]) -> int:
+    ranks = {key.split("/", 1)[0] for key in layout if key.startswith("tp")}
+    return max(len(ranks), 1)
+
+
+def check_layout(folder: Path, expected: dict[str, dict]) -> None:
+    """Refuse a checkpoint whose parameters (names, full shapes) or tensor-parallel split differ from this run's.
+
+    `expected` is this run's layout (train_state.checkpoint_layout, gathered over the TP group).
+    """
+    saved = load_layout(folder)
+    if saved == expected:
+        return
+    saved_shapes, model_shapes = consolidated_shapes(saved), consolidated_shapes(expected)
+    if saved_shapes != model_shapes:
+        missing = sorted(set(model_shapes) - set(saved_shapes))
+        unexpected = sorted(set(saved_shapes) - set(model_shapes))
+        shapes = sorted(n for n in set(saved_shapes) & set(model_shapes) if saved_shapes[n] != model_shapes[n])
         raise CheckpointError(
             f"checkpoint {folder} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
-            f"different shapes {[(n, saved_names[n], model_names[n]) for n in shapes[:3]]}; "
+            f"different shapes {[(n, saved_shapes[n], model_shapes[n]) for n in shapes[:3]]}; "
             "the model config differs from the one it was saved with"
         )
+    raise CheckpointError(
+        f"checkpoint {folder} was saved with parallel.tp = {_tp_degree(saved)}, this run has parallel.tp = "
+        f"{_tp_degree(expected)}: resume with the same tp (any data-parallel layout works), or consolidate it "
+        "with `fivefold convert` and start from the weights"
+    )
 
 
 def load_model_weights(folder: Path, model: nn.Module) -> None:
-    """Consolidated weights into a whole model, from a checkpoint saved under any layout."""
-    check_layout(folder, model)
-    model.load_state_dict(read_consolidated_weights(Path(folder), load_layout(folder)), strict=False)
+    """Consolidated weights into a whole model, from a checkpoint saved under any layout (TP pieces joined)."""
+    layout = load_layout(folder)
+    saved_shapes, model_shapes = consolidated_shapes(layout), consolidated_shapes(checkpoint_layout(model))
+    if saved_shapes != model_shapes:
+        raise CheckpointError(
+            f"checkpoint {folder} does not match the model: parameters "
+            f"{sorted(set(saved_shapes) ^ set(model_shapes))[:5] or [n for n in saved_shapes if saved_shapes[n] != model_shapes.get(n)][:5]} "
+            "differ; the model config differs from the one it was saved with"
+        )
+    model.load_state_dict(read_consolidated_weights(Path(folder), layout), strict=False)
 
 
 def load_trainer_state(folder: Path) -> TrainerState:

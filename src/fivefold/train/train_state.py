@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fivefold.parallel.flat_groups import GroupLayout, flatten, flat_group_layout, unflatten
 from fivefold.parallel.mesh import Mesh
+from fivefold.parallel.tensor_parallel import tp_spec
 from fivefold.parallel.zero import ZeroDataParallel
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -37,6 +38,7 @@ def _step_tensor(value: float) -> torch.Tensor:
 
 
 def _keys(group: str) -> dict[str, str]:
+    """DCP keys of a group; `group` carries the tensor-parallel prefix (`tp1/layers.0/decay`) when tp > 1."""
     return {"model": f"model/{group}", **{m: f"optim/{group}/{m}" for m in MOMENTS}, "step": f"optim/{group}/step"}
 
 
@@ -54,19 +56,28 @@ def write_training_state(state: dict[str, torch.Tensor], folder: Path, distribut
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=not distributed)
 
 
-def checkpoint_layout(model: nn.Module) -> dict[str, dict]:
-    """The group -> (names, shapes) map written beside the state, so weights load without the model."""
-    return {group.key: group.to_json() for group in flat_group_layout(model)}
+def checkpoint_layout(model: nn.Module, prefix: str = "") -> dict[str, dict]:
+    """group -> (names, shapes, tensor-parallel split of each), written beside the state.
+
+    With tensor parallelism every TP rank has its own groups, keyed with its prefix (`tp1/`),
+    and the splits say how to put the pieces back together (`read_consolidated_weights`).
+    """
+    params = dict(model.named_parameters())
+    out = {}
+    for group in flat_group_layout(model):
+        specs = [tp_spec(params[name]) for name in group.names]
+        out[prefix + group.key] = {**group.to_json(), "tp": [s.to_json() if s else None for s in specs]}
+    return out
 
 
 # ------------------------------------------------------------------ without ZeRO: whole tensors
-def _whole_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def _whole_state(model: nn.Module, optimizer: torch.optim.Optimizer, prefix: str) -> dict[str, torch.Tensor]:
     params = dict(model.named_parameters())
     out = {}
     for group in flat_group_layout(model):
         members = [params[name] for name in group.names]
         states = [optimizer.state.get(p, {}) for p in members]
-        keys = _keys(group.key)
+        keys = _keys(prefix + group.key)
         out[keys["model"]] = flatten(members)
         for moment in MOMENTS:
             out[keys[moment]] = flatten([s.get(moment, torch.zeros_like(p)) for s, p in zip(states, members)])
@@ -75,13 +86,13 @@ def _whole_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
 
 
 @torch.no_grad()
-def _load_whole(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    state = _whole_state(model, optimizer)  # buffers of the right shapes, filled in place by DCP
+def _load_whole(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, prefix: str) -> None:
+    state = _whole_state(model, optimizer, prefix)  # buffers of the right shapes, filled in place by DCP
     with _single_process():
         dcp.load(state, checkpoint_id=str(folder / "state"), no_dist=True)
     params = dict(model.named_parameters())
     for group in flat_group_layout(model):
-        keys = _keys(group.key)
+        keys = _keys(prefix + group.key)
         moments = {m: unflatten(group, state[keys[m]]) for m in MOMENTS}
         for name, value in unflatten(group, state[keys["model"]]).items():
             param = params[name]
@@ -91,7 +102,7 @@ def _load_whole(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer
 
 
 # ---------------------------------------------------------------------- ZeRO: this rank's shards
-def _sharded_state(zero: ZeroDataParallel, optimizer: torch.optim.Optimizer, mesh: Mesh,
+def _sharded_state(zero: ZeroDataParallel, optimizer: torch.optim.Optimizer, mesh: Mesh, prefix: str,
                    fresh: bool = False) -> dict[str, torch.Tensor]:
     """DTensors over (dp_replicate, dp_shard) wrapping this rank's unpadded shard of every group.
 
@@ -103,7 +114,7 @@ def _sharded_state(zero: ZeroDataParallel, optimizer: torch.optim.Optimizer, mes
         lo, hi = zero.owned_range(g)
         n = hi - lo
         state = optimizer.state.get(g.master, {})
-        keys = _keys(g.layout.key)
+        keys = _keys(prefix + g.layout.key)
         locals_ = {"model": g.master.detach()[:n]}
         for moment in MOMENTS:
             locals_[moment] = state[moment][:n] if moment in state else torch.zeros(n)
@@ -116,11 +127,12 @@ def _sharded_state(zero: ZeroDataParallel, optimizer: torch.optim.Optimizer, mes
 
 
 @torch.no_grad()
-def _load_sharded(folder: Path, zero: ZeroDataParallel, optimizer: torch.optim.Optimizer, mesh: Mesh) -> None:
-    state = _sharded_state(zero, optimizer, mesh, fresh=True)
+def _load_sharded(folder: Path, zero: ZeroDataParallel, optimizer: torch.optim.Optimizer, mesh: Mesh,
+                  prefix: str) -> None:
+    state = _sharded_state(zero, optimizer, mesh, prefix, fresh=True)
     dcp.load(state, checkpoint_id=str(folder / "state"))
     for g in zero.groups:
-        keys = _keys(g.layout.key)
+        keys = _keys(prefix + g.layout.key)
         n = zero.owned_range(g)[1] - zero.owned_range(g)[0]
 
         def padded(key: str) -> torch.Tensor:
@@ -135,18 +147,35 @@ def _load_sharded(folder: Path, zero: ZeroDataParallel, optimizer: torch.optim.O
 
 # -------------------------------------------------------------------------------- public entry
 def capture_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, zero: ZeroDataParallel | None,
-                           mesh: Mesh | None) -> dict[str, torch.Tensor]:
-    """This rank's part of the checkpoint state dict (every rank of a ZeRO run must call DCP with it)."""
-    return _sharded_state(zero, optimizer, mesh) if zero is not None else _whole_state(model, optimizer)
+                           mesh: Mesh | None, prefix: str = "") -> dict[str, torch.Tensor]:
+    """This rank's part of the checkpoint state dict (every rank of a distributed run calls DCP with it)."""
+    return _sharded_state(zero, optimizer, mesh, prefix) if zero is not None else _whole_state(model, optimizer, prefix)
 
 
 def restore_training_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                           zero: ZeroDataParallel | None, mesh: Mesh | None) -> None:
-    """Load weights and AdamW state saved under any layout into this one (collective under ZeRO)."""
+                           zero: ZeroDataParallel | None, mesh: Mesh | None, prefix: str = "") -> None:
+    """Load weights and AdamW state saved under any data-parallel layout into this one (collective under ZeRO)."""
     if zero is not None:
-        _load_sharded(folder, zero, optimizer, mesh)
+        _load_sharded(folder, zero, optimizer, mesh, prefix)
     else:
-        _load_whole(folder, model, optimizer)
+        _load_whole(folder, model, optimizer, prefix)
+
+
+def _tp_rank(key: str) -> tuple[int, str]:
+    head, _, rest = key.partition("/")
+    return (int(head[2:]), rest) if head.startswith("tp") and head[2:].isdigit() else (0, key)
+
+
+def consolidated_shapes(layout: dict[str, dict]) -> dict[str, list[int]]:
+    """Each parameter's full shape, tensor-parallel pieces put back together."""
+    shapes = {}
+    for key, entry in layout.items():
+        for name, shape, spec in zip(entry["names"], entry["shapes"], entry.get("tp") or [None] * len(entry["names"])):
+            full = list(shape)
+            if spec and spec["dim"] is not None:
+                full[spec["dim"]] = spec["size"]
+            shapes[name] = full
+    return shapes
 
 
 def read_consolidated_weights(folder: Path, layout: dict[str, dict]) -> dict[str, torch.Tensor]:
@@ -156,8 +185,21 @@ def read_consolidated_weights(folder: Path, layout: dict[str, dict]) -> dict[str
     flats = {f"model/{key}": torch.empty(stored[f"model/{key}"].size, dtype=torch.float32) for key in layout}
     with _single_process():
         dcp.load(flats, storage_reader=reader, no_dist=True)
-    out = {}
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    specs: dict[str, dict | None] = {}
     for key, entry in layout.items():
-        group = GroupLayout(key, 0, False, tuple(entry["names"]), tuple(torch.Size(s) for s in entry["shapes"]))
-        out.update({name: tensor.clone() for name, tensor in unflatten(group, flats[f"model/{key}"]).items()})
+        rank, local_key = _tp_rank(key)
+        group = GroupLayout(local_key, 0, False, tuple(entry["names"]), tuple(torch.Size(s) for s in entry["shapes"]))
+        for (name, tensor), spec in zip(unflatten(group, flats[f"model/{key}"]).items(),
+                                        entry.get("tp") or [None] * len(entry["names"])):
+            pieces.setdefault(name, {})[rank] = tensor
+            specs[name] = spec
+    out = {}
+    for name, by_rank in pieces.items():
+        spec = specs[name]
+        if spec is None or spec["dim"] is None:
+            out[name] = by_rank[min(by_rank)].clone()
+        else:
+            whole = torch.cat([by_rank[r] for r in spec["ranks"]], dim=spec["dim"])
+            out[name] = whole.narrow(spec["dim"], 0, spec["size"]).clone()
     return out

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from fivefold.config import JobConfig
@@ -33,6 +32,7 @@ from fivefold.plan.flops import count_parameters, flops_per_token
 from fivefold.plan.memory import ModelStateBytes, zero_model_states
 from fivefold.parallel.data_parallel import DataParallel
 from fivefold.parallel.mesh import build_mesh
+from fivefold.parallel.parallelize import IGNORE_INDEX, parallelize
 from fivefold.parallel.zero import ZeroDataParallel
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.distributed import all_reduce_sum, init_distributed, local_device
@@ -40,8 +40,6 @@ from fivefold.train.memory import measure_model_states
 from fivefold.train.metrics import MetricsLogger, peak_memory_gib, peak_tflops, plot_losses, read_metrics
 from fivefold.train.optim import build_adamw, build_optimizer, lr_at, set_lr
 from fivefold.train.train_state import capture_training_state, checkpoint_layout, restore_training_state
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -77,13 +75,6 @@ def resolve_model_config(model: ModelConfig, vocab_size: int) -> ModelConfig:
     return model
 
 
-def token_weighted_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of token cross-entropies, in fp32; divided by the step's token count later."""
-    return F.cross_entropy(
-        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-
-
 class Trainer:
     def __init__(self, config: JobConfig, data: PreparedData | None = None):
         self.config = config
@@ -100,7 +91,10 @@ class Trainer:
         self.model_config = resolve_model_config(config.model, self.data.tokenizer.vocab_size)
         torch.manual_seed(config.train.seed)
         self.model: Transformer = materialize(build_model(self.model_config), self.device, seed=config.train.seed)
-        self.checkpoint_layout = checkpoint_layout(self.model)  # before ZeRO-3 empties the parameters
+        self.parallel = parallelize(self.model, self.mesh, config.parallel)  # tensor parallel, recompute
+        self.tp_prefix = f"tp{self.parallel.tp_rank}/" if self.parallel.tp > 1 else ""
+        self.checkpoint_layout = self._gather_layout()  # before ZeRO-3 empties the parameters
+        self.parameters_per_rank = sum(p.numel() for p in self.model.parameters())  # Ψ, or Ψ's TP shard
         self.resumed_from = self._resume_folder()
         self.ddp, self.zero = None, None
         par = config.parallel
@@ -109,7 +103,8 @@ class Trainer:
             param_dtype = torch.bfloat16 if par.param_dtype == "bf16" else torch.float32
             replicate = self.mesh.group("dp_replicate") if self.dims.dp_replicate > 1 else None
             self.zero = ZeroDataParallel(self.model, self.mesh.group("dp_shard"), replicate, par.zero_stage,
-                                         param_dtype, reduce_dtype, par.offload)
+                                         param_dtype, reduce_dtype, par.offload, tp_group=self.parallel.tp_group,
+                                         replicas=self.parallel.replicas)
             self.optimizer = build_adamw(self.zero.master_parameters(True), self.zero.master_parameters(False), config.optim)
         else:
             if self.dp_group is not None:
@@ -123,14 +118,14 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model_config, t.seq_len)
         self.model_state_bytes: ModelStateBytes | None = None
         if self.resumed_from is not None:  # saved under any layout: DCP reads what this one needs
-            restore_training_state(self.resumed_from, self.model, self.optimizer, self.zero, self.mesh)
+            restore_training_state(self.resumed_from, self.model, self.optimizer, self.zero, self.mesh, self.tp_prefix)
             self.state = ckpt.load_trainer_state(self.resumed_from)
 
     def expected_model_states(self) -> ModelStateBytes:
         """The ZeRO-paper formula for this run (before padding)."""
         par = self.config.parallel
         mixed = par.zero_stage > 0 and par.param_dtype == "bf16"
-        return zero_model_states(count_parameters(self.model_config).total, par.zero_stage, self.dims.dp_shard, mixed)
+        return zero_model_states(self.parameters_per_rank, par.zero_stage, self.dims.dp_shard, mixed)
 
     def describe_model_states(self) -> str:
         par, measured, expected = self.config.parallel, self.model_state_bytes, self.expected_model_states()
@@ -142,7 +137,8 @@ class Trainer:
                 ("optimizer", measured.optimizer, expected.optimizer, f"{k}Ψ{shard[2]}"),
                 ("total", measured.total, expected.total, "")]
         head = (f"model states per rank, measured | formula (ZeRO-{par.zero_stage}, "
-                f"{'bf16 weights + fp32 masters' if mixed else 'fp32'}, Ψ = {count_parameters(self.model_config).total:,}, "
+                f"{'bf16 weights + fp32 masters' if mixed else 'fp32'}, Ψ = {self.parameters_per_rank:,}"
+                f"{' (this rank' + chr(39) + 's tensor-parallel shard)' if self.dims.tp > 1 else ''}, "
                 f"N = {self.dims.dp_shard}{', offloaded to CPU' if par.offload else ''}):")
         return "\n".join([head] + [f"  {name:<10} {m:>14,} B | {e:>14,} B  {f}" for name, m, e, f in rows])
 
@@ -168,8 +164,17 @@ class Trainer:
                 f"checkpoint {folder} was trained with different model settings ({', '.join('model.' + d for d in diffs)}); "
                 "resume with the same model config or start a new train.output_dir"
             )
-        ckpt.check_layout(folder, self.model)
+        ckpt.check_layout(folder, self.checkpoint_layout)
         return folder
+
+    def _gather_layout(self) -> dict[str, dict]:
+        """This run's checkpoint layout: every tensor-parallel rank's groups, under its prefix."""
+        local = checkpoint_layout(self.model, self.tp_prefix)
+        if self.parallel.tp == 1:
+            return local
+        everyone: list = [None] * self.parallel.tp
+        dist.all_gather_object(everyone, local, group=self.parallel.tp_group)
+        return {key: entry for part in everyone for key, entry in part.items()}
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
@@ -202,7 +207,7 @@ class Trainer:
             with self._sync_context(micro_step, len(batches)):
                 with self._autocast():
                     logits = self.model(inputs)
-                loss = token_weighted_loss(logits, labels)
+                loss = self.parallel.loss_sum(logits, labels)
                 (loss / total_tokens).backward()
             loss_sum += loss.detach()
         if self.grad_sync is not None:
@@ -216,7 +221,7 @@ class Trainer:
             self.zero.prepare_step()
             self.optimizer.step()
         else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            grad_norm = self.parallel.clip_grad_norm_(list(self.model.parameters()), max_norm)
             self.optimizer.step()
         if self.model_state_bytes is None:  # every state exists now: measure once
             self.model_state_bytes = measure_model_states(self.model, self.optimizer, self.zero)
@@ -246,7 +251,7 @@ class Trainer:
             with self._autocast():
                 logits = self.model(inputs)
             if counted:
-                totals[0] += token_weighted_loss(logits, labels).double()
+                totals[0] += self.parallel.loss_sum(logits, labels).double()
                 totals[1] += int((labels != IGNORE_INDEX).sum())
         self.model.train()
         all_reduce_sum(totals, self.dp_group)
@@ -255,7 +260,7 @@ class Trainer:
     def save(self) -> Path:
         """Write a checkpoint; in a distributed run every rank must call this (each writes its shards)."""
         return ckpt.save_checkpoint(
-            self.output_dir, capture_training_state(self.model, self.optimizer, self.zero, self.mesh),
+            self.output_dir, capture_training_state(self.model, self.optimizer, self.zero, self.mesh, self.tp_prefix),
             self.checkpoint_layout, self.state, self.config_dict(), self.data.tokenizer,
             self.config.checkpoint.keep_last,
         )
@@ -336,7 +341,9 @@ class Trainer:
             plot = plot_losses(metrics_path, self.output_dir / "loss.png", baseline)
         # ZeRO-3 gathers weights collectively inside forward, so every rank must generate.
         stage3 = self.zero is not None and self.zero.stage == 3
-        wanted = (self.is_rank0 or stage3) and log.sample_prompt and log.sample_tokens
+        wanted = (self.is_rank0 or stage3) and log.sample_prompt and log.sample_tokens and self.dims.tp == 1
+        if log.sample_prompt and log.sample_tokens and self.dims.tp > 1:
+            self._print("sample: generation runs in one process; use `fivefold generate --checkpoint` on this run")
         sample = self.sample(log.sample_prompt, log.sample_tokens) if wanted else None
         final = losses[-1] if losses else float("nan")
         self._print(f"final train loss {final:.4f}" + (f", validation loss {val_loss:.4f}" if val_loss is not None else "")

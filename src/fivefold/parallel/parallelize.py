@@ -1,0 +1,73 @@
+"""`parallelize(model, mesh, config)`: apply the model-parallel folds to a plain, materialised model.
+
+Order: tensor (and sequence) parallelism swaps the layers and slices the weights, then
+activation recomputation wraps blocks or attention cores. Data parallelism (our DDP or ZeRO)
+is applied after this by the trainer, over the data-parallel groups of the same mesh. The
+result says how to compute the loss: with tensor parallelism the logits are split over the
+vocabulary, so the loss is the vocab-parallel cross-entropy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.config import ParallelConfig
+from fivefold.parallel.mesh import Mesh
+from fivefold.parallel.recompute import apply_recompute
+from fivefold.parallel.tensor_parallel import apply_tensor_parallel, tp_spec, vocab_parallel_cross_entropy
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Parallelized:
+    """What the trainer needs to know about a parallelized model."""
+
+    vocab_size: int
+    tp_group: dist.ProcessGroup | None = None
+    tp_rank: int = 0
+    tp: int = 1
+
+    def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Sum (not mean) of the token cross-entropies, in fp32."""
+        if self.tp_group is None:
+            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+        return vocab_parallel_cross_entropy(logits, labels, self.vocab_size, self.tp_group, IGNORE_INDEX).sum()
+
+    def replicas(self, param: nn.Parameter) -> int:
+        """How many tensor-parallel ranks hold this parameter's values (1 when fully split)."""
+        spec = tp_spec(param)
+        return self.tp if spec is None else spec.replicas(self.tp)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float) -> float:
+        """Global L2 gradient norm over the tensor-parallel group (replicated values counted once); clip."""
+        if self.tp_group is None:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        pairs = [(p, p.grad) for p in params if p.grad is not None]
+        grads = [g for _, g in pairs]
+        local = sum(float(g.double().pow(2).sum()) / self.replicas(p) for p, g in pairs)
+        total = torch.tensor(local, dtype=torch.float64, device=grads[0].device)
+        dist.all_reduce(total, group=self.tp_group)
+        norm = float(total.sqrt())
+        if norm > max_norm:
+            for g in grads:
+                g.mul_(max_norm / (norm + 1e-6))
+        return norm
+
+
+def parallelize(model: nn.Module, mesh: Mesh | None, config: ParallelConfig) -> Parallelized:
+    """Apply tensor/sequence parallelism and recomputation in place; return how to use the result."""
+    result = Parallelized(vocab_size=model.config.vocab_size)
+    if config.tp > 1:
+        group = mesh.group("tp")
+        apply_tensor_parallel(model, group, config.sequence_parallel)
+        result.tp_group, result.tp_rank, result.tp = group, dist.get_rank(group), config.tp
+    apply_recompute(model, config.recompute)
+    return result

@@ -1,0 +1,398 @@
+"""Megatron-style tensor parallelism (Shoeybi et al. 2019) and sequence parallelism (Korthikanti et al. 2022).
+
+Applied from outside to the plain model by swapping modules (parameter names are kept):
+
+    attention:  wq, wk, wv column-parallel (split by heads), wo row-parallel
+    MLP:        w1, w3 column-parallel, w2 row-parallel
+    embedding:  vocab-parallel (rows split; out-of-range tokens give zeros, then summed)
+    head:       column-parallel over the vocabulary; the loss is the vocab-parallel cross-entropy,
+                so no rank ever holds full-vocabulary logits
+    norms:      replicated; each norm opens the tensor-parallel region that follows it
+
+Each region is entered once and left once, through the conjugate pairs of autograd functions:
+
+    without SP: enter = copy      (forward identity,   backward all-reduce)
+                leave = reduce    (forward all-reduce, backward identity)
+    with SP:    enter = gather    (forward all-gather along the sequence, backward reduce-scatter)
+                leave = scatter   (forward reduce-scatter along the sequence, backward all-gather)
+
+so per block and micro-batch the forward moves 2 all-reduces of s*b*h values (or 2 all-gathers
+plus 2 reduce-scatters of the same total: the same bytes on a ring), and the backward as many.
+With SP the norms and residual adds run on s/t of the sequence; their weights then get only the
+gradient of their own part, so it is summed over the group.
+
+GQA: with t <= n_kv_heads the key/value heads are split like the query heads; with t a multiple
+of n_kv_heads each rank holds the one key/value head its query heads read (replicated t/n_kv
+times), and the replicas' gradients are summed. The vocabulary is padded to a multiple of t;
+padded rows are zero and their logits are excluded from the softmax, so the loss is unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.errors import ConfigError
+from fivefold.model.config import ModelConfig
+from fivefold.model.llama import RMSNorm
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+SEQ_DIM = 1  # activations are (batch, seq, hidden)
+
+
+# ----------------------------------------------------------------------------- raw collectives
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    local = x.movedim(dim, 0).contiguous()
+    out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(out, local, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    full = x.movedim(dim, 0).contiguous()
+    out = torch.empty((full.shape[0] // world, *full.shape[1:]), dtype=x.dtype, device=x.device)
+    _reduce_scatter_single(out, full, group=group)
+    return out.movedim(0, dim)
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    return x.chunk(world, dim=dim)[rank].contiguous()
+
+
+# ------------------------------------------------------------------ conjugate autograd regions
+class _CopyToRegion(torch.autograd.Function):
+    """f: forward identity, backward all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """g: forward all-reduce, backward identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    """SP entry: forward all-gather along the sequence, backward reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, SEQ_DIM, ctx.group), None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    """SP exit: forward reduce-scatter along the sequence, backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, SEQ_DIM, ctx.group), None
+
+
+class _ScatterToSequenceRegion(torch.autograd.Function):
+    """Keep this rank's part of the sequence; backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, SEQ_DIM, ctx.group), None
+
+
+class _SumGradOverReplicas(torch.autograd.Function):
+    """Forward identity on a replicated weight; backward sums its gradient over the ranks holding it.
+
+    `slot` of `slots` names which replica set this rank belongs to (e.g. which key/value head);
+    the ranks of one slot sum their gradients (one all-reduce over the group, zeros elsewhere).
+    """
+
+    @staticmethod
+    def forward(ctx, weight, group, slot, slots):
+        ctx.group, ctx.slot, ctx.slots = group, slot, slots
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.slots == 1:
+            return _all_reduce(grad, ctx.group), None, None, None
+        buffer = grad.new_zeros((ctx.slots, *grad.shape))
+        buffer[ctx.slot] = grad
+        return _all_reduce(buffer, ctx.group)[ctx.slot], None, None, None
+
+
+def copy_to_tensor_parallel_region(x, group):
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x, group):
+    return _ReduceFromRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x, group):
+    return _GatherFromSequenceRegion.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group):
+    return _ReduceScatterToSequenceRegion.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x, group):
+    return _ScatterToSequenceRegion.apply(x, group)
+
+
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather along the sequence, without autograd (evaluation, tests)."""
+    return _all_gather(x, SEQ_DIM, group)
+
+
+# -------------------------------------------------------------------------------- the modules
+@dataclass(frozen=True)
+class TPSpec:
+    """How a parameter is split over the tensor-parallel group, to consolidate it and to count its norm.
+
+    dim: the split dimension, or None when every rank holds the whole tensor.
+    ranks: the ranks holding distinct pieces, in order (fewer than t when pieces are replicated).
+    size: the full length along dim before padding (padding is dropped on consolidation).
+    """
+
+    dim: int | None
+    ranks: tuple[int, ...]
+    size: int
+
+    def replicas(self, tp: int) -> int:
+        return tp // len(self.ranks)
+
+    def to_json(self) -> dict:
+        return {"dim": self.dim, "ranks": list(self.ranks), "size": self.size}
+
+
+def tp_spec(param: nn.Parameter) -> TPSpec | None:
+    return getattr(param, "tp_spec", None)
+
+
+def _parameter(value: torch.Tensor, spec: TPSpec) -> nn.Parameter:
+    param = nn.Parameter(value.detach().clone().contiguous())
+    param.tp_spec = spec
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x W_local^T, W split by output rows. The input is already in the TP region."""
+
+    def __init__(self, linear: nn.Linear, rows: slice, spec: TPSpec, group, replica_slot: tuple[int, int] | None = None):
+        super().__init__()
+        self.group, self.replica_slot = group, replica_slot
+        self.weight = _parameter(linear.weight[rows], spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if self.replica_slot is not None:
+            weight = _SumGradOverReplicas.apply(weight, self.group, *self.replica_slot)
+        return F.linear(x, weight)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_local W_local^T, W split by input columns; leaves the TP region."""
+
+    def __init__(self, linear: nn.Linear, group, sequence_parallel: bool):
+        super().__init__()
+        tp, rank = dist.get_world_size(group), dist.get_rank(group)
+        cols = linear.in_features // tp
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _parameter(linear.weight[:, rank * cols : (rank + 1) * cols], TPSpec(1, tuple(range(tp)), linear.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(y, self.group)
+        return reduce_from_tensor_parallel_region(y, self.group)
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    return -(-vocab_size // tp) * tp
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [r V'/t, (r+1) V'/t) of the (padded) table; tokens held elsewhere look up zeros, then sum."""
+
+    def __init__(self, embedding: nn.Embedding, group, sequence_parallel: bool):
+        super().__init__()
+        tp, rank = dist.get_world_size(group), dist.get_rank(group)
+        vocab, dim = embedding.weight.shape
+        self.per_rank = padded_vocab_size(vocab, tp) // tp
+        self.start = rank * self.per_rank
+        table = embedding.weight.new_zeros((self.per_rank, dim))
+        real = embedding.weight[self.start : min(self.start + self.per_rank, vocab)]
+        table[: real.shape[0]] = real
+        self.weight = _parameter(table, TPSpec(0, tuple(range(tp)), vocab))
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        outside = (tokens < self.start) | (tokens >= self.start + self.per_rank)
+        local = F.embedding((tokens - self.start).masked_fill(outside, 0), self.weight)
+        local = local.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(local, self.group)
+        return reduce_from_tensor_parallel_region(local, self.group)
+
+
+class ParallelRMSNorm(RMSNorm):
+    """RMSNorm (same weight) whose output enters the tensor-parallel region of the layer after it.
+
+    With SP it runs on this rank's part of the sequence and its weight gradient is summed over the group.
+    """
+
+    def __init__(self, norm: RMSNorm, group, sequence_parallel: bool):
+        nn.Module.__init__(self)
+        self.eps, self.weight = norm.eps, norm.weight
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            weight = _SumGradOverReplicas.apply(self.weight, self.group, 0, 1)
+            return gather_from_sequence_parallel_region(weight * self.normalize(x), self.group)
+        return copy_to_tensor_parallel_region(self.weight * self.normalize(x), self.group)
+
+
+# ----------------------------------------------------------------------- vocab-parallel loss
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy from vocab-sharded logits (N, V/t): max, sum of exps and target logit all-reduced."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, start, vocab_size, group, ignore_index):
+        logits = logits.float()
+        per_rank = logits.shape[-1]
+        padded = torch.arange(start, start + per_rank, device=logits.device) >= vocab_size
+        logits = logits.masked_fill(padded, float("-inf"))
+        top = logits.max(dim=-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        exp = (logits - top.unsqueeze(-1)).exp()
+        sum_exp = _all_reduce(exp.sum(dim=-1), group)
+        valid = labels != ignore_index
+        local = labels - start
+        mine = valid & (local >= 0) & (local < per_rank)
+        index = local.clamp(0, per_rank - 1).unsqueeze(-1)
+        target = torch.where(mine, logits.gather(-1, index).squeeze(-1) - top, torch.zeros_like(top))
+        target = _all_reduce(target, group)
+        loss = torch.where(valid, sum_exp.log() - target, torch.zeros_like(top))
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), mine, index, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, mine, index, valid = ctx.saved_tensors
+        grad = softmax.scatter_add(-1, index, -mine.to(softmax.dtype).unsqueeze(-1))
+        grad = grad * (grad_loss * valid).unsqueeze(-1)
+        return grad, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, group,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """Per-token losses (flattened) from this rank's slice of the padded vocabulary."""
+    start = dist.get_rank(group) * logits.shape[-1]
+    return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), labels.flatten(), start, vocab_size, group,
+                                            ignore_index)
+
+
+# ---------------------------------------------------------------------------------- applying
+def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool, seq_len: int) -> None:
+    """Raise ConfigError, naming the setting, when the model cannot be split tp ways."""
+    if tp == 1:
+        if sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
+        return
+    if config.n_heads % tp:
+        raise ConfigError(f"parallel.tp = {tp} must divide model.n_heads = {config.n_heads}")
+    kv = config.kv_heads
+    if kv % tp and tp % kv:
+        raise ConfigError(f"parallel.tp = {tp} and model.n_kv_heads = {kv}: one must divide the other "
+                          "(kv heads are split when tp <= n_kv_heads, replicated when tp is a multiple)")
+    if config.ffn_hidden_dim % tp:
+        raise ConfigError(f"parallel.tp = {tp} must divide the MLP width {config.ffn_hidden_dim} (model.ffn_hidden_dim)")
+    if sequence_parallel and seq_len % tp:
+        raise ConfigError(f"parallel.sequence_parallel splits train.seq_len = {seq_len} in parallel.tp = {tp}: "
+                          "make seq_len a multiple of tp")
+
+
+def _kv_linear(linear: nn.Linear, config: ModelConfig, group) -> ColumnParallelLinear:
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    kv, hd = config.kv_heads, config.head_dim
+    if kv % tp == 0:  # split the kv heads
+        per = kv // tp * hd
+        return ColumnParallelLinear(linear, slice(rank * per, (rank + 1) * per), TPSpec(0, tuple(range(tp)), kv * hd), group)
+    replicas = tp // kv  # each kv head is read by tp / kv ranks' query heads
+    head = rank // replicas
+    spec = TPSpec(0, tuple(range(0, tp, replicas)), kv * hd)
+    return ColumnParallelLinear(linear, slice(head * hd, (head + 1) * hd), spec, group, replica_slot=(head, kv))
+
+
+@torch.no_grad()
+def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) -> None:
+    """Swap the model's layers for their tensor-parallel versions, slicing the (materialised) weights."""
+    config: ModelConfig = model.config
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    everyone = tuple(range(tp))
+
+    def column(linear: nn.Linear) -> ColumnParallelLinear:
+        per = linear.out_features // tp
+        return ColumnParallelLinear(linear, slice(rank * per, (rank + 1) * per), TPSpec(0, everyone, linear.out_features), group)
+
+    for block in model.layers.values():
+        attention, mlp = block.attention, block.feed_forward
+        attention.wq = column(attention.wq)
+        attention.wk = _kv_linear(attention.wk, config, group)
+        attention.wv = _kv_linear(attention.wv, config, group)
+        attention.wo = RowParallelLinear(attention.wo, group, sequence_parallel)
+        mlp.w1, mlp.w3 = column(mlp.w1), column(mlp.w3)
+        mlp.w2 = RowParallelLinear(mlp.w2, group, sequence_parallel)
+        block.attention_norm = ParallelRMSNorm(block.attention_norm, group, sequence_parallel)
+        block.ffn_norm = ParallelRMSNorm(block.ffn_norm, group, sequence_parallel)
+    model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, sequence_parallel)
+    model.norm = ParallelRMSNorm(model.norm, group, sequence_parallel)
+    if model.output is not None:
+        padded = padded_vocab_size(config.vocab_size, tp)
+        head = nn.Linear(config.dim, padded, bias=False, device=model.output.weight.device)
+        head.weight.zero_()
+        head.weight[: config.vocab_size] = model.output.weight
+        model.output = ColumnParallelLinear(head, slice(rank * padded // tp, (rank + 1) * padded // tp),
+                                            TPSpec(0, everyone, config.vocab_size), group)
