@@ -134,3 +134,14 @@ def test_peak_flops_table_and_sources():
     assert peak_tflops(torch.device("cpu"), 2.5) == (2.5, "train.peak_tflops")
     measured, source = peak_tflops(torch.device("cpu"))
     assert measured > 0 and "measured" in source
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_gives_the_same_training(job, tmp_path, mode):
+    """Recomputation only changes what is kept for backward, not the result."""
+    job.checkpoint = dataclasses.replace(job.checkpoint, every=0)
+    reference = Trainer(job).fit()
+    again = dataclasses.replace(job, train=dataclasses.replace(job.train, output_dir=str(tmp_path / mode)),
+                                parallel=dataclasses.replace(job.parallel, recompute=mode))
+    result = Trainer(again).fit()
+    assert result.losses == pytest.approx(reference.losses, rel=1e-6)

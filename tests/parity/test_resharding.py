@@ -70,3 +70,21 @@ def test_reshard_zero3_x4_to_zero2_x2_single_process_and_ddp(base, tmp_path):
     for result in (resume("x2", 2, dp_shard=2, zero_stage=2), resume("x1", 1), resume("ddp", 2)):
         diffs = assert_parity(straight, result)
         print(f"resharded: {diffs}")
+
+
+def test_tensor_parallel_resume_is_exact_and_another_tp_is_refused(base, tmp_path):
+    """tp 2 (with SP): save at step 2, resume: the uninterrupted run bit for bit; tp 1 is refused by name."""
+    from fivefold.errors import CheckpointError
+    from fivefold.train.trainer import Trainer
+
+    config = with_changes(base, train={"output_dir": str(tmp_path / "straight")},
+                          parallel={"tp": 2, "sequence_parallel": True})
+    straight_losses, straight_weights = train_distributed(config, 2)
+    resumed = with_changes(config, train={"output_dir": str(tmp_path / "resumed")})
+    (losses, folder), _ = run_distributed(_interrupted_then_resumed, 2, resumed, timeout=150)
+    assert losses == straight_losses
+    for name, tensor in _weights(Path(folder)).items():
+        assert torch.equal(tensor, straight_weights[name]), name
+    single = with_changes(base, train={"output_dir": str(tmp_path / "single")}, checkpoint={"resume": folder})
+    with pytest.raises(CheckpointError, match="parallel.tp = 2"):
+        Trainer(single)

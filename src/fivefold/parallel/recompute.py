@@ -5,10 +5,13 @@
     selective:  only the attention core (softmax(q k^T) v) is recomputed: it is cheap in FLOPs
                 per byte saved, since with a materialised score matrix it holds the s^2 term.
 
-Both use non-reentrant `torch.utils.checkpoint`, applied from outside: the block's (or the
-core's) forward is replaced on the instance, so module hooks (ZeRO-3 gathers) and parameter
-names are untouched. Collectives inside a recomputed region (tensor/sequence parallel) run
-again in backward, in the same order on every rank.
+Both use `torch.utils.checkpoint` in its reentrant form, the one Megatron-LM uses: an autograd
+function that saves the region's inputs with `save_for_backward` (so they are counted like any
+other saved activation, docs/activation_memory.md) and runs the region under no_grad, then
+again with grad in backward. It is applied from outside: the block's (or the core's) forward
+is replaced on the instance, so module hooks (ZeRO-3 gathers) and parameter names are
+untouched. Collectives inside a recomputed region (tensor/sequence parallel) run again in
+backward, in the same order on every rank.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ RECOMPUTE_MODES = ("none", "full", "selective")
 def _checkpointed(fn):
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=True, **kwargs)
     return run
 
 

@@ -58,7 +58,7 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     local = x.movedim(dim, 0).contiguous()
     out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_single(out, local, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # one copy here, not one per consuming linear
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:

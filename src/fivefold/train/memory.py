@@ -1,4 +1,4 @@
-"""Measure the bytes of model states one rank really holds, from the tensors themselves.
+"""Measure the bytes of model states one rank really holds, and the activations a block keeps for backward.
 
 Storages are counted once each (views and aliases share one storage: ZeRO's flat buffers, an fp32
 master that *is* the weight shard), in the order parameters, gradients, optimizer states: a
@@ -9,7 +9,7 @@ optimizer) are not model states and are left out.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -45,3 +45,24 @@ def measure_model_states(model: nn.Module, optimizer: torch.optim.Optimizer, zer
     masters = [p for group in optimizer.param_groups for p in group["params"]]
     optimizer_bytes = _unique_bytes([t for t in [*states, *masters] if id(t) not in transient], seen)
     return ModelStateBytes(params, grads, optimizer_bytes)
+
+
+def saved_activation_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes autograd keeps for backward while `fn()` runs, counted once per storage.
+
+    Measured with `torch.autograd.graph.saved_tensors_hooks`: every tensor an autograd node (or a
+    recomputation region, which saves its inputs) packs for backward is seen here. Tensors in
+    `exclude` (the parameters) are not activations and are left out.
+    """
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    kept: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn()
+    return sum(kept.values())

@@ -1,0 +1,74 @@
+"""Activation memory per transformer block: what autograd keeps for backward, derived for our block.
+
+Korthikanti et al. (2022) count, per layer of a GPT block (16-bit, dropout, GELU MLP of 4h),
+s*b*h*(34 + 5*a*s/h) bytes; with tensor parallelism t: s*b*h*(10 + 24/t + 5*a*s/(h*t)); with
+sequence parallelism too: s*b*h/t*(34 + 5*a*s/h). Our block differs (SwiGLU of width f, RMSNorm
+computed in fp32, no dropout, GQA with n_kv heads of size d = h/a, RoPE, fused SDPA attention
+that keeps the log-sum-exp instead of the s x s score matrix), so we derive its count the same way,
+tensor by tensor, in *elements* (times 4 bytes in fp32):
+
+    attention norm   input x, 1/rms (s*b), normalised x          2sbh + sb
+    q, k, v input    the norm output (shared by the three)        sbh
+    RoPE             cos, sin tables of the positions             2sd
+    SDPA             q, k, v, output, log-sum-exp                 2sbh + 2sb*n_kv*d + a*s*b
+                     (the output is also wo's input: one tensor)
+    MLP norm         input, 1/rms, normalised, output             3sbh + sb
+    SwiGLU           w1 x, silu(w1 x), w3 x, their product        4sbf
+
+    none:       8sbh + 4sbf + 2sb*n_kv*d + 2sb + asb + 2sd
+    TP t:       6sbh + 2sb + 2sd + (2sbh + 4sbf + asb)/t + 2sb*kv_t*d     (kv_t = max(n_kv/t, 1))
+                (norms and their outputs replicated; q, output, lse and the MLP split by t)
+    TP + SP:    2sbh + 2sd + (6sbh + 2sb + 4sbf + asb)/t + 2sb*kv_t*d
+                (norms on s/t of the sequence; the all-gathered inputs of q/k/v and w1/w3, 2sbh,
+                are kept whole: Megatron-LM keeps them sharded and gathers again in backward)
+    selective:  none - asb (the core is recomputed; q, k, v are its saved inputs, and its
+                output is still kept by wo, so with fused attention only the lse goes)
+    full:       sbh + 2sd (the block's input and the RoPE tables; everything else is recomputed)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    micro_batch: int
+    seq_len: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"
+
+
+def block_activation_elements(model: ModelConfig, shape: ActivationShape) -> int:
+    """Elements one transformer block keeps for backward on one rank (see the module docstring)."""
+    s, b, t = shape.seq_len, shape.micro_batch, shape.tp
+    h, f, a, d = model.dim, model.ffn_hidden_dim, model.n_heads, model.head_dim
+    kv = max(model.kv_heads // t, 1)
+    sbh, sb = s * b * h, s * b
+    if shape.recompute == "full":
+        return (sbh // t if shape.sequence_parallel else sbh) + 2 * s * d
+    if t == 1:
+        total = 8 * sbh + 4 * sb * f + 2 * sb * kv * d + 2 * sb + a * sb + 2 * s * d
+    elif shape.sequence_parallel:
+        total = 2 * sbh + 2 * s * d + (6 * sbh + 2 * sb + 4 * sb * f + a * sb) // t + 2 * sb * kv * d
+    else:
+        total = 6 * sbh + 2 * sb + 2 * s * d + (2 * sbh + 4 * sb * f + a * sb) // t + 2 * sb * kv * d
+    if shape.recompute == "selective":
+        total -= a * sb // t
+    return total
+
+
+def korthikanti_bytes(model: ModelConfig, shape: ActivationShape) -> int:
+    """The paper's per-layer bytes (16-bit, dropout, 4h GELU MLP), for comparison in docs and `info`."""
+    s, b, h, a, t = shape.seq_len, shape.micro_batch, model.dim, model.n_heads, shape.tp
+    quadratic = 0 if shape.recompute == "selective" else 5 * a * s / h
+    if shape.recompute == "full":
+        return int(2 * s * b * h)
+    if shape.sequence_parallel:
+        return int(s * b * h / t * (34 + quadratic))
+    if t > 1:
+        return int(s * b * h * (10 + 24 / t + quadratic / t))
+    return int(s * b * h * (34 + quadratic))

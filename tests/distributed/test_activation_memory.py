@@ -1,0 +1,62 @@
+"""Activation bytes a block keeps for backward, measured with saved_tensors_hooks == the derived formula.
+
+The formula (plan/activations.py, docs/activation_memory.md) is checked for no parallelism,
+tensor parallelism at t = 2 (kv heads split) and t = 4 (kv heads replicated), with and without
+sequence parallelism, and for each recomputation mode.
+"""
+
+import pytest
+import torch
+
+from fivefold.model import ModelConfig, build_model, materialize
+from fivefold.plan.activations import ActivationShape, block_activation_elements
+
+from distributed.spawn import run_distributed
+
+MODEL = ModelConfig(name="act", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16, max_seq_len=64,
+                    vocab_size=101)
+BATCH, SEQ = 2, 32
+MODES = ("none", "selective", "full")
+
+
+def _measure(tp: int, sp: bool, recompute: str, mesh=None) -> int:
+    from fivefold.config import ParallelConfig
+    from fivefold.parallel.parallelize import parallelize
+    from fivefold.train.memory import saved_activation_bytes
+
+    model = materialize(build_model(MODEL), "cpu", seed=0)
+    parallelize(model, mesh, ParallelConfig(tp=tp, sequence_parallel=sp, recompute=recompute))
+    block = model.layers["0"]
+    seq = SEQ // tp if sp else SEQ
+    x = torch.randn(BATCH, seq, MODEL.dim).requires_grad_()
+    positions = torch.arange(SEQ)
+    cos, sin = model.rope_cos[positions], model.rope_sin[positions]
+    return saved_activation_bytes(lambda: block(x, cos, sin), exclude=list(model.parameters()))
+
+
+def _expected(tp: int, sp: bool, recompute: str) -> int:
+    return 4 * block_activation_elements(MODEL, ActivationShape(BATCH, SEQ, tp, sp, recompute))  # fp32
+
+
+@pytest.mark.parametrize("recompute", MODES)
+def test_single_process(recompute):
+    assert _measure(1, False, recompute) == _expected(1, False, recompute)
+
+
+def _tp_rank(rank, world_size, sp):
+    from fivefold.parallel.mesh import ParallelDims, build_mesh
+
+    mesh = build_mesh(ParallelDims(tp=world_size, world_size=world_size), "cpu")
+    return {mode: _measure(world_size, sp, mode, mesh) for mode in MODES}
+
+
+@pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)])
+def test_tensor_parallel(tp, sp):
+    for measured in run_distributed(_tp_rank, tp, sp):
+        assert measured == {mode: _expected(tp, sp, mode) for mode in MODES}
+
+
+def test_recomputation_saves_what_it_should():
+    none, selective, full = (_expected(1, False, m) for m in MODES)
+    assert full < selective < none
+    assert _expected(2, True, "none") < _expected(2, False, "none") < none
