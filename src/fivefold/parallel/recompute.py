@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -27,6 +28,8 @@ RECOMPUTE_MODES = ("none", "full", "selective")
 def _checkpointed(fn):
     @functools.wraps(fn)
     def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # evaluation, generation: nothing to keep or recompute
+            return fn(*args, **kwargs)
         return checkpoint(fn, *args, use_reentrant=True, **kwargs)
     return run
 
