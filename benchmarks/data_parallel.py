@@ -4,8 +4,7 @@
     our ZeRO-3 (parallel/zero.py)        vs  FSDP2 torch.distributed.fsdp.fully_shard (per block, then root)
 
 Each rank builds the four variants from the same seed; every round runs one optimizer step of
-each, in an order that rotates per round, so machine noise hits all alike. Step time is the
-median over rounds, max over ranks. Memory is the bytes of parameters, gradients and optimizer
+each, in an order that rotates per round (benchmarks/ranks.py). Memory is the bytes of parameters, gradients and optimizer
 states one rank holds after a step, counted from tensor storages (local shards for FSDP2's
 DTensors); communication buffers are not counted for anyone.
 
@@ -16,15 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from ranks import spawn, timed_rounds
 
 VARIANTS = ("ours-ddp", "torch-ddp", "ours-zero3", "fsdp2")
 PEERS = {"ours-ddp": "torch-ddp", "ours-zero3": "fsdp2"}
@@ -102,52 +97,22 @@ def _build(variant: str, config, group):
     return step
 
 
-def _rank(rank: int, world_size: int, port: int, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        from fivefold.model import get_preset
+def _rank(rank: int, world_size: int, args) -> dict:
+    from fivefold.model import get_preset
 
-        config = get_preset(args.preset)
-        config.vocab_size = config.vocab_size or 257
-        if args.layers:
-            config.n_layers = args.layers
-        group = dist.group.WORLD
-        steps = {v: _build(v, config, group) for v in VARIANTS}
-        times = {v: [] for v in VARIANTS}
-        memory = {}
-        generator = torch.Generator().manual_seed(rank)
-        for round_index in range(args.warmup + args.rounds):
-            order = VARIANTS[round_index % 4:] + VARIANTS[: round_index % 4]
-            tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq_len + 1), generator=generator)
-            for variant in order:
-                dist.barrier()
-                start = time.perf_counter()
-                memory[variant] = steps[variant](tokens[:, :-1], tokens[:, 1:], world_size)
-                elapsed = torch.tensor(time.perf_counter() - start)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                if round_index >= args.warmup:
-                    times[variant].append(float(elapsed))
-        if rank == 0:
-            queue.put({v: {"step_ms": statistics.median(times[v]) * 1e3, "model_state_mib": memory[v] / 2**20} for v in VARIANTS})
-    finally:
-        dist.destroy_process_group()
+    config = get_preset(args.preset)
+    config.vocab_size = config.vocab_size or 257
+    if args.layers:
+        config.n_layers = args.layers
+    steps = {v: _build(v, config, dist.group.WORLD) for v in VARIANTS}
+    generator = torch.Generator().manual_seed(rank)  # each data-parallel rank its own batch
 
+    def make_batch():
+        return torch.randint(0, config.vocab_size, (args.batch, args.seq_len + 1), generator=generator)
 
-def run_world(world_size: int, args) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world_size, port, args, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=args.timeout)
-    for p in procs:
-        p.join(timeout=30)
-    return result
+    wrapped = {v: (lambda tokens, step=step: step(tokens[:, :-1], tokens[:, 1:], world_size)) for v, step in steps.items()}
+    times, memory = timed_rounds(wrapped, make_batch, args.warmup, args.rounds)
+    return {v: {"step_ms": times[v], "model_state_mib": memory[v] / 2**20} for v in VARIANTS}
 
 
 def main() -> None:
@@ -163,7 +128,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    results = {w: run_world(w, args) for w in args.world_sizes}
+    results = {w: spawn(_rank, w, args, args.timeout) for w in args.world_sizes}
     if args.json:
         print(json.dumps({"config": vars(args), "results": results}, indent=2))
     print(f"{args.preset}, per-rank batch {args.batch} x {args.seq_len}, gloo on CPU, median of {args.rounds} rounds")

@@ -30,3 +30,14 @@ def test_data_parallel_benchmark_runs_and_prints_result():
     ).stdout
     result = [line for line in out.splitlines() if line.startswith("RESULT name=data_parallel")]
     assert len(result) == 1 and "ours-zero3_vs_fsdp2_x2_mem=" in result[0]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_benchmark_runs_and_prints_result():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "tensor_parallel.py"), "--layers", "1", "--seq-len", "16",
+         "--batch", "1", "--rounds", "1", "--warmup", "0"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout
+    result = [line for line in out.splitlines() if line.startswith("RESULT name=tensor_parallel")]
+    assert len(result) == 1 and "ours-tp_vs_dtensor-tp_time=" in result[0]

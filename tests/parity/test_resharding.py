@@ -34,6 +34,17 @@ def _interrupted_then_resumed(rank, world_size, config):
     return losses + result.losses, str(result.checkpoint)
 
 
+def _assert_resume_is_exact(config, tmp_path) -> Path:
+    """Straight 2-rank run vs 2 steps + save + fresh resume: identical losses and weights; the resumed folder."""
+    straight_losses, straight_weights = train_distributed(config, 2)
+    resumed = with_changes(config, train={"output_dir": str(tmp_path / "resumed")})
+    (losses, folder), _ = run_distributed(_interrupted_then_resumed, 2, resumed, timeout=150)
+    assert losses == straight_losses
+    for name, tensor in _weights(Path(folder)).items():
+        assert torch.equal(tensor, straight_weights[name]), name
+    return Path(folder)
+
+
 @pytest.mark.parametrize("stage,param_dtype", [(2, "fp32"), (3, "fp32"), (3, "bf16")])
 def test_zero_resume_is_exact(base, tmp_path, stage, param_dtype):
     """Save at step 2 of 4, each rank writing its own shards; resume gives the uninterrupted run bit for bit.
@@ -42,13 +53,8 @@ def test_zero_resume_is_exact(base, tmp_path, stage, param_dtype):
     """
     config = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "straight")},
                           parallel={"dp_shard": 2, "zero_stage": stage, "param_dtype": param_dtype})
-    straight_losses, straight_weights = train_distributed(config, 2)
-    resumed = with_changes(config, train={"output_dir": str(tmp_path / "resumed")})
-    (losses, folder), _ = run_distributed(_interrupted_then_resumed, 2, resumed, timeout=150)
-    assert losses == straight_losses
-    for name, tensor in _weights(Path(folder)).items():
-        assert torch.equal(tensor, straight_weights[name]), name
-    state = Path(folder) / "state"
+    folder = _assert_resume_is_exact(config, tmp_path)
+    state = folder / "state"
     assert {p.name for p in state.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}  # one file per rank
 
 
@@ -79,12 +85,7 @@ def test_tensor_parallel_resume_is_exact_and_another_tp_is_refused(base, tmp_pat
 
     config = with_changes(base, train={"output_dir": str(tmp_path / "straight")},
                           parallel={"tp": 2, "sequence_parallel": True})
-    straight_losses, straight_weights = train_distributed(config, 2)
-    resumed = with_changes(config, train={"output_dir": str(tmp_path / "resumed")})
-    (losses, folder), _ = run_distributed(_interrupted_then_resumed, 2, resumed, timeout=150)
-    assert losses == straight_losses
-    for name, tensor in _weights(Path(folder)).items():
-        assert torch.equal(tensor, straight_weights[name]), name
-    single = with_changes(base, train={"output_dir": str(tmp_path / "single")}, checkpoint={"resume": folder})
+    folder = _assert_resume_is_exact(config, tmp_path)
+    single = with_changes(base, train={"output_dir": str(tmp_path / "single")}, checkpoint={"resume": str(folder)})
     with pytest.raises(CheckpointError, match="parallel.tp = 2"):
         Trainer(single)

@@ -75,68 +75,32 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ conjugate autograd regions
-class _CopyToRegion(torch.autograd.Function):
-    """f: forward identity, backward all-reduce."""
+def _region(name: str, forward, backward) -> type[torch.autograd.Function]:
+    """An autograd function that is `forward(x, group)` one way and `backward(grad, group)` back."""
 
-    @staticmethod
-    def forward(ctx, x, group):
+    def fwd(ctx, x, group):
         ctx.group = group
-        return x.view_as(x)
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+    def bwd(ctx, grad):
+        return backward(grad, ctx.group), None
 
-
-class _ReduceFromRegion(torch.autograd.Function):
-    """g: forward all-reduce, backward identity."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _GatherFromSequenceRegion(torch.autograd.Function):
-    """SP entry: forward all-gather along the sequence, backward reduce-scatter."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, SEQ_DIM, ctx.group), None
+def _identity(x: torch.Tensor, group) -> torch.Tensor:
+    return x.view_as(x)
 
 
-class _ReduceScatterToSequenceRegion(torch.autograd.Function):
-    """SP exit: forward reduce-scatter along the sequence, backward all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, SEQ_DIM, ctx.group), None
-
-
-class _ScatterToSequenceRegion(torch.autograd.Function):
-    """Keep this rank's part of the sequence; backward all-gathers the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, SEQ_DIM, ctx.group), None
+# (forward, backward) pairs: each is the other's conjugate.
+_CopyToRegion = _region("CopyToRegion", _identity, _all_reduce)  # f
+_ReduceFromRegion = _region("ReduceFromRegion", lambda x, g: _all_reduce(x.clone(), g), _identity)  # g
+_GatherFromSequenceRegion = _region(  # SP entry
+    "GatherFromSequenceRegion", lambda x, g: _all_gather(x, SEQ_DIM, g), lambda d, g: _reduce_scatter(d, SEQ_DIM, g))
+_ReduceScatterToSequenceRegion = _region(  # SP exit
+    "ReduceScatterToSequenceRegion", lambda x, g: _reduce_scatter(x, SEQ_DIM, g), lambda d, g: _all_gather(d, SEQ_DIM, g))
+_ScatterToSequenceRegion = _region(
+    "ScatterToSequenceRegion", lambda x, g: _split(x, SEQ_DIM, g), lambda d, g: _all_gather(d, SEQ_DIM, g))
 
 
 class _SumGradOverReplicas(torch.autograd.Function):

@@ -1,0 +1,66 @@
+"""Shared by the multi-rank benchmarks: spawn gloo ranks, and time variants in rotating order.
+
+Every round runs one step of each variant, in an order that rotates per round so machine noise
+hits all alike; a step's time is the max over ranks (the slowest rank sets the pace), and the
+reported time is the median over rounds after the warm-up.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world_size: int, port: int, target: Callable, args: Any, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = target(rank, world_size, args)
+        if rank == 0:
+            queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(target: Callable[[int, int, Any], Any], world_size: int, args: Any, timeout: float) -> Any:
+    """Run target(rank, world_size, args) in `world_size` gloo ranks; return rank 0's result."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, target, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=timeout)
+    for p in procs:
+        p.join(timeout=30)
+    return result
+
+
+def timed_rounds(steps: dict[str, Callable[[torch.Tensor], Any]], make_batch: Callable[[], torch.Tensor],
+                 warmup: int, rounds: int) -> tuple[dict[str, float], dict[str, Any]]:
+    """Median step time in ms per variant (max over ranks), and each variant's last return value."""
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    last: dict[str, Any] = {}
+    for round_index in range(warmup + rounds):
+        shift = round_index % len(names)
+        batch = make_batch()
+        for name in names[shift:] + names[:shift]:
+            dist.barrier()
+            start = time.perf_counter()
+            last[name] = steps[name](batch)
+            elapsed = torch.tensor(time.perf_counter() - start)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if round_index >= warmup:
+                times[name].append(float(elapsed))
+    return {name: statistics.median(times[name]) * 1e3 for name in names}, last

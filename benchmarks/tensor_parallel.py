@@ -1,0 +1,147 @@
+"""Tensor-parallel training step: our Megatron-style TP vs PyTorch DTensor TP, in the same run.
+
+    ours-tp      parallel/tensor_parallel.py (vocab-parallel embedding, head and loss)
+    ours-tp-sp   the same with sequence parallelism
+    dtensor-tp   torch.distributed.tensor.parallel.parallelize_module with the torchtitan plan:
+                 ColwiseParallel for wq/wk/wv/w1/w3, RowwiseParallel for wo/w2, a row-wise
+                 (vocab-parallel) embedding, a column-wise head with loss_parallel()
+
+Same model, seed, shapes and ranks; every round runs one step (forward, backward, AdamW) of each
+variant in an order that rotates per round. Step time is the median over rounds, max over ranks.
+"saved MiB" is what autograd keeps for backward over the whole forward (saved_tensors_hooks,
+parameters excluded), on rank 0.
+
+    python benchmarks/tensor_parallel.py --world-size 2 --preset tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from ranks import spawn, timed_rounds
+
+VARIANTS = ("ours-tp", "ours-tp-sp", "dtensor-tp")
+PEER = "dtensor-tp"
+
+
+def _saved_bytes(fn, params) -> int:
+    excluded = {p.to_local().untyped_storage().data_ptr() if hasattr(p, "to_local") else p.untyped_storage().data_ptr()
+                for p in params}
+    kept = {}
+
+    def pack(t):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        try:
+            storage = local.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+        except RuntimeError:  # DTensor's async-collective wrappers have no storage yet: count the tensor
+            key, size = id(local), local.numel() * local.element_size()
+        if key not in excluded:
+            kept[key] = size
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn()
+    return sum(kept.values()), result
+
+
+def _build(variant: str, config, world_size: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
+                                                   parallelize_module)
+
+    from fivefold.config import OptimConfig, ParallelConfig
+    from fivefold.model import build_model, materialize
+    from fivefold.parallel.mesh import ParallelDims, build_mesh
+    from fivefold.parallel.parallelize import parallelize
+    from fivefold.train.optim import build_optimizer
+
+    model = materialize(build_model(config), "cpu", seed=0)
+    if variant.startswith("ours"):
+        mesh = build_mesh(ParallelDims(tp=world_size, world_size=world_size), "cpu")
+        plan = parallelize(model, mesh, ParallelConfig(tp=world_size, sequence_parallel=variant.endswith("sp")))
+        loss_of = plan.loss_sum
+        context = torch.enable_grad
+    else:
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in model.layers.values():
+            parallelize_module(block, mesh, {
+                "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(),
+            })
+        parallelize_module(model, mesh, {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        })
+
+        def loss_of(logits, labels):
+            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+        context = loss_parallel
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
+    params = list(model.parameters())
+
+    def step(inputs, labels):
+        with context():
+            saved, loss = _saved_bytes(lambda: loss_of(model(inputs), labels) / labels.numel(), params)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return saved
+
+    return step
+
+
+def _rank(rank: int, world_size: int, args) -> dict:
+    from fivefold.model import get_preset
+
+    config = get_preset(args.preset)
+    config.vocab_size = config.vocab_size or 257
+    if args.layers:
+        config.n_layers = args.layers
+    steps = {v: _build(v, config, world_size) for v in VARIANTS}
+    generator = torch.Generator().manual_seed(0)  # every TP rank sees the same batch
+
+    def make_batch():
+        return torch.randint(0, config.vocab_size, (args.batch, args.seq_len + 1), generator=generator)
+
+    wrapped = {v: (lambda tokens, step=step: step(tokens[:, :-1], tokens[:, 1:])) for v, step in steps.items()}
+    times, saved = timed_rounds(wrapped, make_batch, args.warmup, args.rounds)
+    return {v: {"step_ms": times[v], "saved_mib": saved[v] / 2**20} for v in VARIANTS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count (0 = keep)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    rows = spawn(_rank, args.world_size, args, args.timeout)
+    if args.json:
+        print(json.dumps({"config": vars(args), "results": rows}, indent=2))
+    print(f"{args.preset}, batch {args.batch} x {args.seq_len}, tp {args.world_size}, gloo on CPU, median of {args.rounds} rounds")
+    print(f"{'variant':<11} {'step (ms)':>10} {'saved for backward (MiB/rank)':>30}")
+    for variant, row in rows.items():
+        print(f"{variant:<11} {row['step_ms']:>10.1f} {row['saved_mib']:>30.2f}")
+    ratios = []
+    for ours in ("ours-tp", "ours-tp-sp"):
+        t = rows[ours]["step_ms"] / rows[PEER]["step_ms"]
+        m = rows[ours]["saved_mib"] / rows[PEER]["saved_mib"]
+        print(f"{ours} / {PEER}: step time x{t:.2f}, saved activations x{m:.2f}")
+        ratios.append(f"{ours}_vs_{PEER}_time={t:.3f} {ours}_vs_{PEER}_saved={m:.3f}")
+    print("RESULT name=tensor_parallel " + " ".join(ratios))
+
+
+if __name__ == "__main__":
+    main()
