@@ -19,7 +19,7 @@ import json
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ranks import spawn, timed_rounds
+from ranks import benchmark_model, run_variants, spawn
 
 VARIANTS = ("ours-ddp", "torch-ddp", "ours-zero3", "fsdp2")
 PEERS = {"ours-ddp": "torch-ddp", "ours-zero3": "fsdp2"}
@@ -43,7 +43,7 @@ def _optimizer_tensors(optimizer):
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
-def _build(variant: str, config, group):
+def _build(variant: str, config, group, world_size: int):
     from torch.distributed.fsdp import fully_shard
 
     from fivefold.config import OptimConfig
@@ -71,7 +71,7 @@ def _build(variant: str, config, group):
         fully_shard(model)
         optimizer = build_optimizer(model, optim)
 
-    def step(inputs, labels, world_size):
+    def step(inputs, labels):
         logits = model(inputs)
         loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum") / labels.numel()
         if variant in ("ours-ddp", "ours-zero3"):
@@ -98,20 +98,9 @@ def _build(variant: str, config, group):
 
 
 def _rank(rank: int, world_size: int, args) -> dict:
-    from fivefold.model import get_preset
-
-    config = get_preset(args.preset)
-    config.vocab_size = config.vocab_size or 257
-    if args.layers:
-        config.n_layers = args.layers
-    steps = {v: _build(v, config, dist.group.WORLD) for v in VARIANTS}
-    generator = torch.Generator().manual_seed(rank)  # each data-parallel rank its own batch
-
-    def make_batch():
-        return torch.randint(0, config.vocab_size, (args.batch, args.seq_len + 1), generator=generator)
-
-    wrapped = {v: (lambda tokens, step=step: step(tokens[:, :-1], tokens[:, 1:], world_size)) for v, step in steps.items()}
-    times, memory = timed_rounds(wrapped, make_batch, args.warmup, args.rounds)
+    config = benchmark_model(args)
+    steps = {v: _build(v, config, dist.group.WORLD, world_size) for v in VARIANTS}
+    times, memory = run_variants(steps, config.vocab_size, args, seed=rank)  # each rank its own batch
     return {v: {"step_ms": times[v], "model_state_mib": memory[v] / 2**20} for v in VARIANTS}
 
 

@@ -64,3 +64,25 @@ def timed_rounds(steps: dict[str, Callable[[torch.Tensor], Any]], make_batch: Ca
             if round_index >= warmup:
                 times[name].append(float(elapsed))
     return {name: statistics.median(times[name]) * 1e3 for name in names}, last
+
+
+def benchmark_model(args: Any):
+    """The preset named by --preset (vocabulary 257 if unset), with --layers overriding its depth."""
+    from fivefold.model import get_preset
+
+    config = get_preset(args.preset)
+    config.vocab_size = config.vocab_size or 257
+    if args.layers:
+        config.n_layers = args.layers
+    return config
+
+
+def run_variants(steps: dict[str, Callable], vocab_size: int, args: Any, seed: int):
+    """Time step(inputs, labels) of each variant on random (batch, seq_len) token batches drawn from `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def make_batch() -> torch.Tensor:
+        return torch.randint(0, vocab_size, (args.batch, args.seq_len + 1), generator=generator)
+
+    wrapped = {name: (lambda tokens, step=step: step(tokens[:, :-1], tokens[:, 1:])) for name, step in steps.items()}
+    return timed_rounds(wrapped, make_batch, args.warmup, args.rounds)

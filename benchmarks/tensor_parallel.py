@@ -21,7 +21,7 @@ import json
 
 import torch
 import torch.nn.functional as F
-from ranks import spawn, timed_rounds
+from ranks import benchmark_model, run_variants, spawn
 
 VARIANTS = ("ours-tp", "ours-tp-sp", "dtensor-tp")
 PEER = "dtensor-tp"
@@ -97,20 +97,9 @@ def _build(variant: str, config, world_size: int):
 
 
 def _rank(rank: int, world_size: int, args) -> dict:
-    from fivefold.model import get_preset
-
-    config = get_preset(args.preset)
-    config.vocab_size = config.vocab_size or 257
-    if args.layers:
-        config.n_layers = args.layers
+    config = benchmark_model(args)
     steps = {v: _build(v, config, world_size) for v in VARIANTS}
-    generator = torch.Generator().manual_seed(0)  # every TP rank sees the same batch
-
-    def make_batch():
-        return torch.randint(0, config.vocab_size, (args.batch, args.seq_len + 1), generator=generator)
-
-    wrapped = {v: (lambda tokens, step=step: step(tokens[:, :-1], tokens[:, 1:])) for v, step in steps.items()}
-    times, saved = timed_rounds(wrapped, make_batch, args.warmup, args.rounds)
+    times, saved = run_variants(steps, config.vocab_size, args, seed=0)  # every TP rank sees the same batch
     return {v: {"step_ms": times[v], "saved_mib": saved[v] / 2**20} for v in VARIANTS}
 
 

@@ -9,35 +9,20 @@ import pytest
 ROOT = Path(__file__).parent.parent
 
 
-@pytest.mark.slow
-def test_model_throughput_runs_and_prints_result():
-    pytest.importorskip("transformers")
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "model_throughput.py"), "--layers", "1", "--batch", "1",
-         "--seq-len", "16", "--rounds", "1", "--warmup", "0"],
-        capture_output=True, text=True, timeout=240, check=True,
-    ).stdout
-    result = [line for line in out.splitlines() if line.startswith("RESULT name=model_throughput")]
-    assert len(result) == 1 and "ratio=" in result[0]
+SMALL = ["--layers", "1", "--batch", "1", "--seq-len", "16", "--rounds", "1", "--warmup", "0"]
 
 
 @pytest.mark.slow
-def test_data_parallel_benchmark_runs_and_prints_result():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "data_parallel.py"), "--world-sizes", "2", "--layers", "1",
-         "--seq-len", "16", "--batch", "1", "--rounds", "1", "--warmup", "0"],
-        capture_output=True, text=True, timeout=300, check=True,
-    ).stdout
-    result = [line for line in out.splitlines() if line.startswith("RESULT name=data_parallel")]
-    assert len(result) == 1 and "ours-zero3_vs_fsdp2_x2_mem=" in result[0]
-
-
-@pytest.mark.slow
-def test_tensor_parallel_benchmark_runs_and_prints_result():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "tensor_parallel.py"), "--layers", "1", "--seq-len", "16",
-         "--batch", "1", "--rounds", "1", "--warmup", "0"],
-        capture_output=True, text=True, timeout=300, check=True,
-    ).stdout
-    result = [line for line in out.splitlines() if line.startswith("RESULT name=tensor_parallel")]
-    assert len(result) == 1 and "ours-tp_vs_dtensor-tp_time=" in result[0]
+@pytest.mark.parametrize("script,extra,expected", [
+    ("model_throughput.py", [], "ratio="),
+    ("data_parallel.py", ["--world-sizes", "2"], "ours-zero3_vs_fsdp2_x2_mem="),
+    ("tensor_parallel.py", [], "ours-tp_vs_dtensor-tp_time="),
+])
+def test_benchmark_runs_and_prints_result(script, extra, expected):
+    if script == "model_throughput.py":
+        pytest.importorskip("transformers")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *SMALL, *extra],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    name = script.removesuffix(".py")
+    result = [line for line in out.splitlines() if line.startswith(f"RESULT name={name}")]
+    assert len(result) == 1 and expected in result[0]
