@@ -7,6 +7,7 @@ reported time is the median over rounds after the warm-up.
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import statistics
@@ -86,3 +87,17 @@ def run_variants(steps: dict[str, Callable], vocab_size: int, args: Any, seed: i
 
     wrapped = {name: (lambda tokens, step=step: step(tokens[:, :-1], tokens[:, 1:])) for name, step in steps.items()}
     return timed_rounds(wrapped, make_batch, args.warmup, args.rounds)
+
+
+def benchmark_arguments(doc: str) -> argparse.ArgumentParser:
+    """The options every multi-rank benchmark takes; each script adds its own (ranks, ...)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count (0 = keep)")
+    parser.add_argument("--batch", type=int, default=4, help="micro-batch per rank")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--json", action="store_true")
+    return parser

@@ -16,12 +16,11 @@ parameters excluded), on rank 0.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 import torch.nn.functional as F
-from ranks import benchmark_model, run_variants, spawn
+from ranks import benchmark_arguments, benchmark_model, run_variants, spawn
 
 VARIANTS = ("ours-tp", "ours-tp-sp", "dtensor-tp")
 PEER = "dtensor-tp"
@@ -104,16 +103,8 @@ def _rank(rank: int, world_size: int, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_arguments(__doc__)
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count (0 = keep)")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=1200)
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
     rows = spawn(_rank, args.world_size, args, args.timeout)
