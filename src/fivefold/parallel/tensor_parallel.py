@@ -39,9 +39,8 @@ from torch import nn
 from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
 from fivefold.model.llama import RMSNorm
+from fivefold.parallel.collectives import all_gather_flat, reduce_scatter_flat
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 SEQ_DIM = 1  # activations are (batch, seq, hidden)
 
@@ -57,7 +56,7 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     local = x.movedim(dim, 0).contiguous()
     out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_single(out, local, group=group)
+    all_gather_flat(out, local, group=group)
     return out.movedim(0, dim).contiguous()  # one copy here, not one per consuming linear
 
 
@@ -65,7 +64,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     full = x.movedim(dim, 0).contiguous()
     out = torch.empty((full.shape[0] // world, *full.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out, full, group=group)
+    reduce_scatter_flat(out, full, group=group)
     return out.movedim(0, dim)
 
 

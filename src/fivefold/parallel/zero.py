@@ -36,12 +36,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fivefold.parallel.collectives import all_gather_flat, reduce_scatter_flat
 from fivefold.parallel.data_parallel import GradientSync, broadcast_module
 from fivefold.parallel.flat_groups import GroupLayout, flat_group_layout, units
-
-# torch 2.13 renamed the flat-tensor collectives; keep the older names for torch >= 2.5.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -196,7 +193,7 @@ class ZeroDataParallel(GradientSync):
             works = []
             for g in self._groups_of_unit.get(unit, []):
                 full = torch.empty(g.padded_numel, dtype=self.param_dtype, device=self.device)
-                works.append(_all_gather(full, g.local, group=self.shard_group, async_op=True))
+                works.append(all_gather_flat(full, g.local, group=self.shard_group, async_op=True))
                 for param, view in g.views(full):
                     param.data = view
             self._gathered[unit] = works
@@ -237,7 +234,7 @@ class ZeroDataParallel(GradientSync):
                 view.copy_(param.grad)
             param.grad = None  # the full gradient is not kept (stages 2 and 3)
         out = torch.empty(g.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        work = _reduce_scatter(out, full, group=self.shard_group, async_op=True)
+        work = reduce_scatter_flat(out, full, group=self.shard_group, async_op=True)
         g.pending.append((work, out))
         unit_groups = self._groups_of_unit[g.unit]
         if self.stage == 3 and g.unit < len(self.units) and all(x.reduced for x in unit_groups):
@@ -323,7 +320,7 @@ class ZeroDataParallel(GradientSync):
             else:
                 if g.flat[lo:hi].data_ptr() != g.master.data_ptr():
                     g.flat[lo:hi].copy_(g.master)
-                _all_gather(g.flat, g.flat[lo:hi].clone(), group=self.shard_group)
+                all_gather_flat(g.flat, g.flat[lo:hi].clone(), group=self.shard_group)
 
     def owned_range(self, g: FlatGroup) -> tuple[int, int]:
         """[lo, hi) of the group's unpadded flat vector held in this rank's shard (empty past the end)."""

@@ -209,6 +209,21 @@ def _tp_degree(layout: dict[str, dict]) -> int:
     return max(len(ranks), 1)
 
 
+def _check_shapes(folder: Path, saved: dict[str, dict], expected: dict[str, dict]) -> None:
+    """Refuse a checkpoint whose whole parameters (names, unsplit shapes) differ from the model's."""
+    saved_shapes, model_shapes = consolidated_shapes(saved), consolidated_shapes(expected)
+    if saved_shapes == model_shapes:
+        return
+    missing = sorted(set(model_shapes) - set(saved_shapes))
+    unexpected = sorted(set(saved_shapes) - set(model_shapes))
+    shapes = sorted(n for n in set(saved_shapes) & set(model_shapes) if saved_shapes[n] != model_shapes[n])
+    raise CheckpointError(
+        f"checkpoint {folder} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+        f"different shapes {[(n, saved_shapes[n], model_shapes[n]) for n in shapes[:3]]}; "
+        "the model config differs from the one it was saved with"
+    )
+
+
 def check_layout(folder: Path, expected: dict[str, dict]) -> None:
     """Refuse a checkpoint whose parameters (names, full shapes) or tensor-parallel split differ from this run's.
 
@@ -217,16 +232,7 @@ def check_layout(folder: Path, expected: dict[str, dict]) -> None:
     saved = load_layout(folder)
     if saved == expected:
         return
-    saved_shapes, model_shapes = consolidated_shapes(saved), consolidated_shapes(expected)
-    if saved_shapes != model_shapes:
-        missing = sorted(set(model_shapes) - set(saved_shapes))
-        unexpected = sorted(set(saved_shapes) - set(model_shapes))
-        shapes = sorted(n for n in set(saved_shapes) & set(model_shapes) if saved_shapes[n] != model_shapes[n])
-        raise CheckpointError(
-            f"checkpoint {folder} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
-            f"different shapes {[(n, saved_shapes[n], model_shapes[n]) for n in shapes[:3]]}; "
-            "the model config differs from the one it was saved with"
-        )
+    _check_shapes(folder, saved, expected)
     raise CheckpointError(
         f"checkpoint {folder} was saved with parallel.tp = {_tp_degree(saved)}, this run has parallel.tp = "
         f"{_tp_degree(expected)}: resume with the same tp (any data-parallel layout works), or consolidate it "
@@ -237,13 +243,7 @@ def check_layout(folder: Path, expected: dict[str, dict]) -> None:
 def load_model_weights(folder: Path, model: nn.Module) -> None:
     """Consolidated weights into a whole model, from a checkpoint saved under any layout (TP pieces joined)."""
     layout = load_layout(folder)
-    saved_shapes, model_shapes = consolidated_shapes(layout), consolidated_shapes(checkpoint_layout(model))
-    if saved_shapes != model_shapes:
-        raise CheckpointError(
-            f"checkpoint {folder} does not match the model: parameters "
-            f"{sorted(set(saved_shapes) ^ set(model_shapes))[:5] or [n for n in saved_shapes if saved_shapes[n] != model_shapes.get(n)][:5]} "
-            "differ; the model config differs from the one it was saved with"
-        )
+    _check_shapes(folder, layout, checkpoint_layout(model))
     model.load_state_dict(read_consolidated_weights(Path(folder), layout), strict=False)
 
 

@@ -138,7 +138,7 @@ class Trainer:
                 ("total", measured.total, expected.total, "")]
         head = (f"model states per rank, measured | formula (ZeRO-{par.zero_stage}, "
                 f"{'bf16 weights + fp32 masters' if mixed else 'fp32'}, Ψ = {self.parameters_per_rank:,}"
-                f"{' (this rank' + chr(39) + 's tensor-parallel shard)' if self.dims.tp > 1 else ''}, "
+                f"{' (this rank’s tensor-parallel shard)' if self.dims.tp > 1 else ''}, "
                 f"N = {self.dims.dp_shard}{', offloaded to CPU' if par.offload else ''}):")
         return "\n".join([head] + [f"  {name:<10} {m:>14,} B | {e:>14,} B  {f}" for name, m, e, f in rows])
 
