@@ -40,6 +40,11 @@ def test_preset_from_command_line():
         (["--train.seq_len", "4096"], r"train.seq_len = 4096 exceeds model.max_seq_len = 1024"),
         (["--logging.plot", "maybe"], r"logging.plot = 'maybe': expected bool"),
         (["--train.steps"], r"has no value"),
+        (["--parallel.cp_method", "rng"], r"parallel.cp_method = 'rng' is not one of ring, ulysses, 2d"),
+        (["--parallel.cp", "3"], r"parallel.cp = 3 \(ring\) cuts train.seq_len = 256 .*multiple of 2 x cp"),
+        (["--parallel.cp", "4", "--parallel.cp_method", "2d", "--parallel.cp_heads", "3"],
+         r"parallel.cp_heads = 3 must divide parallel.cp = 4"),
+        (["--parallel.cp", "16", "--parallel.cp_method", "ulysses"], r"query heads per tensor-parallel rank"),
         (["steps=3"], r"overrides look like --section.key VALUE"),
     ],
 )

@@ -47,12 +47,12 @@ def test_token_weighted_normalisation_with_uneven_micro_batches(job, monkeypatch
     """Micro-batches with different numbers of target tokens still give the full-batch gradient."""
     def masked(trainer, step, accum):
         batches = Trainer.micro_batches(trainer, step)
-        inputs = torch.cat([x for x, _ in batches])
-        labels = torch.cat([y for _, y in batches]).clone()
+        inputs = torch.cat([x for x, _, _ in batches])
+        labels = torch.cat([y for _, y, _ in batches]).clone()
         labels[0, :30] = IGNORE_INDEX  # first sample nearly empty, the others full
         labels[1, 5:] = IGNORE_INDEX
         n = len(inputs) // accum
-        return [(inputs[i * n : (i + 1) * n], labels[i * n : (i + 1) * n]) for i in range(accum)]
+        return [(inputs[i * n : (i + 1) * n], labels[i * n : (i + 1) * n], None) for i in range(accum)]
 
     whole = Trainer(with_train(job, micro_batch_size=4, grad_accum_steps=1))
     split = Trainer(with_train(dataclasses.replace(job), micro_batch_size=1, grad_accum_steps=4))

@@ -185,6 +185,12 @@ class ParallelConfig:
     """With tp > 1: norms and residuals run on 1/tp of the sequence (all-gather / reduce-scatter instead of all-reduce)."""
     recompute: str = "none"
     """Activation recomputation: `none`, `full` (each block's forward again in backward) or `selective` (attention core only)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is split over cp ranks (load-balanced causal chunks)."""
+    cp_method: str = "ring"
+    """Context-parallel attention: `ring` (K/V blocks passed around a ring), `ulysses` (all-to-all to heads) or `2d` (both)."""
+    cp_heads: int = 2
+    """With cp_method = 2d: the head-parallel (Ulysses) degree; the ring takes cp / cp_heads ranks."""
 
     def validate(self) -> None:
         if self.dp_replicate == 0 or self.dp_replicate < -1:
@@ -199,8 +205,9 @@ class ParallelConfig:
             raise ConfigError(f"parallel.dp_shard = {self.dp_shard}: must be a positive integer")
         if self.zero_stage == 0 and self.dp_shard > 1:
             raise ConfigError(f"parallel.dp_shard = {self.dp_shard} shards model states with ZeRO: set parallel.zero_stage to 1, 2 or 3")
-        if self.zero_stage > 0 and self.dp_shard < 2:
-            raise ConfigError(f"parallel.zero_stage = {self.zero_stage} needs parallel.dp_shard >= 2 ranks to shard over")
+        if self.zero_stage > 0 and self.dp_shard * self.cp < 2:
+            raise ConfigError(f"parallel.zero_stage = {self.zero_stage} needs parallel.dp_shard x parallel.cp >= 2 ranks "
+                              "to shard over: raise parallel.dp_shard")
         if self.zero_stage == 0 and (self.param_dtype != "fp32" or self.offload):
             raise ConfigError("parallel.param_dtype = bf16 and parallel.offload need ZeRO: set parallel.zero_stage >= 1")
         if self.tp < 1:
@@ -211,8 +218,9 @@ class ParallelConfig:
         """The ParallelDims for a world of `world_size` ranks (validated: product == world size)."""
         from fivefold.parallel.mesh import ParallelDims
 
-        replicate = world_size // (self.dp_shard * self.tp) if self.dp_replicate == -1 else self.dp_replicate
-        return ParallelDims(dp_replicate=max(replicate, 1), dp_shard=self.dp_shard, tp=self.tp, world_size=world_size)
+        replicate = world_size // (self.dp_shard * self.cp * self.tp) if self.dp_replicate == -1 else self.dp_replicate
+        return ParallelDims(dp_replicate=max(replicate, 1), dp_shard=self.dp_shard, cp=self.cp, tp=self.tp,
+                            world_size=world_size)
 
 
 @dataclass
@@ -233,9 +241,13 @@ class JobConfig:
                 f"train.seq_len = {self.train.seq_len} exceeds model.max_seq_len = {self.model.max_seq_len}: "
                 "lower train.seq_len or raise model.max_seq_len"
             )
+        from fivefold.parallel.context_parallel import check_context_parallel
         from fivefold.parallel.tensor_parallel import check_tensor_parallel
 
-        check_tensor_parallel(self.model, self.parallel.tp, self.parallel.sequence_parallel, self.train.seq_len)
+        par = self.parallel
+        check_context_parallel(self.model, par.cp, par.cp_method, par.cp_heads, par.tp, self.train.seq_len)
+        # Tensor (and sequence) parallelism sees each context-parallel rank's part of the sequence.
+        check_tensor_parallel(self.model, par.tp, par.sequence_parallel, self.train.seq_len // par.cp)
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -10,7 +10,10 @@ m / sqrt(v) can turn last-bit differences of near-zero gradients into difference
 on a few elements; the tests use lr 1e-2). Tensor parallelism changes the summation order
 inside every matmul (row-parallel layers add t partial products), so a few elements of the
 MLP weights land up to 2e-5 away after 4 steps (2 of 41,184 at tp 4): its parameter tolerance
-is TP_PARAM_ATOL = 1e-4, its loss tolerance the same rtol 1e-5.
+is TP_PARAM_ATOL = 1e-4, its loss tolerance the same rtol 1e-5. Context parallelism changes the
+order of the attention sums (ring attention merges per-block softmax results) and sums weight
+gradients over cp partial sequences; the largest parameter difference seen after 4 steps is
+2.3e-5 (ring, cp 4), so it shares that tolerance (CP_PARAM_ATOL), and the losses agree to 1e-7.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from distributed.spawn import run_distributed
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
 TP_PARAM_ATOL = 1e-4
+CP_PARAM_ATOL = TP_PARAM_ATOL
 
 
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:

@@ -7,14 +7,18 @@ then data (sharded, then replicated), then pipeline outermost, whose point-to-po
 the lightest and can cross the slowest links. Expert parallelism borrows ranks from
 dp_shard x cp (it must divide that product) and adds no ranks of its own.
 
-The mesh is a `torch.distributed.device_mesh.DeviceMesh` with these names, plus `dp`, the
-flattened (dp_replicate, dp_shard) dimension over which batches are split.
+The mesh is a `torch.distributed.device_mesh.DeviceMesh` with these names, plus three flattened
+dimensions: `dp` = (dp_replicate, dp_shard), over which batches are split; `dp_cp` =
+(dp_replicate, dp_shard, cp), over which gradients are summed and the loss is token-weighted
+(context-parallel ranks hold the same weights and different tokens); and `dp_shard_cp` =
+(dp_shard, cp), over which ZeRO shards model states (as torchtitan's FSDP does).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -84,10 +88,10 @@ class Mesh:
 
     dims: ParallelDims
     device_mesh: DeviceMesh
-    dp_mesh: DeviceMesh
+    flattened: dict[str, DeviceMesh]
 
     def _sub(self, name: str) -> DeviceMesh:
-        return self.dp_mesh if name == "dp" else self.device_mesh[name]
+        return self.flattened[name] if name in self.flattened else self.device_mesh[name]
 
     def group(self, name: str) -> dist.ProcessGroup:
         return self._sub(name).get_group()
@@ -98,9 +102,18 @@ class Mesh:
     def ranks(self, name: str) -> list[int]:
         return dist.get_process_group_ranks(self.group(name))
 
+    def rank_table(self, name: str) -> torch.Tensor:
+        """Global ranks of every group along mesh dimension `name`: one row per group, in group-rank order."""
+        table = self.device_mesh.mesh.movedim(MESH_DIMS.index(name), -1)
+        return table.reshape(-1, table.shape[-1])
+
 
 def build_mesh(dims: ParallelDims, device_type: str) -> Mesh:
     """Build the mesh (needs an initialised process group; every rank must call this)."""
     device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
-    dp_mesh = device_mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    return Mesh(dims, device_mesh, dp_mesh)
+    flattened = {
+        "dp": device_mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+        "dp_cp": device_mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+        "dp_shard_cp": device_mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
+    }
+    return Mesh(dims, device_mesh, flattened)

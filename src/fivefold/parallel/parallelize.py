@@ -1,10 +1,12 @@
 """`parallelize(model, mesh, config)`: apply the model-parallel folds to a plain, materialised model.
 
-Order: tensor (and sequence) parallelism swaps the layers and slices the weights, then
-activation recomputation wraps blocks or attention cores. Data parallelism (our DDP or ZeRO)
+Order: tensor (and sequence) parallelism swaps the layers and slices the weights, context
+parallelism replaces the attention cores, then activation recomputation wraps blocks or
+attention cores (so a recomputed core reruns its context-parallel communication too). Data parallelism (our DDP or ZeRO)
 is applied after this by the trainer, over the data-parallel groups of the same mesh. The
 result says how to compute the loss: with tensor parallelism the logits are split over the
-vocabulary, so the loss is the vocab-parallel cross-entropy.
+vocabulary, so the loss is the vocab-parallel cross-entropy; with context parallelism each rank
+feeds the model its shard of every sequence, with those tokens' positions.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config import ParallelConfig
+from fivefold.parallel.context_parallel import (
+    ContextParallelLayout,
+    apply_context_parallel,
+    build_context_parallel_groups,
+)
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.tensor_parallel import apply_tensor_parallel, tp_spec, vocab_parallel_cross_entropy
@@ -32,6 +39,15 @@ class Parallelized:
     tp_group: dist.ProcessGroup | None = None
     tp_rank: int = 0
     tp: int = 1
+    cp_layout: ContextParallelLayout | None = None
+    cp_rank: int = 0
+
+    def shard_sequence(self, inputs: torch.Tensor, labels: torch.Tensor):
+        """This rank's (inputs, labels, positions) of a (batch, seq) micro-batch; positions None without CP."""
+        if self.cp_layout is None:
+            return inputs, labels, None
+        positions = self.cp_layout.shard_positions(inputs.shape[1], self.cp_rank).to(inputs.device)
+        return inputs[:, positions], labels[:, positions], positions
 
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum (not mean) of the token cross-entropies, in fp32."""
@@ -63,11 +79,16 @@ class Parallelized:
 
 
 def parallelize(model: nn.Module, mesh: Mesh | None, config: ParallelConfig) -> Parallelized:
-    """Apply tensor/sequence parallelism and recomputation in place; return how to use the result."""
+    """Apply tensor/sequence/context parallelism and recomputation in place; return how to use the result."""
     result = Parallelized(vocab_size=model.config.vocab_size)
     if config.tp > 1:
         group = mesh.group("tp")
         apply_tensor_parallel(model, group, config.sequence_parallel)
         result.tp_group, result.tp_rank, result.tp = group, dist.get_rank(group), config.tp
+    if config.cp > 1:
+        layout = ContextParallelLayout.for_method(config.cp_method, config.cp, config.cp_heads)
+        groups = build_context_parallel_groups(mesh.rank_table("cp"), layout)
+        apply_context_parallel(model, groups)
+        result.cp_layout, result.cp_rank = layout, groups.cp_rank
     apply_recompute(model, config.recompute)
     return result

@@ -5,7 +5,7 @@ Weights and AdamW state are stored per flat group (parallel/flat_groups.py), unp
     optim/<group>/exp_avg      AdamW first moment, same layout
     optim/<group>/exp_avg_sq   AdamW second moment
     optim/<group>/step         AdamW step count (a scalar)
-Under ZeRO each rank contributes only its shard, as a DTensor sharded along dp_shard (uneven
+Under ZeRO each rank contributes only its shard, as a DTensor sharded along dp_shard x cp (uneven
 last shard allowed) and replicated along dp_replicate, and DCP writes the shards in parallel
 with no gather; the fp32 masters are the weights. Without ZeRO every rank holds whole tensors
 and DCP writes each once. On load DCP reads whatever each rank's tensors cover, which is what
@@ -104,11 +104,11 @@ def _load_whole(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer
 # ---------------------------------------------------------------------- ZeRO: this rank's shards
 def _sharded_state(zero: ZeroDataParallel, optimizer: torch.optim.Optimizer, mesh: Mesh, prefix: str,
                    fresh: bool = False) -> dict[str, torch.Tensor]:
-    """DTensors over (dp_replicate, dp_shard) wrapping this rank's unpadded shard of every group.
+    """DTensors over (dp_replicate, dp_shard x cp) wrapping this rank's unpadded shard of every group.
 
     With `fresh`, the local tensors are new zero buffers for DCP to load into.
     """
-    device_mesh = mesh.device_mesh["dp_replicate", "dp_shard"]
+    device_mesh = mesh.device_mesh["dp_replicate", "dp_shard_cp"]  # ZeRO shards over dp_shard x cp
     out = {}
     for g in zero.groups:
         lo, hi = zero.owned_range(g)

@@ -84,14 +84,15 @@ class Trainer:
         self.device = local_device(device, self.env)
         self.dims = config.parallel.dims(self.env.world_size)
         self.mesh = build_mesh(self.dims, self.device.type) if self.env.world_size > 1 else None
-        self.dp_group = self.mesh.group("dp") if self.mesh is not None else None
-        self.dp_rank = self.mesh.local_rank("dp") if self.mesh is not None else 0
+        self.dp_rank = self.mesh.local_rank("dp") if self.mesh is not None else 0  # which slice of each batch
+        # Data- and context-parallel ranks together: gradients are summed and the loss token-weighted over them.
+        self.dp_cp_group = self.mesh.group("dp_cp") if self.mesh is not None and self.dims.dp * self.dims.cp > 1 else None
         self.output_dir = Path(config.train.output_dir)
         self.data = data or self._prepare_data()
         self.model_config = resolve_model_config(config.model, self.data.tokenizer.vocab_size)
         torch.manual_seed(config.train.seed)
         self.model: Transformer = materialize(build_model(self.model_config), self.device, seed=config.train.seed)
-        self.parallel = parallelize(self.model, self.mesh, config.parallel)  # tensor parallel, recompute
+        self.parallel = parallelize(self.model, self.mesh, config.parallel)  # tensor/context parallel, recompute
         self.tp_prefix = f"tp{self.parallel.tp_rank}/" if self.parallel.tp > 1 else ""
         self.checkpoint_layout = self._gather_layout()  # before ZeRO-3 empties the parameters
         self.parameters_per_rank = sum(p.numel() for p in self.model.parameters())  # Ψ, or Ψ's TP shard
@@ -102,13 +103,13 @@ class Trainer:
         if par.zero_stage > 0:
             param_dtype = torch.bfloat16 if par.param_dtype == "bf16" else torch.float32
             replicate = self.mesh.group("dp_replicate") if self.dims.dp_replicate > 1 else None
-            self.zero = ZeroDataParallel(self.model, self.mesh.group("dp_shard"), replicate, par.zero_stage,
+            self.zero = ZeroDataParallel(self.model, self.mesh.group("dp_shard_cp"), replicate, par.zero_stage,
                                          param_dtype, reduce_dtype, par.offload, tp_group=self.parallel.tp_group,
                                          replicas=self.parallel.replicas)
             self.optimizer = build_adamw(self.zero.master_parameters(True), self.zero.master_parameters(False), config.optim)
         else:
-            if self.dp_group is not None:
-                self.ddp = DataParallel(self.model, self.dp_group, par.bucket_mb, reduce_dtype)
+            if self.dp_cp_group is not None:
+                self.ddp = DataParallel(self.model, self.dp_cp_group, par.bucket_mb, reduce_dtype)
             self.optimizer = build_optimizer(self.model, config.optim)
         self.grad_sync = self.zero or self.ddp
         self.state = ckpt.TrainerState(step=0, tokens_seen=0, seed=config.train.seed)
@@ -125,7 +126,12 @@ class Trainer:
         """The ZeRO-paper formula for this run (before padding)."""
         par = self.config.parallel
         mixed = par.zero_stage > 0 and par.param_dtype == "bf16"
-        return zero_model_states(self.parameters_per_rank, par.zero_stage, self.dims.dp_shard, mixed)
+        return zero_model_states(self.parameters_per_rank, par.zero_stage, self.zero_shards, mixed)
+
+    @property
+    def zero_shards(self) -> int:
+        """Ranks ZeRO shards over: data-parallel shards x context-parallel ranks (same weights, other tokens)."""
+        return self.dims.dp_shard * self.dims.cp
 
     def describe_model_states(self) -> str:
         par, measured, expected = self.config.parallel, self.model_state_bytes, self.expected_model_states()
@@ -139,7 +145,7 @@ class Trainer:
         head = (f"model states per rank, measured | formula (ZeRO-{par.zero_stage}, "
                 f"{'bf16 weights + fp32 masters' if mixed else 'fp32'}, Ψ = {self.parameters_per_rank:,}"
                 f"{' (this rank’s tensor-parallel shard)' if self.dims.tp > 1 else ''}, "
-                f"N = {self.dims.dp_shard}{', offloaded to CPU' if par.offload else ''}):")
+                f"N = {self.zero_shards}{', offloaded to CPU' if par.offload else ''}):")
         return "\n".join([head] + [f"  {name:<10} {m:>14,} B | {e:>14,} B  {f}" for name, m, e, f in rows])
 
     def _prepare_data(self) -> PreparedData:
@@ -179,14 +185,21 @@ class Trainer:
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
 
-    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's (inputs, labels) micro-batches of optimizer step `step`."""
+    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """This rank's (inputs, labels, positions) micro-batches of optimizer step `step`.
+
+        The data-parallel rank picks the samples; the context-parallel rank then its part of each
+        sequence (positions None when the rank holds whole sequences).
+        """
         t = self.config.train
         return [
-            sample_batch(self.data.train_tokens, t.seq_len, t.micro_batch_size, t.seed, step, i, t.grad_accum_steps,
-                         self.dp_rank, self.dims.dp)
+            self._local(*sample_batch(self.data.train_tokens, t.seq_len, t.micro_batch_size, t.seed, step, i,
+                                      t.grad_accum_steps, self.dp_rank, self.dims.dp))
             for i in range(t.grad_accum_steps)
         ]
+
+    def _local(self, inputs: torch.Tensor, labels: torch.Tensor):
+        return self.parallel.shard_sequence(inputs.to(self.device), labels.to(self.device))
 
     def _sync_context(self, micro_step: int, count: int):
         """No gradient communication on accumulation micro-steps, only on the last."""
@@ -199,20 +212,19 @@ class Trainer:
         t = self.config.train
         step = self.state.step
         batches = self.micro_batches(step)
-        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
-        total_tokens = int(all_reduce_sum(torch.tensor(float(local_tokens), device=self.device), self.dp_group))
+        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _ in batches)
+        total_tokens = int(all_reduce_sum(torch.tensor(float(local_tokens), device=self.device), self.dp_cp_group))
         loss_sum = torch.zeros((), device=self.device)
-        for micro_step, (inputs, labels) in enumerate(batches):
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
+        for micro_step, (inputs, labels, positions) in enumerate(batches):
             with self._sync_context(micro_step, len(batches)):
                 with self._autocast():
-                    logits = self.model(inputs)
+                    logits = self.model(inputs, positions=positions)
                 loss = self.parallel.loss_sum(logits, labels)
                 (loss / total_tokens).backward()
             loss_sum += loss.detach()
         if self.grad_sync is not None:
             self.grad_sync.finish_gradient_sync()
-        all_reduce_sum(loss_sum, self.dp_group)
+        all_reduce_sum(loss_sum, self.dp_cp_group)
         max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
         lr = lr_at(step, self.config.optim, t.steps)
         set_lr(self.optimizer, lr)
@@ -246,15 +258,14 @@ class Trainer:
             counted = index < len(batches)
             if not counted and (self.zero is None or self.zero.stage != 3):
                 continue
-            inputs, labels = (batches[index] if counted else batches[0])
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            inputs, labels, positions = self._local(*(batches[index] if counted else batches[0]))
             with self._autocast():
-                logits = self.model(inputs)
+                logits = self.model(inputs, positions=positions)
             if counted:
                 totals[0] += self.parallel.loss_sum(logits, labels).double()
                 totals[1] += int((labels != IGNORE_INDEX).sum())
         self.model.train()
-        all_reduce_sum(totals, self.dp_group)
+        all_reduce_sum(totals, self.dp_cp_group)
         return float(totals[0] / totals[1])
 
     def save(self) -> Path:
@@ -341,8 +352,9 @@ class Trainer:
             plot = plot_losses(metrics_path, self.output_dir / "loss.png", baseline)
         # ZeRO-3 gathers weights collectively inside forward, so every rank must generate.
         stage3 = self.zero is not None and self.zero.stage == 3
-        wanted = (self.is_rank0 or stage3) and log.sample_prompt and log.sample_tokens and self.dims.tp == 1
-        if log.sample_prompt and log.sample_tokens and self.dims.tp > 1:
+        split = self.dims.tp > 1 or self.dims.cp > 1  # no rank holds the whole model or sequence
+        wanted = (self.is_rank0 or stage3) and log.sample_prompt and log.sample_tokens and not split
+        if log.sample_prompt and log.sample_tokens and split:
             self._print("sample: generation runs in one process; use `fivefold generate --checkpoint` on this run")
         sample = self.sample(log.sample_prompt, log.sample_tokens) if wanted else None
         final = losses[-1] if losses else float("nan")
