@@ -3,7 +3,9 @@
 A checkpoint stores weights and AdamW moments per flat group, unpadded (train/train_state.py),
 so it does not depend on the shard count. Saved at ZeRO-3 x 4 ranks, it resumes at ZeRO-2 x 2
 ranks, in one process, and under DDP, and the remaining steps give the uninterrupted run's
-losses (up to summation order: the parity tolerances of harness.py).
+losses (up to summation order: the parity tolerances of harness.py). Tensor- and
+context-parallel runs resume exactly; a context-parallel ZeRO checkpoint (sharded over the cp
+ranks) resumes in one process.
 """
 
 from pathlib import Path
@@ -34,15 +36,18 @@ def _interrupted_then_resumed(rank, world_size, config):
     return losses + result.losses, str(result.checkpoint)
 
 
-def _assert_resume_is_exact(config, tmp_path) -> Path:
-    """Straight 2-rank run vs 2 steps + save + fresh resume: identical losses and weights; the resumed folder."""
+def _assert_resume_is_exact(config, tmp_path) -> tuple[Path, tuple]:
+    """Straight 2-rank run vs 2 steps + save + fresh resume: identical losses and weights.
+
+    Returns the resumed run's final checkpoint and the straight run's (losses, weights).
+    """
     straight_losses, straight_weights = train_distributed(config, 2)
     resumed = with_changes(config, train={"output_dir": str(tmp_path / "resumed")})
     (losses, folder), _ = run_distributed(_interrupted_then_resumed, 2, resumed, timeout=150)
     assert losses == straight_losses
     for name, tensor in _weights(Path(folder)).items():
         assert torch.equal(tensor, straight_weights[name]), name
-    return Path(folder)
+    return Path(folder), (straight_losses, straight_weights)
 
 
 @pytest.mark.parametrize("stage,param_dtype", [(2, "fp32"), (3, "fp32"), (3, "bf16")])
@@ -53,7 +58,7 @@ def test_zero_resume_is_exact(base, tmp_path, stage, param_dtype):
     """
     config = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "straight")},
                           parallel={"dp_shard": 2, "zero_stage": stage, "param_dtype": param_dtype})
-    folder = _assert_resume_is_exact(config, tmp_path)
+    folder, _ = _assert_resume_is_exact(config, tmp_path)
     state = folder / "state"
     assert {p.name for p in state.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}  # one file per rank
 
@@ -85,7 +90,22 @@ def test_tensor_parallel_resume_is_exact_and_another_tp_is_refused(base, tmp_pat
 
     config = with_changes(base, train={"output_dir": str(tmp_path / "straight")},
                           parallel={"tp": 2, "sequence_parallel": True})
-    folder = _assert_resume_is_exact(config, tmp_path)
+    folder, _ = _assert_resume_is_exact(config, tmp_path)
     single = with_changes(base, train={"output_dir": str(tmp_path / "single")}, checkpoint={"resume": str(folder)})
     with pytest.raises(CheckpointError, match="parallel.tp = 2"):
         Trainer(single)
+
+
+def test_context_parallel_zero3_resume_is_exact_and_resumes_in_one_process(base, tmp_path):
+    """cp 2 ring with ZeRO-3 sharding over the two cp ranks: exact resume; the checkpoint also resumes in one process."""
+    from parity.harness import CP_PARAM_ATOL
+
+    config = with_changes(base, train={"output_dir": str(tmp_path / "straight")},
+                          parallel={"cp": 2, "zero_stage": 3}, checkpoint={"every": 2, "keep_last": 2})
+    folder, straight = _assert_resume_is_exact(config, tmp_path)
+    assert {p.name for p in (folder / "state").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    single = with_changes(base, train={"output_dir": str(tmp_path / "one")},
+                          checkpoint={"resume": str(tmp_path / "straight" / "step-000002")})
+    losses, weights = train_single(single)
+    diffs = assert_parity(straight, (straight[0][:2] + losses, weights), param_atol=CP_PARAM_ATOL)
+    print(f"cp2 zero3 -> one process: {diffs}")
