@@ -62,6 +62,11 @@ class ParallelDims:
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, name) for name in MESH_DIMS)
 
+    def describe_degrees(self) -> str:
+        """The degrees in one line, for logs: 'dp 2 x cp 2 x tp 1 x pp 1'."""
+        return " x ".join(f"{name} {value}" for name, value in
+                          (("dp", self.dp), ("cp", self.cp), ("tp", self.tp), ("pp", self.pp)))
+
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's index along each mesh dimension (row-major, tp innermost)."""
         coords = {}

@@ -300,7 +300,8 @@ class Trainer:
         params = count_parameters(self.model_config).total
         self._print(
             f"model {self.model_config.name}: {params:,} parameters, {self.flops_per_token / 1e6:.1f} MFLOP/token; "
-            f"{self.tokens_per_step:,} tokens/step; {self.env.world_size} rank(s), dp {self.dims.dp}; "
+            f"{self.tokens_per_step:,} tokens/step; {self.env.world_size} rank(s), "
+            f"{self.dims.describe_degrees()}; "
             f"peak {peak:.3f} TFLOP/s per rank ({peak_source})"
             + (f"; resumed from {self.resumed_from}" if self.resumed_from else "")
         )
