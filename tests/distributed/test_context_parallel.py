@@ -1,6 +1,7 @@
 """Context-parallel attention (ring, Ulysses, 2D) equals whole-sequence causal attention, values and gradients.
 
-Each rank holds its zigzag shard of q, k, v (4 query heads, 2 key/value heads: GQA) and of the
+Both block kernels of ring attention are checked: the fused CPU flash kernel and the portable
+einsum one. Each rank holds its zigzag shard of q, k, v (4 query heads, 2 key/value heads: GQA) and of the
 output gradient; the outputs and the q, k, v gradients it computes must equal the matching
 rows of single-process attention over the whole sequence.
 """
@@ -37,7 +38,11 @@ def _reference():
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _rank(rank: int, world: int, ring: int, heads: int, dtype) -> float:
+def _rank(rank: int, world: int, ring: int, heads: int, dtype, fused: bool = True) -> float:
+    if not fused:  # the portable einsum block kernel instead of the CPU flash kernel
+        from fivefold.parallel import context_parallel
+
+        context_parallel._FUSED_FORWARD = None
     layout = ContextParallelLayout(ring=ring, heads=heads)
     groups = build_context_parallel_groups(torch.arange(world).view(1, world), layout)
     positions = layout.shard_positions(SEQ, groups.cp_rank)
@@ -53,6 +58,12 @@ def _rank(rank: int, world: int, ring: int, heads: int, dtype) -> float:
                          ids=["ring2", "ring4", "ulysses2", "ulysses4", "2d-2x2"])
 def test_context_parallel_attention_matches_whole_sequence(ring, heads):
     errors = run_distributed(_rank, ring * heads, ring, heads, torch.float64, timeout=60)
+    assert max(errors) < 1e-12, errors
+
+
+@pytest.mark.parametrize("ring,heads", [(4, 1), (2, 2)], ids=["ring4", "2d-2x2"])
+def test_portable_block_kernel_matches_whole_sequence(ring, heads):
+    errors = run_distributed(_rank, ring * heads, ring, heads, torch.float64, False, timeout=60)
     assert max(errors) < 1e-12, errors
 
 

@@ -25,9 +25,10 @@ reassembles exactly the ring rank's zigzag sequence. Token positions travel with
 (RoPE reads them), and labels are sharded the same way; the trainer weights the loss by the
 token count summed over data- and context-parallel ranks, and sums gradients over both.
 
-Communication per attention layer and micro-batch, with b s h the batch, sequence and
-hidden sizes and kv the key/value share of h (GQA), in elements moved per rank:
-ring: forward 2 (ring-1)/ring x b s kv x ring... see docs/context_parallel.md for the table.
+Communication per attention layer and micro-batch, per rank, in elements (b batch, s sequence,
+h query width, k key/value width): ring 2(3R-2)/R b s k (forward R-1 key/value blocks, backward
+R-1 blocks and R gradient blocks), Ulysses 4 (U-1)/U^2 b s (h + k) (q, k, v and the output, each
+way), 2D the sum over its two levels; derivation in docs/context_parallel.md.
 """
 
 from __future__ import annotations
@@ -202,23 +203,57 @@ def _kv_repeats(q_heads: int, kv_heads: int, n: int) -> int:
 
 
 # ----------------------------------------------------------------------------- ring attention
-def _scores(q, k, scale):
-    """q (b, kv, g, sq, d), k (b, kv, sk, d) -> scores (b, kv, g, sq, sk): GQA without copying k."""
-    return torch.einsum("bngqd,bnkd->bngqk", q, k) * scale
+# One block of attention (queries of this rank against one key/value block) returns its output and
+# log-sum-exp; its backward takes the *final* output and lse, which makes the per-block gradients
+# exact (FlashAttention's backward). On CPU the fused flash kernel does this without materialising
+# scores; elsewhere (or if the kernel is missing) our einsum version does, one block at a time.
+_FUSED_FORWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FUSED_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
-def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
-    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1)
+def _fused(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and _FUSED_FORWARD is not None and _FUSED_BACKWARD is not None
+
+
+def _grouped(q, kv_heads):
+    """(b, h, s, d) -> (b, kv, h/kv, s, d): query heads grouped by the kv head they read (GQA, no copies)."""
+    b, h, s, d = q.shape
+    return q.reshape(b, kv_heads, h // kv_heads, s, d)
+
+
+def _masked_scores(q, k, scale, causal):
+    s = torch.einsum("bngqd,bnkd->bngqk", _grouped(q, k.shape[1]), k) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
 
 
 def _block_forward(q, k, v, scale, causal):
-    """Softmax attention of one query block to one key block: (out, lse), both fp32."""
-    s = _scores(q, k, scale)
-    if causal:
-        s = s.masked_fill(_causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
+    """(out, lse) of queries q (b, h, sq, d) against keys/values (b, kv, sk, d), in the accumulation dtype."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    if _fused(q):
+        out, lse = _FUSED_FORWARD(q, k, v, 0.0, causal, scale=scale)
+        return out.to(acc), lse.to(acc)
+    s = _masked_scores(q.to(acc), k.to(acc), scale, causal)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.einsum("bngqk,bnkd->bngqd", torch.exp(s - lse.unsqueeze(-1)), v)
-    return out, lse
+    out = torch.einsum("bngqk,bnkd->bngqd", torch.exp(s - lse.unsqueeze(-1)), v.to(acc))
+    return out.flatten(1, 2), lse.flatten(1, 2)
+
+
+def _block_backward(q, k, v, out, dout, lse, scale, causal):
+    """(dq, dk, dv) of one block, given the final out and lse of these query rows."""
+    acc = lse.dtype
+    if _fused(q):
+        dq, dk, dv = _FUSED_BACKWARD(dout.contiguous(), q, k, v, out.to(q.dtype), lse, 0.0, causal, scale=scale)
+        return dq.to(acc), dk.to(acc), dv.to(acc)
+    q, k, v, dout = q.to(acc), k.to(acc), v.to(acc), _grouped(dout.to(acc), k.shape[1])
+    p = torch.exp(_masked_scores(q, k, scale, causal) - _grouped(lse.unsqueeze(-1), k.shape[1]))
+    delta = (dout * _grouped(out.to(acc), k.shape[1])).sum(-1, keepdim=True)
+    ds = p * (torch.einsum("bngqd,bnkd->bngqk", dout, v) - delta)
+    dq = torch.einsum("bngqk,bnkd->bngqd", ds, k) * scale
+    dk = torch.einsum("bngqk,bngqd->bnkd", ds, _grouped(q, k.shape[1])) * scale
+    dv = torch.einsum("bngqk,bngqd->bnkd", p, dout)
+    return dq.flatten(1, 2), dk, dv
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -226,20 +261,6 @@ def _merge(out, lse, block_out, block_lse):
     new = torch.logaddexp(lse, block_lse)
     out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - new).unsqueeze(-1))
     lse.copy_(new)
-
-
-def _block_backward(q, k, v, dout, lse, delta, scale, causal):
-    """Gradients of one block given the final lse and delta = rowsum(dout * out): (dq, dk, dv)."""
-    s = _scores(q, k, scale)
-    if causal:
-        s = s.masked_fill(_causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
-    p = torch.exp(s - lse.unsqueeze(-1))
-    dv = torch.einsum("bngqk,bngqd->bnkd", p, dout)
-    dp = torch.einsum("bngqd,bnkd->bngqk", dout, v)
-    ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.einsum("bngqk,bnkd->bngqd", ds, k) * scale
-    dk = torch.einsum("bngqk,bngqd->bnkd", ds, q) * scale
-    return dq, dk, dv
 
 
 class _Ring:
@@ -256,6 +277,11 @@ class _Ring:
         ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
                dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
         return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(works) -> None:
+    for work in works:
+        work.wait()
 
 
 _KV_TAG, _DKV_TAG = 11, 12
@@ -277,70 +303,57 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, groups: ContextParallelGroups):
         ring = _Ring(groups)
-        b, hq, sq, d = q.shape
-        kv_heads = k.shape[1]
-        scale = 1.0 / math.sqrt(d)
-        acc = torch.promote_types(q.dtype, torch.float32)  # blocks are computed and merged in fp32 (or fp64)
-        q32 = q.to(acc).reshape(b, kv_heads, hq // kv_heads, sq, d)
-        block = torch.stack((k.to(acc), v.to(acc)))
-        half = sq // 2
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        half = q.shape[2] // 2
+        block = torch.stack((k, v))
         out = lse = None
         for step in range(ring.size):
             if step < ring.size - 1:
                 incoming, works = ring.start(block, _KV_TAG)
             rows, cols, causal = _visible(step, groups.ring_rank, ring.size, half)
-            block_out, block_lse = _block_forward(q32[..., rows, :], block[0][..., cols, :], block[1][..., cols, :],
+            block_out, block_lse = _block_forward(q[..., rows, :], block[0][..., cols, :], block[1][..., cols, :],
                                                   scale, causal)
             if out is None:
                 out, lse = block_out, block_lse
             else:
                 _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
             if step < ring.size - 1:
-                for work in works:
-                    work.wait()
+                _wait(works)
                 block = incoming
         ctx.groups, ctx.scale = groups, scale
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        return out.view(b, hq, sq, d).to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         groups, scale = ctx.groups, ctx.scale
         ring = _Ring(groups)
-        b, hq, sq, d = q.shape
-        kv_heads = k.shape[1]
-        acc = out.dtype
-        q32 = q.to(acc).reshape(b, kv_heads, hq // kv_heads, sq, d)
-        dout32 = dout.to(acc).reshape(q32.shape)
-        delta = (dout32 * out).sum(-1)
-        dq = torch.zeros_like(q32)
-        block = torch.stack((k.to(acc), v.to(acc)))
-        half = sq // 2
+        half = q.shape[2] // 2
+        dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+        block = torch.stack((k, v))
         pending = None  # (gradient arriving from the previous rank, its transfer)
         for step in range(ring.size):
             if step < ring.size - 1:
                 incoming, works = ring.start(block, _KV_TAG)
             rows, cols, causal = _visible(step, groups.ring_rank, ring.size, half)
-            dq_part, dk, dv = _block_backward(q32[..., rows, :], block[0][..., cols, :], block[1][..., cols, :],
-                                              dout32[..., rows, :], lse[..., rows], delta[..., rows], scale, causal)
+            dq_part, dk, dv = _block_backward(q[..., rows, :], block[0][..., cols, :], block[1][..., cols, :],
+                                              out[..., rows, :], dout[..., rows, :], lse[..., rows], scale, causal)
             dq[..., rows, :] += dq_part
-            grads = torch.zeros_like(block)  # this block's key/value gradients, accumulated along the ring
+            grads = torch.zeros(block.shape, dtype=lse.dtype, device=q.device)  # this block's, accumulated on the way
             grads[0][..., cols, :] = dk
             grads[1][..., cols, :] = dv
             if pending is not None:  # the earlier ranks' share of this block's gradient
-                for work in pending[1]:
-                    work.wait()
+                _wait(pending[1])
                 grads += pending[0]
             pending = ring.start(grads, _DKV_TAG)  # after the last step the gradient goes home
             if step < ring.size - 1:
-                for work in works:
-                    work.wait()
+                _wait(works)
                 block = incoming
-        for work in pending[1]:
-            work.wait()
+        _wait(pending[1])
         own = pending[0]
-        return dq.view(b, hq, sq, d).to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None
 
 
 # ----------------------------------------------------------------------------- the attention core
