@@ -51,3 +51,12 @@ def test_tp2_x_cp2_with_sequence_parallel(base, reference, tmp_path):
                           parallel={"cp": 2, "cp_method": "ulysses", "tp": 2, "sequence_parallel": True})
     diffs = assert_parity(reference, train_distributed(config, 4), param_atol=TP_PARAM_ATOL)
     print(f"tp2 x cp2 ulysses sp: {diffs}")
+
+
+@pytest.mark.slow
+def test_dp2_x_cp2_x_tp2_with_zero2(base, reference, tmp_path):
+    """dp x cp x tp on 8 ranks: ring attention, sequence parallelism, ZeRO-2 sharded over dp_shard x cp."""
+    config = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "dp2cp2tp2")},
+                          parallel={"cp": 2, "tp": 2, "dp_shard": 2, "zero_stage": 2, "sequence_parallel": True})
+    diffs = assert_parity(reference, train_distributed(config, 8, timeout=240), param_atol=TP_PARAM_ATOL)
+    print(f"dp2 x cp2 x tp2 ring zero2 sp: {diffs}")
