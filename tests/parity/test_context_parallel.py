@@ -8,18 +8,7 @@ ranks, and a 257-token vocabulary (V % tp != 0 in the tensor-parallel case).
 
 import pytest
 
-from parity.harness import CP_PARAM_ATOL, TP_PARAM_ATOL, assert_parity, train_distributed, train_single, with_changes
-
-
-@pytest.fixture
-def base(job, tmp_path):
-    return with_changes(job, train={"micro_batch_size": 8, "steps": 4, "eval_every": 4, "output_dir": str(tmp_path / "single")},
-                        checkpoint={"every": 0})
-
-
-@pytest.fixture
-def reference(base):
-    return train_single(base)
+from parity.harness import CP_PARAM_ATOL, TP_PARAM_ATOL, assert_parity, train_distributed, with_changes
 
 
 CASES = {

@@ -5,13 +5,6 @@ import pytest
 from parity.harness import assert_parity, train_distributed, train_single, with_changes
 
 
-@pytest.fixture
-def base(job, tmp_path):
-    # The single-process reference: global batch 8 = micro 8 x accum 1.
-    return with_changes(job, train={"micro_batch_size": 8, "steps": 4, "eval_every": 4, "output_dir": str(tmp_path / "single")},
-                        checkpoint={"every": 0})
-
-
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ddp_matches_single_process(base, tmp_path, world_size):
     reference = train_single(base)

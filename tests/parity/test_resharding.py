@@ -17,12 +17,6 @@ from distributed.spawn import run_distributed
 from parity.harness import _weights, assert_parity, train_distributed, train_single, with_changes
 
 
-@pytest.fixture
-def base(job, tmp_path):
-    return with_changes(job, train={"micro_batch_size": 8, "steps": 4, "eval_every": 4, "output_dir": str(tmp_path / "single")},
-                        checkpoint={"every": 0})
-
-
 def _interrupted_then_resumed(rank, world_size, config):
     """2 steps, save, then a fresh Trainer resumes and finishes: the losses of both halves."""
     from fivefold.train.trainer import Trainer

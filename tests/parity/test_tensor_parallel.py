@@ -7,18 +7,7 @@ vocabulary (the padding must not change the loss).
 
 import pytest
 
-from parity.harness import TP_PARAM_ATOL, assert_parity, train_distributed, train_single, with_changes
-
-
-@pytest.fixture
-def base(job, tmp_path):
-    return with_changes(job, train={"micro_batch_size": 8, "steps": 4, "eval_every": 4, "output_dir": str(tmp_path / "single")},
-                        checkpoint={"every": 0})
-
-
-@pytest.fixture
-def reference(base):
-    return train_single(base)
+from parity.harness import TP_PARAM_ATOL, assert_parity, train_distributed, with_changes
 
 
 @pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)])

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.errors import ConfigError
+from fivefold.parallel.collectives import conjugate_function
 from fivefold.model.config import ModelConfig
 
 CP_METHODS = ("ring", "ulysses", "2d")
@@ -170,30 +171,9 @@ def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     return received.transpose(0, 1).reshape(b, n * hn, s // n, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """All-to-all sequence -> heads; its gradient is the inverse all-to-all."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    """All-to-all heads -> sequence; its gradient is the inverse all-to-all."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
+# Each all-to-all's gradient is the inverse all-to-all.
+_SeqToHeads = conjugate_function("SeqToHeads", _seq_to_heads, _heads_to_seq)
+_HeadsToSeq = conjugate_function("HeadsToSeq", _heads_to_seq, _seq_to_heads)
 
 
 def _kv_repeats(q_heads: int, kv_heads: int, n: int) -> int:

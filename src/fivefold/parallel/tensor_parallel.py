@@ -39,7 +39,7 @@ from torch import nn
 from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
 from fivefold.model.llama import RMSNorm
-from fivefold.parallel.collectives import all_gather_flat, reduce_scatter_flat
+from fivefold.parallel.collectives import all_gather_flat, conjugate_function, reduce_scatter_flat
 
 
 SEQ_DIM = 1  # activations are (batch, seq, hidden)
@@ -74,31 +74,18 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ conjugate autograd regions
-def _region(name: str, forward, backward) -> type[torch.autograd.Function]:
-    """An autograd function that is `forward(x, group)` one way and `backward(grad, group)` back."""
-
-    def fwd(ctx, x, group):
-        ctx.group = group
-        return forward(x, group)
-
-    def bwd(ctx, grad):
-        return backward(grad, ctx.group), None
-
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
-
-
 def _identity(x: torch.Tensor, group) -> torch.Tensor:
     return x.view_as(x)
 
 
 # (forward, backward) pairs: each is the other's conjugate.
-_CopyToRegion = _region("CopyToRegion", _identity, _all_reduce)  # f
-_ReduceFromRegion = _region("ReduceFromRegion", lambda x, g: _all_reduce(x.clone(), g), _identity)  # g
-_GatherFromSequenceRegion = _region(  # SP entry
+_CopyToRegion = conjugate_function("CopyToRegion", _identity, _all_reduce)  # f
+_ReduceFromRegion = conjugate_function("ReduceFromRegion", lambda x, g: _all_reduce(x.clone(), g), _identity)  # g
+_GatherFromSequenceRegion = conjugate_function(  # SP entry
     "GatherFromSequenceRegion", lambda x, g: _all_gather(x, SEQ_DIM, g), lambda d, g: _reduce_scatter(d, SEQ_DIM, g))
-_ReduceScatterToSequenceRegion = _region(  # SP exit
+_ReduceScatterToSequenceRegion = conjugate_function(  # SP exit
     "ReduceScatterToSequenceRegion", lambda x, g: _reduce_scatter(x, SEQ_DIM, g), lambda d, g: _all_gather(d, SEQ_DIM, g))
-_ScatterToSequenceRegion = _region(
+_ScatterToSequenceRegion = conjugate_function(
     "ScatterToSequenceRegion", lambda x, g: _split(x, SEQ_DIM, g), lambda d, g: _all_gather(d, SEQ_DIM, g))
 
 
