@@ -50,3 +50,12 @@ def test_train_then_generate(capsys, tmp_path, corpus_dir):
     assert capsys.readouterr().out == greedy  # run folder -> newest checkpoint; cache == no cache
     assert main([*args, "--train.steps", "6", "--resume", "auto"]) == 0
     assert "resumed from" in capsys.readouterr().out
+
+
+def test_plot_schedule_writes_a_png_and_names_bad_settings(capsys, tmp_path):
+    out = tmp_path / "interleaved.png"
+    assert main(["plot-schedule", "--pp", "4", "--microbatches", "8", "--schedule", "interleaved", "--output", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert main(["plot-schedule", "--pp", "4", "--microbatches", "6", "--schedule", "interleaved",
+                 "--output", str(tmp_path / "bad.png")]) == 2
+    assert "multiple of pp (4)" in capsys.readouterr().err

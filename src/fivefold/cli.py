@@ -5,6 +5,7 @@
     fivefold info --model PRESET [--seq-len S]
     fivefold convert --checkpoint DIR --to HF_DIR [--dtype fp32|bf16]
     fivefold config [--config FILE.toml] [--section.key VALUE ...] | --reference
+    fivefold plot-schedule --pp P --microbatches M --schedule gpipe|1f1b|interleaved|zb-h1 [--virtual V] [--output F.png]
 """
 
 from __future__ import annotations
@@ -132,6 +133,22 @@ def _config(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _plot_schedule(args: argparse.Namespace) -> int:
+    from fivefold.parallel.pipeline.plot import plot_schedule
+    from fivefold.parallel.pipeline.schedules import PipelineShape, check_schedule
+
+    virtual = args.virtual or (2 if args.schedule == "interleaved" else 1)
+    try:
+        shape = PipelineShape(args.pp, args.microbatches, virtual)
+        check_schedule(args.schedule, shape)
+    except ValueError as exc:
+        print(f"fivefold: error: {exc}", file=sys.stderr)
+        return 2
+    output = args.output or f"schedule-{args.schedule}-pp{args.pp}-m{args.microbatches}.png"
+    print(f"wrote {plot_schedule(args.schedule, shape, output)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fivefold", description="Distributed LLM training on torch.distributed")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -165,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--model", required=True, help="preset name, e.g. llama3-8b")
     info.add_argument("--seq-len", type=int, default=0, help="context for the attention FLOPs (default: preset max)")
     info.add_argument("--vocab-size", type=int, default=257, help="for presets whose vocabulary comes from the tokenizer")
+
+    plot = sub.add_parser("plot-schedule", help="draw a pipeline schedule's timeline (PNG), with its bubble")
+    plot.add_argument("--pp", type=int, required=True, help="pipeline ranks")
+    plot.add_argument("--microbatches", type=int, required=True)
+    plot.add_argument("--schedule", required=True, help="gpipe, 1f1b, interleaved or zb-h1")
+    plot.add_argument("--virtual", type=int, default=0, help="virtual stages per rank (interleaved; default 2)")
+    plot.add_argument("--output", help="PNG path (default schedule-<name>-pp<P>-m<M>.png)")
     return parser
 
 
@@ -182,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "convert":
             return _convert(args)
+        if args.command == "plot-schedule":
+            return _plot_schedule(args)
         return _info(args)
     except FivefoldError as exc:
         print(f"fivefold: error: {exc}", file=sys.stderr)
