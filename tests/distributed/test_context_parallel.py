@@ -74,3 +74,16 @@ def test_shards_cover_the_sequence_once_and_balance_causal_work():
         if layout.heads == 1:  # zigzag: every ring rank's queries see the same number of keys
             work = {int((s + 1).sum()) for s in shards}
             assert len(work) == 1, work
+
+
+def test_each_method_has_its_own_grid_and_sharding():
+    """parallel.cp_method and parallel.cp_heads pick the (ring, heads) grid parallelize() builds."""
+    assert ContextParallelLayout.for_method("ring", 4, 2) == ContextParallelLayout(ring=4, heads=1)
+    assert ContextParallelLayout.for_method("ulysses", 4, 2) == ContextParallelLayout(ring=1, heads=4)
+    assert ContextParallelLayout.for_method("2d", 4, 2) == ContextParallelLayout(ring=2, heads=2)
+    assert ContextParallelLayout.for_method("2d", 8, 4) == ContextParallelLayout(ring=2, heads=4)
+    assert ContextParallelLayout(1, 4).shard_positions(SEQ, 1).tolist() == list(range(4, 8))  # Ulysses: contiguous
+    assert ContextParallelLayout(4, 1).shard_positions(SEQ, 1).tolist() == [2, 3, 12, 13]  # ring: zigzag
+    # 2d: ring rank 0 holds chunks 0 and 3 of 4 (zigzag), split over its 2 head ranks
+    assert ContextParallelLayout(2, 2).shard_positions(SEQ, 1).tolist() == [12, 13, 14, 15]
+    assert ContextParallelLayout(2, 2).shard_positions(SEQ, 2).tolist() == [4, 5, 6, 7]
