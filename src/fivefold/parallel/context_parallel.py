@@ -128,18 +128,18 @@ def build_context_parallel_groups(cp_rank_table: torch.Tensor, layout: ContextPa
     `cp_rank_table` lists the global ranks of every cp group, one row per group, in cp-rank order.
     """
     me = dist.get_rank()
-    mine = None
+    mine: dict = {}
     for row in cp_rank_table.tolist():
         grid = [row[i * layout.heads:(i + 1) * layout.heads] for i in range(layout.ring)]  # [ring][head]
+        rings = [[grid[i][head] for i in range(layout.ring)] for head in range(layout.heads)]
         for ranks in grid:
             group = dist.new_group(ranks) if layout.heads > 1 else None
             if me in ranks:
-                mine = dict(mine or {}, head_group=group)
-        for head in range(layout.heads):
-            ranks = [grid[i][head] for i in range(layout.ring)]
+                mine["head_group"] = group
+        for ranks in rings:
             group = dist.new_group(ranks) if layout.ring > 1 else None
             if me in ranks:
-                mine = dict(mine or {}, ring_group=group, ring_ranks=ranks)
+                mine.update(ring_group=group, ring_ranks=ranks)
         if me in row:
             mine["cp_rank"] = row.index(me)
     return ContextParallelGroups(layout=layout, **mine)
