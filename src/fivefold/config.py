@@ -157,6 +157,8 @@ class LoggingConfig:
     """Prompt for the sample generated at the end of training; empty disables it."""
     sample_tokens: int = 200
     """Tokens generated for that sample."""
+    pipeline_trace: bool = False
+    """With parallel.pp > 1: write a Chrome trace of the last step's measured compute and communication per stage (<output_dir>/pipeline_trace.json)."""
 
     def validate(self) -> None:
         if self.sample_tokens < 0:
@@ -191,6 +193,16 @@ class ParallelConfig:
     """Context-parallel attention: `ring` (K/V blocks passed around a ring), `ulysses` (all-to-all to heads) or `2d` (both)."""
     cp_heads: int = 2
     """With cp_method = 2d: the head-parallel (Ulysses) degree; the ring takes cp / cp_heads ranks."""
+    pp: int = 1
+    """Pipeline-parallel degree: the layers are split by depth over pp ranks; train.grad_accum_steps micro-batches flow through them."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: `gpipe`, `1f1b`, `interleaved` (needs pp_virtual >= 2) or `zb-h1` (zero bubble)."""
+    pp_virtual: int = 1
+    """Virtual stages per pipeline rank (the interleaved schedule): pp x pp_virtual stages in all."""
+    pp_layers_per_stage: list[int] = field(default_factory=list)
+    """Blocks per stage, e.g. `3,4,4,3`, overriding the balanced split; empty = balance by pp_balance."""
+    pp_balance: str = "flops"
+    """Cost the stage split balances: `flops` (training FLOPs, head included) or `params` (parameters, embedding included)."""
 
     def validate(self) -> None:
         if self.dp_replicate == 0 or self.dp_replicate < -1:
@@ -213,14 +225,28 @@ class ParallelConfig:
         if self.tp < 1:
             raise ConfigError(f"parallel.tp = {self.tp}: must be a positive integer")
         _check_choice("parallel.recompute", self.recompute, ("none", "full", "selective"))
+        for name in ("pp", "pp_virtual"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel.{name} = {getattr(self, name)}: must be a positive integer")
+        _check_choice("parallel.pp_schedule", self.pp_schedule, ("gpipe", "1f1b", "interleaved", "zb-h1"))
+        _check_choice("parallel.pp_balance", self.pp_balance, ("flops", "params"))
+        if self.pp == 1 and (self.pp_virtual > 1 or self.pp_layers_per_stage):
+            raise ConfigError("parallel.pp_virtual and parallel.pp_layers_per_stage split a pipeline: set parallel.pp > 1")
+        if self.pp > 1 and self.zero_stage > 1:
+            raise ConfigError(
+                f"parallel.zero_stage = {self.zero_stage} with parallel.pp = {self.pp}: ZeRO-2/3 reduce-scatter (and "
+                "ZeRO-3 regathers) per micro-batch backward, which the pipeline interleaves; use zero_stage 0 or 1 "
+                "with pipelining (as DeepSpeed's pipeline engine does)"
+            )
 
     def dims(self, world_size: int):
         """The ParallelDims for a world of `world_size` ranks (validated: product == world size)."""
         from fivefold.parallel.mesh import ParallelDims
 
-        replicate = world_size // (self.dp_shard * self.cp * self.tp) if self.dp_replicate == -1 else self.dp_replicate
+        others = self.pp * self.dp_shard * self.cp * self.tp
+        replicate = world_size // others if self.dp_replicate == -1 else self.dp_replicate
         return ParallelDims(dp_replicate=max(replicate, 1), dp_shard=self.dp_shard, cp=self.cp, tp=self.tp,
-                            world_size=world_size)
+                            pp=self.pp, world_size=world_size)
 
 
 @dataclass
@@ -248,6 +274,10 @@ class JobConfig:
         check_context_parallel(self.model, par.cp, par.cp_method, par.cp_heads, par.tp, self.train.seq_len)
         # Tensor (and sequence) parallelism sees each context-parallel rank's part of the sequence.
         check_tensor_parallel(self.model, par.tp, par.sequence_parallel, self.train.seq_len // par.cp)
+        if par.pp > 1:
+            from fivefold.parallel.pipeline.stages import check_pipeline
+
+            check_pipeline(self.model, par, self.train.seq_len, self.train.grad_accum_steps)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -278,6 +308,12 @@ def _field_types(cls: type) -> dict[str, Any]:
 def _coerce(key: str, raw: Any, annotation: Any) -> Any:
     """Convert a TOML or command-line value to the field's declared type."""
     origin = typing.get_origin(annotation)
+    if origin is list:
+        items = [x for x in raw.replace(" ", "").split(",") if x] if isinstance(raw, str) else raw
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{key} = {raw!r}: expected a list, e.g. 1,2,3")
+        (item_type,) = typing.get_args(annotation)
+        return [_coerce(key, item, item_type) for item in items]
     if origin in (Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null")):
@@ -423,6 +459,6 @@ def describe_config() -> str:
         if section == "model":
             lines.append(f"| preset | str | tiny | start from a preset: {', '.join(PRESETS)} |")
         for f in dataclasses.fields(current):
-            kind = getattr(hints[f.name], "__name__", str(hints[f.name]))
+            kind = str(hints[f.name]) if typing.get_origin(hints[f.name]) else getattr(hints[f.name], "__name__", "")
             lines.append(f"| {f.name} | {kind} | {getattr(current, f.name)!r} | {docs.get(f.name, '')} |")
     return "\n".join(lines) + "\n"

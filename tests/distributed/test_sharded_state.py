@@ -67,7 +67,7 @@ def test_uneven_shards_save_at_4_and_load_at_3_and_whole(tmp_path):
     ranges = run_distributed(_save, 4, folder)
     assert [r[0] for r in ranges] == [(0, 2), (2, 4), (4, 5), (5, 5)]  # layers.0/decay: the last shard is empty
     layout = {"layers.0/decay": {"names": ["layers.0.weight"], "shapes": [[1, 5]]},
-              "root/no_decay": {"names": ["gain"], "shapes": [[3]]}}
+              "gain/no_decay": {"names": ["gain"], "shapes": [[3]]}}
     whole = read_consolidated_weights(tmp_path, layout)
     assert whole["layers.0.weight"].tolist() == [[0.0, 1.0, 2.0, 3.0, 4.0]]
     assert whole["gain"].tolist() == [10.0, 11.0, 12.0]

@@ -176,10 +176,18 @@ class Transformer(nn.Module):
         if positions is None:
             start = cache.seq_len if cache is not None else 0
             positions = torch.arange(start, start + seq, device=tokens.device)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos, sin = self.rope(positions)
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin, cache)
+        return self.head(h)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of the rotary angles at these (global) positions."""
+        return self.rope_cos[positions], self.rope_sin[positions]
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and output projection (the embedding matrix when tied): hidden states -> logits."""
         h = self.norm(h)
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)

@@ -32,6 +32,7 @@ class Bucket:
     offsets: list[int]
     buffer: torch.Tensor
     ready: int = 0
+    captured: set[int] = field(default_factory=set)  # indices whose gradient a hook copied in this pass
     work: dist.Work | None = field(default=None, repr=False)
 
     def view(self, index: int) -> torch.Tensor:
@@ -117,6 +118,7 @@ class DataParallel(GradientSync):
             return
         bucket, index = self._slot[id(param)]
         bucket.view(index).copy_(param.grad)
+        bucket.captured.add(index)
         bucket.ready += 1
         self._launch_ready()
 
@@ -130,11 +132,19 @@ class DataParallel(GradientSync):
 
     @torch.no_grad()
     def finish_gradient_sync(self) -> None:
-        """Launch what is left (parameters that got no gradient count as zero), wait, write back."""
+        """Launch what is left, wait, write back.
+
+        A gradient no hook copied (accumulated under `no_sync`, as a pipeline does for every
+        micro-batch, or never produced: zero) is taken from `.grad` now.
+        """
         for bucket in self.buckets[self._next_launch :]:
             for index, param in enumerate(bucket.params):
+                if index in bucket.captured:
+                    continue
                 if param.grad is None:
                     bucket.view(index).zero_()
+                else:
+                    bucket.view(index).copy_(param.grad)
             bucket.ready = len(bucket.params)
         self._launch_ready()
         for bucket in self.buckets:
@@ -146,6 +156,7 @@ class DataParallel(GradientSync):
                 else:
                     param.grad.copy_(reduced)
             bucket.ready, bucket.work = 0, None
+            bucket.captured.clear()
         self._next_launch = 0
 
     def gradient_bytes(self) -> int:

@@ -1,7 +1,10 @@
 """How parameters are packed into flat groups: one per (unit, weight-decay class).
 
 A unit is one transformer block, or the rest of the model (embedding, final norm, head) as the
-`root` unit. Within a group, parameters are flattened and concatenated in registration order.
+`root` unit. Root parameters are grouped by their top-level module as well (`tok_embeddings`,
+`norm`, `output`), so that the groups, and with them the checkpoint keys, are the same whichever
+pipeline stage holds those modules. Within a group, parameters are flattened and concatenated in
+registration order.
 ZeRO (parallel/zero.py) pads each group to a multiple of its shard count and splits it; the
 checkpoint (train/train_state.py) stores weights and optimizer moments per group, unpadded, so
 the same checkpoint loads at any shard count, any ZeRO stage, or without ZeRO. The layout is a
@@ -15,14 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-ROOT = "root"
-
-
 @dataclass(frozen=True)
 class GroupLayout:
     """One flat group: which parameters, in which order, at which offsets."""
 
-    key: str  # e.g. "layers.3/decay", "root/no_decay"
+    key: str  # e.g. "layers.3/decay", "norm/no_decay"
     unit: int  # index into units(model); len(units) for the root unit
     decay: bool
     names: tuple[str, ...]
@@ -53,17 +53,20 @@ def units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def flat_group_layout(model: nn.Module) -> list[GroupLayout]:
-    """The model's flat groups, blocks first in forward order, then the root unit; decay before no-decay."""
+    """The model's flat groups: blocks in forward order, then the root modules in registration order; decay first."""
     blocks = units(model)
     owner = {id(p): index for index, (_, block) in enumerate(blocks) for p in block.parameters()}
     root = len(blocks)
-    members: dict[tuple[int, bool], list[tuple[str, nn.Parameter]]] = {}
+    members: dict[tuple[int, str, bool], list[tuple[str, nn.Parameter]]] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            members.setdefault((owner.get(id(p), root), p.ndim >= 2), []).append((name, p))
+            unit = owner.get(id(p), root)
+            unit_name = blocks[unit][0] if unit < root else name.split(".")[0]
+            members.setdefault((unit, unit_name, p.ndim >= 2), []).append((name, p))
     layout = []
-    for (unit, decay), params in sorted(members.items(), key=lambda item: (item[0][0], not item[0][1])):
-        unit_name = blocks[unit][0] if unit < root else ROOT
+    module_order = {name: i for i, name in enumerate(dict.fromkeys(name for _, name, _ in members))}
+    for (unit, unit_name, decay), params in sorted(members.items(),
+                                                   key=lambda item: (item[0][0], module_order[item[0][1]], not item[0][2])):
         layout.append(GroupLayout(f"{unit_name}/{'decay' if decay else 'no_decay'}", unit, decay,
                                   tuple(n for n, _ in params), tuple(p.shape for _, p in params)))
     return layout

@@ -41,6 +41,13 @@ class Parallelized:
     tp: int = 1
     cp_layout: ContextParallelLayout | None = None
     cp_rank: int = 0
+    pp_group: dist.ProcessGroup | None = None
+    duplicates: frozenset[int] = frozenset()  # ids of parameters another pipeline stage also holds (tied head)
+
+    @property
+    def norm_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """Groups whose ranks hold the other parts of the model: the gradient norm is summed over them."""
+        return tuple(g for g in (self.tp_group, self.pp_group) if g is not None)
 
     def shard_sequence(self, inputs: torch.Tensor, labels: torch.Tensor):
         """This rank's (inputs, labels, positions) of a (batch, seq) micro-batch; positions None without CP."""
@@ -61,21 +68,31 @@ class Parallelized:
         spec = tp_spec(param)
         return self.tp if spec is None else spec.replicas(self.tp)
 
+    def norm_weight(self, param: nn.Parameter) -> float:
+        """Weight of this rank's copy of `param` in the global norm: each value counts once over all ranks."""
+        return 0.0 if id(param) in self.duplicates else 1.0 / self.replicas(param)
+
     @torch.no_grad()
     def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float) -> float:
-        """Global L2 gradient norm over the tensor-parallel group (replicated values counted once); clip."""
-        if self.tp_group is None:
+        """Global L2 gradient norm over the tensor-parallel and pipeline groups (each value counted once); clip."""
+        if not self.norm_groups:
             return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         pairs = [(p, p.grad) for p in params if p.grad is not None]
         grads = [g for _, g in pairs]
-        local = sum(float(g.double().pow(2).sum()) / self.replicas(p) for p, g in pairs)
-        total = torch.tensor(local, dtype=torch.float64, device=grads[0].device)
-        dist.all_reduce(total, group=self.tp_group)
+        local = sum(float(g.double().pow(2).sum()) * self.norm_weight(p) for p, g in pairs)
+        total = torch.tensor(local, dtype=torch.float64, device=self.device_of(params))
+        for group in self.norm_groups:
+            dist.all_reduce(total, group=group)
         norm = float(total.sqrt())
         if norm > max_norm:
             for g in grads:
                 g.mul_(max_norm / (norm + 1e-6))
         return norm
+
+
+    @staticmethod
+    def device_of(params: list[nn.Parameter]) -> torch.device:
+        return params[0].device if params else torch.device("cpu")
 
 
 def parallelize(model: nn.Module, mesh: Mesh | None, config: ParallelConfig) -> Parallelized:

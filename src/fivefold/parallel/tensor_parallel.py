@@ -337,8 +337,11 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
         mlp.w2 = RowParallelLinear(mlp.w2, group, sequence_parallel)
         block.attention_norm = ParallelRMSNorm(block.attention_norm, group, sequence_parallel)
         block.ffn_norm = ParallelRMSNorm(block.ffn_norm, group, sequence_parallel)
-    model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, sequence_parallel)
-    model.norm = ParallelRMSNorm(model.norm, group, sequence_parallel)
+    # A pipeline stage may hold neither the embedding nor the head.
+    if model.tok_embeddings is not None:
+        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, sequence_parallel)
+    if model.norm is not None:
+        model.norm = ParallelRMSNorm(model.norm, group, sequence_parallel)
     if model.output is not None:
         padded = padded_vocab_size(config.vocab_size, tp)
         head = nn.Linear(config.dim, padded, bias=False, device=model.output.weight.device)

@@ -62,7 +62,7 @@ class FlatGroup:
     ready: int = 0  # gradients arrived since the last reduction
     reduced: bool = False  # reduced in the current backward pass
     pending: list = field(default_factory=list)
-    norm_weights: torch.Tensor | None = None  # with TP: 1 / replicas per element of this rank's shard
+    norm_weights: torch.Tensor | None = None  # per element of this rank's shard: its weight in the norm
 
     def views(self, flat: torch.Tensor):
         for param, shape, offset in zip(self.params, self.shapes, self.offsets):
@@ -87,8 +87,8 @@ class ZeroDataParallel(GradientSync):
         param_dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype = torch.float32,
         offload: bool = False,
-        tp_group: dist.ProcessGroup | None = None,
-        replicas: Callable[[nn.Parameter], int] | None = None,
+        norm_groups: tuple[dist.ProcessGroup, ...] = (),
+        norm_weight: Callable[[nn.Parameter], float] | None = None,
     ):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
@@ -101,8 +101,9 @@ class ZeroDataParallel(GradientSync):
         self.device = next(model.parameters()).device
         self.offload_device = torch.device("cpu") if offload else self.device
         self.offload = offload
-        self.tp_group = tp_group
-        self._replicas = replicas
+        # Other ranks holding other parts of the model (tensor-parallel pieces, pipeline stages) and
+        # the weight each parameter's squares get (1 / copies), for the global gradient norm.
+        self.norm_groups, self._norm_weight = tuple(norm_groups), norm_weight
         self._broadcast_parameters()
         self.units = [block for _, block in units(model)]
         self.groups = self._build_groups()
@@ -153,12 +154,12 @@ class ZeroDataParallel(GradientSync):
                 param.grad = view
 
     def _norm_weights(self, g: FlatGroup) -> torch.Tensor | None:
-        """Per-element 1 / (tensor-parallel replicas) of this rank's shard, so replicated values count once."""
-        if self.tp_group is None:
+        """Per-element weight of this rank's shard in the norm, so values held by several ranks count once."""
+        if self._norm_weight is None:
             return None
         full = torch.zeros(g.padded_numel, dtype=torch.float64, device=self.device)
         for param, shape, offset in zip(g.params, g.shapes, g.offsets):
-            full[offset : offset + shape.numel()] = 1.0 / self._replicas(param)
+            full[offset : offset + shape.numel()] = self._norm_weight(param)
         return full[self.rank * g.shard_numel : (self.rank + 1) * g.shard_numel].clone()
 
     def master_parameters(self, decay: bool) -> list[nn.Parameter]:
@@ -282,8 +283,8 @@ class ZeroDataParallel(GradientSync):
                           else (g.grad_shard.double().pow(2) * g.norm_weights).sum()) for g in self.groups)
         total = torch.tensor(local, dtype=torch.float64, device=self.device)
         dist.all_reduce(total, group=self.shard_group)
-        if self.tp_group is not None:  # the other tensor-parallel ranks hold the other pieces
-            dist.all_reduce(total, group=self.tp_group)
+        for group in self.norm_groups:  # the other tensor-parallel pieces and pipeline stages
+            dist.all_reduce(total, group=group)
         norm = float(total.sqrt())
         if norm > max_norm:
             scale = max_norm / (norm + 1e-6)

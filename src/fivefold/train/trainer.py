@@ -33,6 +33,16 @@ from fivefold.plan.memory import ModelStateBytes, zero_model_states
 from fivefold.parallel.data_parallel import DataParallel
 from fivefold.parallel.mesh import build_mesh
 from fivefold.parallel.parallelize import IGNORE_INDEX, parallelize
+from fivefold.parallel.pipeline.executor import MicroBatch, PipelineExecutor
+from fivefold.parallel.pipeline.schedules import PipelineShape, ideal_bubble
+from fivefold.parallel.pipeline.stages import (
+    build_tied_embedding_group,
+    check_pipeline,
+    cut_model,
+    holds_tied_copy,
+    stages_of_rank,
+)
+from fivefold.parallel.pipeline.trace import measure_bubble, write_chrome_trace
 from fivefold.parallel.zero import ZeroDataParallel
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.distributed import all_reduce_sum, init_distributed, local_device
@@ -87,12 +97,29 @@ class Trainer:
         self.dp_rank = self.mesh.local_rank("dp") if self.mesh is not None else 0  # which slice of each batch
         # Data- and context-parallel ranks together: gradients are summed and the loss token-weighted over them.
         self.dp_cp_group = self.mesh.group("dp_cp") if self.mesh is not None and self.dims.dp * self.dims.cp > 1 else None
+        self.pp_group = self.mesh.group("pp") if self.dims.pp > 1 else None
+        self.pp_rank = self.mesh.local_rank("pp") if self.dims.pp > 1 else 0
         self.output_dir = Path(config.train.output_dir)
         self.data = data or self._prepare_data()
         self.model_config = resolve_model_config(config.model, self.data.tokenizer.vocab_size)
         torch.manual_seed(config.train.seed)
-        self.model: Transformer = materialize(build_model(self.model_config), self.device, seed=config.train.seed)
+        model = build_model(self.model_config)
+        self.stage_split, self.pipeline_stages = None, None
+        if self.dims.pp > 1:  # keep only this rank's stages, before any memory is allocated
+            t = config.train
+            self.stage_split = check_pipeline(self.model_config, config.parallel, t.seq_len, t.grad_accum_steps)
+            self.pipeline_stages = stages_of_rank(self.stage_split, self.dims.pp, self.pp_rank)
+            cut_model(model, self.pipeline_stages)
+        self.model: Transformer = materialize(model, self.device, seed=config.train.seed)
         self.parallel = parallelize(self.model, self.mesh, config.parallel)  # tensor/context parallel, recompute
+        self.tied_group = None  # first and last pipeline stage, which both hold a tied embedding
+        if self.dims.pp > 1:
+            self.parallel.pp_group = self.pp_group
+            if holds_tied_copy(self.model, self.pipeline_stages):
+                self.parallel.duplicates = frozenset({id(self.model.tok_embeddings.weight)})
+            if self.model_config.tie_embeddings:
+                last = (len(self.stage_split) - 1) % self.dims.pp
+                self.tied_group = build_tied_embedding_group(self.mesh.rank_table("pp"), self.env.rank, last)
         self.tp_prefix = f"tp{self.parallel.tp_rank}/" if self.parallel.tp > 1 else ""
         self.checkpoint_layout = self._gather_layout()  # before ZeRO-3 empties the parameters
         self.parameters_per_rank = sum(p.numel() for p in self.model.parameters())  # Ψ, or Ψ's TP shard
@@ -103,15 +130,17 @@ class Trainer:
         if par.zero_stage > 0:
             param_dtype = torch.bfloat16 if par.param_dtype == "bf16" else torch.float32
             replicate = self.mesh.group("dp_replicate") if self.dims.dp_replicate > 1 else None
+            weighs = bool(self.parallel.norm_groups)
             self.zero = ZeroDataParallel(self.model, self.mesh.group("dp_shard_cp"), replicate, par.zero_stage,
-                                         param_dtype, reduce_dtype, par.offload, tp_group=self.parallel.tp_group,
-                                         replicas=self.parallel.replicas)
+                                         param_dtype, reduce_dtype, par.offload, norm_groups=self.parallel.norm_groups,
+                                         norm_weight=self.parallel.norm_weight if weighs else None)
             self.optimizer = build_adamw(self.zero.master_parameters(True), self.zero.master_parameters(False), config.optim)
         else:
             if self.dp_cp_group is not None:
                 self.ddp = DataParallel(self.model, self.dp_cp_group, par.bucket_mb, reduce_dtype)
             self.optimizer = build_optimizer(self.model, config.optim)
         self.grad_sync = self.zero or self.ddp
+        self.executor = self._build_executor() if self.dims.pp > 1 else None
         self.state = ckpt.TrainerState(step=0, tokens_seen=0, seed=config.train.seed)
         self.autocast_dtype = torch.bfloat16 if config.train.dtype == "bf16" else None
         t = config.train
@@ -176,14 +205,31 @@ class Trainer:
     def _gather_layout(self) -> dict[str, dict]:
         """This run's checkpoint layout: every tensor-parallel rank's groups, under its prefix."""
         local = checkpoint_layout(self.model, self.tp_prefix)
-        if self.parallel.tp == 1:
+        if self.dims.tp == 1 and self.dims.pp == 1:
             return local
-        everyone: list = [None] * self.parallel.tp
-        dist.all_gather_object(everyone, local, group=self.parallel.tp_group)
+        everyone: list = [None] * self.env.world_size  # tensor-parallel pieces and pipeline stages
+        dist.all_gather_object(everyone, local)
         return {key: entry for part in everyone for key, entry in part.items()}
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+
+    def _build_executor(self) -> PipelineExecutor:
+        t, par = self.config.train, self.config.parallel
+        shape = PipelineShape(self.dims.pp, t.grad_accum_steps, par.pp_virtual)
+        seq = t.seq_len // self.dims.cp // (self.dims.tp if par.sequence_parallel else 1)
+        dtype = next(self.model.parameters()).dtype  # the residual stream's dtype (autocast leaves it)
+        return PipelineExecutor(self.model, self.pipeline_stages, shape, par.pp_schedule, self.pp_group,
+                                self.parallel.loss_sum, (t.micro_batch_size, seq, self.model_config.dim), dtype,
+                                self.device, self._autocast)
+
+    def describe_pipeline(self) -> str:
+        par = self.config.parallel
+        shape = self.executor.shape
+        blocks = ", ".join(f"s{i}: {len(b)}" for i, b in enumerate(self.stage_split))
+        return (f"pipeline: {par.pp_schedule}, {shape.ranks} ranks x {shape.virtual} stage(s) each, "
+                f"{shape.microbatches} micro-batches; blocks per stage {blocks}; "
+                f"ideal bubble {ideal_bubble(par.pp_schedule, shape):.3f} of compute time")
 
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """This rank's (inputs, labels, positions) micro-batches of optimizer step `step`.
@@ -209,11 +255,12 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step at `self.state.step`; returns its metrics."""
-        t = self.config.train
         step = self.state.step
         batches = self.micro_batches(step)
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _ in batches)
         total_tokens = int(all_reduce_sum(torch.tensor(float(local_tokens), device=self.device), self.dp_cp_group))
+        if self.executor is not None:
+            return self._pipeline_step(batches, total_tokens)
         loss_sum = torch.zeros((), device=self.device)
         for micro_step, (inputs, labels, positions) in enumerate(batches):
             with self._sync_context(micro_step, len(batches)):
@@ -222,9 +269,50 @@ class Trainer:
                 loss = self.parallel.loss_sum(logits, labels)
                 (loss / total_tokens).backward()
             loss_sum += loss.detach()
+        self._reduce_gradients()
+        all_reduce_sum(loss_sum, self.dp_cp_group)
+        return self._optimizer_step(float(loss_sum), total_tokens)
+
+    def _pipeline_step(self, batches, total_tokens: int) -> dict[str, float]:
+        """The step as the pipeline schedule's instruction stream; the bubble measured on logging steps."""
+        t = self.config.train
+        step = self.state.step
+        measure = (step + 1) % t.log_every == 0 or step + 1 == t.steps
+        trace = self.config.logging.pipeline_trace and step + 1 == t.steps
+        self.executor.synchronize = measure
+        if measure:
+            dist.barrier(group=self.pp_group)  # one time origin for every stage's events
+        metrics: dict[str, float] = {}
+        with self.grad_sync.no_sync() if self.grad_sync is not None else contextlib.nullcontext():
+            loss_sum = self.executor.run([MicroBatch(*b) for b in batches], total_tokens, self._reduce_gradients,
+                                         lambda: metrics.update(self._optimizer_step(None, total_tokens)))
+        all_reduce_sum(loss_sum, self.dp_cp_group)
+        all_reduce_sum(loss_sum, self.pp_group)  # only the last stage holds a loss
+        metrics["loss"] = float(loss_sum) / total_tokens
+        if measure:
+            events: list = [None] * self.dims.pp
+            dist.all_gather_object(events, self.executor.events, group=self.pp_group)
+            bubble = measure_bubble(events)
+            metrics.update(bubble=bubble.over_ideal, bubble_ideal=ideal_bubble(self.config.parallel.pp_schedule,
+                                                                               self.executor.shape))
+            if trace and self.is_rank0:
+                path = write_chrome_trace(self.output_dir / "pipeline_trace.json", events,
+                                          f"{self.config.parallel.pp_schedule} step {step + 1}")
+                self._print(f"pipeline trace: {path} (measured bubble {bubble.over_ideal:.3f}, "
+                            f"ideal {metrics['bubble_ideal']:.3f} of compute time)")
+        return metrics
+
+    def _reduce_gradients(self) -> None:
+        """After the last backward: sum the tied embedding's two copies, then sync over data parallel."""
+        if self.tied_group is not None:
+            dist.all_reduce(self.model.tok_embeddings.weight.grad, group=self.tied_group)
         if self.grad_sync is not None:
             self.grad_sync.finish_gradient_sync()
-        all_reduce_sum(loss_sum, self.dp_cp_group)
+
+    def _optimizer_step(self, loss_sum: float | None, total_tokens: int) -> dict[str, float]:
+        """Clip, set the scheduled learning rate, step; advance the counters. Returns the step's metrics."""
+        t = self.config.train
+        step = self.state.step
         max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
         lr = lr_at(step, self.config.optim, t.steps)
         set_lr(self.optimizer, lr)
@@ -243,7 +331,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.tokens_seen += total_tokens
-        return {"loss": float(loss_sum) / total_tokens, "lr": lr, "grad_norm": float(grad_norm)}
+        metrics = {"lr": lr, "grad_norm": float(grad_norm)}
+        if loss_sum is not None:
+            metrics["loss"] = loss_sum / total_tokens
+        return metrics
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -254,7 +345,13 @@ class Trainer:
         # Each data-parallel rank takes every dp-th batch. ZeRO-3 gathers weights collectively inside
         # forward, so a rank left without a batch still runs (and discards) one to keep in step.
         rounds = -(-len(batches) // self.dims.dp)
+        mine = [self._local(*batches[i]) for i in range(self.dp_rank, len(batches), self.dims.dp)]
+        if self.executor is not None:
+            totals[0] += self.executor.forward_only([MicroBatch(*b) for b in mine])
+            totals[1] += sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _ in mine)
         for index in range(self.dp_rank, rounds * self.dims.dp, self.dims.dp):
+            if self.executor is not None:
+                break
             counted = index < len(batches)
             if not counted and (self.zero is None or self.zero.stage != 3):
                 continue
@@ -266,6 +363,8 @@ class Trainer:
                 totals[1] += int((labels != IGNORE_INDEX).sum())
         self.model.train()
         all_reduce_sum(totals, self.dp_cp_group)
+        if self.pp_group is not None:  # the loss sum lives on the last stage; the token count everywhere
+            totals[0] = all_reduce_sum(totals[0].clone(), self.pp_group)
         return float(totals[0] / totals[1])
 
     def save(self) -> Path:
@@ -305,6 +404,8 @@ class Trainer:
             f"peak {peak:.3f} TFLOP/s per rank ({peak_source})"
             + (f"; resumed from {self.resumed_from}" if self.resumed_from else "")
         )
+        if self.executor is not None:
+            self._print(self.describe_pipeline())
         losses: list[float] = []
         val_loss = None
         last_checkpoint = self.resumed_from
@@ -353,7 +454,7 @@ class Trainer:
             plot = plot_losses(metrics_path, self.output_dir / "loss.png", baseline)
         # ZeRO-3 gathers weights collectively inside forward, so every rank must generate.
         stage3 = self.zero is not None and self.zero.stage == 3
-        split = self.dims.tp > 1 or self.dims.cp > 1  # no rank holds the whole model or sequence
+        split = self.dims.tp > 1 or self.dims.cp > 1 or self.dims.pp > 1  # no rank holds the whole model or sequence
         wanted = (self.is_rank0 or stage3) and log.sample_prompt and log.sample_tokens and not split
         if log.sample_prompt and log.sample_tokens and split:
             self._print("sample: generation runs in one process; use `fivefold generate --checkpoint` on this run")
