@@ -89,3 +89,27 @@ def test_pp2_x_tp2_x_dp2_eight_ranks(deep, deep_reference, tmp_path):
                                     "recompute": "selective"})
     diffs = assert_parity(deep_reference, train_distributed(config, 8, timeout=300), param_atol=TP_PARAM_ATOL)
     print(f"pp2 x tp2 x dp2 zero1 selective: {diffs}")
+
+
+def test_pipeline_resume_is_exact_and_reshards_to_other_depths(tied, tmp_path):
+    """pp 2 (zero bubble, tied embeddings): resume is bit-exact; its step-2 checkpoint resumes at pp 4 and in one process.
+
+    Checkpoint keys are per block and per root module (flat_groups.py), so they do not depend on
+    the stage split; both copies of the tied embedding write the same key and value.
+    """
+    from parity.test_resharding import _assert_resume_is_exact
+
+    config = with_changes(_pipelined(tied, tmp_path, "straight", 4, pp=2, pp_schedule="zb-h1"),
+                          checkpoint={"every": 2, "keep_last": 2})
+    _, straight = _assert_resume_is_exact(config, tmp_path)
+    midpoint = tmp_path / "straight" / "step-000002"
+
+    def resume(name, world_size, **parallel):
+        resumed = with_changes(tied, train={"output_dir": str(tmp_path / name)}, parallel=parallel,
+                               checkpoint={"resume": str(midpoint)})
+        losses, weights = train_single(resumed) if world_size == 1 else train_distributed(resumed, world_size)
+        return straight[0][:2] + losses, weights
+
+    for result in (resume("pp4", 4, pp=4, pp_schedule="1f1b"), resume("one", 1)):
+        diffs = assert_parity(straight, result)
+        print(f"pipeline checkpoint resharded: {diffs}")
