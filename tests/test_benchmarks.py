@@ -18,6 +18,7 @@ SMALL = ["--layers", "1", "--batch", "1", "--seq-len", "16", "--rounds", "1", "-
     ("data_parallel.py", ["--world-sizes", "2"], "ours-zero3_vs_fsdp2_x2_mem="),
     ("tensor_parallel.py", [], "ours-tp_vs_dtensor-tp_time="),
     ("context_parallel.py", ["--seq-lens", "16,32"], "2d_vs_ring_time_s32="),
+    ("pipeline.py", ["--layers", "4", "--microbatches", "2"], "zbh1_bubble="),
 ])
 def test_benchmark_runs_and_prints_result(script, extra, expected):
     if script == "model_throughput.py":

@@ -66,3 +66,61 @@ def saved_activation_bytes(fn: Callable[[], object], exclude: Iterable[torch.Ten
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         fn()
     return sum(kept.values())
+
+
+class PeakSavedBytes:
+    """Peak of the bytes autograd holds for backward at any moment while the context is open.
+
+    Where `saved_activation_bytes` adds up everything one forward saves, this follows saved tensors
+    over their life: a storage counts from the first time a node saves it until the last node
+    holding it is freed (after its backward, or with its graph). This is the activation memory a
+    pipeline schedule needs, which depends on how many micro-batches are in flight at once.
+    Parameters in `exclude` are not counted.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._holders: dict[int, int] = {}
+        self.live = 0
+        self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self._excluded or storage.nbytes() == 0:
+            return tensor
+        if self._holders.get(ptr, 0) == 0:
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self._holders[ptr] = self._holders.get(ptr, 0) + 1
+        return _Held(self, ptr, storage.nbytes(), tensor)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if isinstance(packed, _Held) else packed
+
+    def _release(self, ptr: int, nbytes: int) -> None:
+        self._holders[ptr] -= 1
+        if self._holders[ptr] == 0:
+            del self._holders[ptr]
+            self.live -= nbytes
+
+    def __enter__(self) -> "PeakSavedBytes":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+class _Held:
+    """A saved tensor as autograd stores it under PeakSavedBytes; freeing it returns its bytes."""
+
+    __slots__ = ("owner", "ptr", "nbytes", "tensor")
+
+    def __init__(self, owner: PeakSavedBytes, ptr: int, nbytes: int, tensor: torch.Tensor):
+        self.owner, self.ptr, self.nbytes, self.tensor = owner, ptr, nbytes, tensor
+
+    def __del__(self) -> None:
+        self.owner._release(self.ptr, self.nbytes)

@@ -80,9 +80,29 @@ class WeightGradStore:
     def __init__(self) -> None:
         self.key: tuple[int, int] | None = None  # set while an I pass runs
         self.entries: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        # Bytes of the inputs and output gradients waiting for their W pass (held outside autograd),
+        # each storage once (q, k and v projections share their input).
+        self.held_bytes = 0
+        self.peak_bytes = 0
+        self._holders: dict[int, int] = {}
+
+    def _hold(self, tensor: torch.Tensor, delta: int) -> None:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        count = self._holders.get(ptr, 0) + delta
+        if count == 0:
+            del self._holders[ptr]
+            self.held_bytes -= storage.nbytes()
+        else:
+            if count == 1 and delta == 1:
+                self.held_bytes += storage.nbytes()
+                self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+            self._holders[ptr] = count
 
     def add(self, weight: torch.Tensor, x: torch.Tensor, grad: torch.Tensor) -> None:
         self.entries.setdefault(self.key, []).append((weight, x, grad))
+        self._hold(x, 1)
+        self._hold(grad, 1)
 
     def pending(self) -> int:
         return sum(len(v) for v in self.entries.values())
@@ -91,6 +111,8 @@ class WeightGradStore:
         """The W pass of one (stage, micro-batch): every deferred weight gradient, accumulated by autograd."""
         weights, grads, index = [], [], {}
         for weight, x, grad in self.entries.pop(key, []):
+            self._hold(x, -1)
+            self._hold(grad, -1)
             g = grad.flatten(0, -2).t().matmul(x.flatten(0, -2).to(grad.dtype)).to(weight.dtype)
             if id(weight) in index:
                 grads[index[id(weight)]] += g
