@@ -6,6 +6,7 @@
     fivefold convert --checkpoint DIR --to HF_DIR [--dtype fp32|bf16]
     fivefold config [--config FILE.toml] [--section.key VALUE ...] | --reference
     fivefold plot-schedule --pp P --microbatches M --schedule gpipe|1f1b|interleaved|zb-h1 [--virtual V] [--output F.png]
+    fivefold plot-schedule --trace RUN/pipeline_trace.json [--output F.png]
 """
 
 from __future__ import annotations
@@ -134,8 +135,17 @@ def _config(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _plot_schedule(args: argparse.Namespace) -> int:
-    from fivefold.parallel.pipeline.plot import plot_schedule
+    from fivefold.parallel.pipeline.plot import plot_schedule, plot_trace
     from fivefold.parallel.pipeline.schedules import PipelineShape, check_schedule
+
+    if args.trace:
+        output = args.output or str(args.trace).removesuffix(".json") + ".png"
+        print(f"wrote {plot_trace(args.trace, output)}")
+        return 0
+    if args.pp is None or args.microbatches is None or args.schedule is None:
+        print("fivefold: error: plot-schedule needs --pp, --microbatches and --schedule (or --trace FILE)",
+              file=sys.stderr)
+        return 2
 
     virtual = args.virtual or (2 if args.schedule == "interleaved" else 1)
     try:
@@ -184,9 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--vocab-size", type=int, default=257, help="for presets whose vocabulary comes from the tokenizer")
 
     plot = sub.add_parser("plot-schedule", help="draw a pipeline schedule's timeline (PNG), with its bubble")
-    plot.add_argument("--pp", type=int, required=True, help="pipeline ranks")
-    plot.add_argument("--microbatches", type=int, required=True)
-    plot.add_argument("--schedule", required=True, help="gpipe, 1f1b, interleaved or zb-h1")
+    plot.add_argument("--pp", type=int, help="pipeline ranks")
+    plot.add_argument("--microbatches", type=int)
+    plot.add_argument("--schedule", help="gpipe, 1f1b, interleaved or zb-h1")
+    plot.add_argument("--trace", help="draw a measured step instead: a run's pipeline_trace.json")
     plot.add_argument("--virtual", type=int, default=0, help="virtual stages per rank (interleaved; default 2)")
     plot.add_argument("--output", help="PNG path (default schedule-<name>-pp<P>-m<M>.png)")
     return parser

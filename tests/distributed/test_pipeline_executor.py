@@ -71,6 +71,12 @@ def test_executor_runs_the_schedule_and_writes_a_trace(job, tmp_path, schedule, 
     assert {e["pid"] for e in complete} == {0, 1}
     assert sum(e["cat"] == "compute" and e["name"].startswith("F") for e in complete) == m * pp * virtual
     assert any(e["cat"] == "comm" and "recv_act" in e["name"] for e in complete)
+    assert trace["otherData"] == {"schedule": schedule, "ranks": pp, "microbatches": m, "virtual": virtual, "step": 2}
+    from fivefold.cli import main
+
+    png = tmp_path / "measured.png"
+    assert main(["plot-schedule", "--trace", str(tmp_path / "run" / "pipeline_trace.json"), "--output", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in records if "bubble" in r]
     assert len(logged) == 2 and all(r["bubble"] > 0 for r in logged)

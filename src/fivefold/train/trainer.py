@@ -296,8 +296,10 @@ class Trainer:
             metrics.update(bubble=bubble.over_ideal, bubble_ideal=ideal_bubble(self.config.parallel.pp_schedule,
                                                                                self.executor.shape))
             if trace and self.is_rank0:
-                path = write_chrome_trace(self.output_dir / "pipeline_trace.json", events,
-                                          f"{self.config.parallel.pp_schedule} step {step + 1}")
+                shape = self.executor.shape
+                info = {"schedule": self.config.parallel.pp_schedule, "ranks": shape.ranks,
+                        "microbatches": shape.microbatches, "virtual": shape.virtual, "step": step + 1}
+                path = write_chrome_trace(self.output_dir / "pipeline_trace.json", events, info)
                 self._print(f"pipeline trace: {path} (measured bubble {bubble.over_ideal:.3f}, "
                             f"ideal {metrics['bubble_ideal']:.3f} of compute time)")
         return metrics

@@ -51,8 +51,11 @@ def measure_bubble(events_by_rank: list[list[TimedEvent]]) -> MeasuredBubble:
     return MeasuredBubble(makespan, busy)
 
 
-def chrome_trace(events_by_rank: list[list[TimedEvent]], title: str = "fivefold pipeline step") -> dict:
-    """The trace-event JSON object: complete ("X") events in microseconds, one process per rank."""
+def chrome_trace(events_by_rank: list[list[TimedEvent]], info: dict) -> dict:
+    """The trace-event JSON object: complete ("X") events in microseconds, one process per rank.
+
+    `info` (schedule, ranks, microbatches, virtual, step) goes into otherData, for `plot_trace`.
+    """
     out = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"pipeline rank {rank}"}}
            for rank in range(len(events_by_rank))]
     for rank in range(len(events_by_rank)):
@@ -63,10 +66,10 @@ def chrome_trace(events_by_rank: list[list[TimedEvent]], title: str = "fivefold 
             out.append({"name": e.name, "cat": e.category, "ph": "X", "pid": rank,
                         "tid": 0 if e.category == "compute" else 1,
                         "ts": round(e.start * 1e6, 3), "dur": round((e.end - e.start) * 1e6, 3)})
-    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"title": title}}
+    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": info}
 
 
-def write_chrome_trace(path: Path, events_by_rank: list[list[TimedEvent]], title: str) -> Path:
+def write_chrome_trace(path: Path, events_by_rank: list[list[TimedEvent]], info: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(chrome_trace(events_by_rank, title)))
+    path.write_text(json.dumps(chrome_trace(events_by_rank, info)))
     return path
