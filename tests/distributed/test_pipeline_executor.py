@@ -81,3 +81,23 @@ def test_executor_runs_the_schedule_and_writes_a_trace(job, tmp_path, schedule, 
     logged = [r for r in records if "bubble" in r]
     assert len(logged) == 2 and all(r["bubble"] > 0 for r in logged)
     assert logged[0]["bubble_ideal"] == pytest.approx({"1f1b": 1 / 4, "interleaved": 1 / 8, "zb-h1": 1 / 12}[schedule])
+
+
+def _evaluate(rank, world_size, config):
+    from fivefold.train.trainer import Trainer
+
+    return Trainer(config).evaluate()
+
+
+@pytest.mark.parametrize("pp,virtual,tied", [(2, 2, False), (4, 1, True)])
+def test_pipeline_evaluation_matches_one_process(job, pp, virtual, tied):
+    """Validation batches through the stages give the one-process validation loss of the same weights."""
+    from fivefold.train.trainer import Trainer
+
+    config = with_changes(job, model={"n_layers": 4, "tie_embeddings": tied}, train={"eval_batches": 3})
+    expected = Trainer(config).evaluate()
+    pipelined = with_changes(config, train={"grad_accum_steps": 4},
+                             parallel={"pp": pp, "pp_virtual": virtual,
+                                       "pp_schedule": "interleaved" if virtual > 1 else "1f1b"})
+    losses = run_distributed(_evaluate, pp, pipelined, timeout=120)
+    assert all(loss == pytest.approx(expected, rel=1e-6) for loss in losses)

@@ -344,16 +344,26 @@ class Trainer:
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, token count
         batches = eval_batches(self.data.val_tokens, t.seq_len, t.micro_batch_size, t.eval_batches)
-        # Each data-parallel rank takes every dp-th batch. ZeRO-3 gathers weights collectively inside
-        # forward, so a rank left without a batch still runs (and discards) one to keep in step.
-        rounds = -(-len(batches) // self.dims.dp)
-        mine = [self._local(*batches[i]) for i in range(self.dp_rank, len(batches), self.dims.dp)]
-        if self.executor is not None:
+        if self.executor is not None:  # the batches flow through the stages; the loss sum lands on the last
+            mine = [self._local(*batches[i]) for i in range(self.dp_rank, len(batches), self.dims.dp)]
             totals[0] += self.executor.forward_only([MicroBatch(*b) for b in mine])
             totals[1] += sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _ in mine)
+        else:
+            self._evaluate_whole_model(batches, totals)
+        self.model.train()
+        all_reduce_sum(totals, self.dp_cp_group)
+        if self.pp_group is not None:  # the loss sum lives on the last stage; the token count everywhere
+            totals[0] = all_reduce_sum(totals[0].clone(), self.pp_group)
+        return float(totals[0] / totals[1])
+
+    def _evaluate_whole_model(self, batches, totals: torch.Tensor) -> None:
+        """Add this rank's loss sum and token count; each data-parallel rank takes every dp-th batch.
+
+        ZeRO-3 gathers weights collectively inside forward, so a rank left without a batch still
+        runs (and discards) one to keep in step.
+        """
+        rounds = -(-len(batches) // self.dims.dp)
         for index in range(self.dp_rank, rounds * self.dims.dp, self.dims.dp):
-            if self.executor is not None:
-                break
             counted = index < len(batches)
             if not counted and (self.zero is None or self.zero.stage != 3):
                 continue
@@ -363,11 +373,6 @@ class Trainer:
             if counted:
                 totals[0] += self.parallel.loss_sum(logits, labels).double()
                 totals[1] += int((labels != IGNORE_INDEX).sum())
-        self.model.train()
-        all_reduce_sum(totals, self.dp_cp_group)
-        if self.pp_group is not None:  # the loss sum lives on the last stage; the token count everywhere
-            totals[0] = all_reduce_sum(totals[0].clone(), self.pp_group)
-        return float(totals[0] / totals[1])
 
     def save(self) -> Path:
         """Write a checkpoint; in a distributed run every rank must call this (each writes its shards)."""
