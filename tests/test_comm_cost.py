@@ -1,0 +1,39 @@
+"""The alpha-beta-gamma formulas of comm/cost.py: known values, the regimes `auto` must tell apart, fitting."""
+
+import pytest
+
+from fivefold.comm.cost import Cluster, Link, best_all_reduce, fit_link, halving_doubling, predict, ring
+
+LINK = Link(alpha=1e-5, beta=1e-9, gamma=1e-10)
+
+
+def test_ring_and_halving_doubling_formulas():
+    n, p = 1e6, 8
+    assert ring(n, p, LINK) == pytest.approx(14e-5 + 2 * 7 / 8 * 1e-3 + 7 / 8 * 1e-4)
+    assert halving_doubling(n, p, LINK) == pytest.approx(6e-5 + 2 * 7 / 8 * 1e-3 + 7 / 8 * 1e-4)
+    # 6 = 4 + 2: the 4-rank core plus two folding messages of the whole vector
+    assert halving_doubling(n, 6, LINK) == pytest.approx(halving_doubling(n, 4, LINK) + 2 * (1e-5 + 1e-3) + 1e-4)
+
+
+def test_auto_prefers_few_messages_for_small_vectors_and_bandwidth_optimal_ones_for_large():
+    cluster = Cluster(LINK, LINK, node_size=8)
+    assert best_all_reduce(64, 8, cluster) in ("butterfly", "halving_doubling", "rabenseifner")
+    assert predict("butterfly", 64, 8, cluster) < predict("ring", 64, 8, cluster)
+    large = best_all_reduce(1e9, 8, cluster)
+    assert predict(large, 1e9, 8, cluster) <= predict("ring", 1e9, 8, cluster)
+    assert predict("butterfly", 1e9, 8, cluster) > predict("ring", 1e9, 8, cluster)
+
+
+def test_hierarchical_wins_when_the_inter_node_link_is_slow():
+    cluster = Cluster(intra=Link(1e-6, 1e-11), inter=Link(1e-5, 1e-9), node_size=8)
+    n, p = 1e8, 64
+    assert predict("hierarchical", n, p, cluster) < predict("ring", n, p, cluster)
+    assert best_all_reduce(n, p, cluster) == "hierarchical"
+
+
+def test_fit_recovers_alpha_and_beta():
+    sizes = [1e3, 1e4, 1e5, 1e6]
+    link = fit_link(sizes, [2e-5 + n * 3e-10 for n in sizes])
+    assert link.alpha == pytest.approx(2e-5) and link.beta == pytest.approx(3e-10)
+    with pytest.raises(ValueError, match="two or more"):
+        fit_link([1e3], [1e-5])
