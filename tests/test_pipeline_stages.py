@@ -128,3 +128,17 @@ def test_pipeline_settings_are_checked_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match="expected int"):
         load("--parallel.pp", "2", "--parallel.pp_layers_per_stage", "2,x")
     assert load("--parallel.pp", "2", "--parallel.pp_layers_per_stage", "1,3").parallel.pp_layers_per_stage == [1, 3]
+
+
+def test_the_run_config_drives_the_split():
+    """parallel.pp_layers_per_stage and parallel.pp_balance reach the split the trainer uses (check_pipeline)."""
+    from fivefold.parallel.pipeline.stages import check_pipeline
+
+    def split(*overrides):
+        config = load_config(None, ["--model.n_layers", "4", "--model.vocab_size", "4096", "--parallel.pp", "2",
+                                    *overrides])
+        return check_pipeline(config.model, config.parallel, config.train.seq_len, config.train.grad_accum_steps)
+
+    assert split("--parallel.pp_layers_per_stage", "1,3") == [[0], [1, 2, 3]]
+    # a 4096-token vocabulary: by parameters the embedding outweighs two tiny blocks, by FLOPs it costs nothing
+    assert split("--parallel.pp_balance", "params") != split("--parallel.pp_balance", "flops")
