@@ -140,5 +140,5 @@ def test_the_run_config_drives_the_split():
         return check_pipeline(config.model, config.parallel, config.train.seq_len, config.train.grad_accum_steps)
 
     assert split("--parallel.pp_layers_per_stage", "1,3") == [[0], [1, 2, 3]]
-    # a 4096-token vocabulary: by parameters the embedding outweighs two tiny blocks, by FLOPs it costs nothing
+    # a 4096-token vocabulary: by parameters embedding and head weigh the same, by FLOPs only the head counts
     assert split("--parallel.pp_balance", "params") != split("--parallel.pp_balance", "flops")
