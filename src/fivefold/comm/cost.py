@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from fivefold.comm.tree import DEFAULT_CHUNK_ELEMENTS
+from fivefold.comm.two_level import torus_shape
 
 
 @dataclass(frozen=True)
@@ -90,11 +91,6 @@ def two_level(n: float, p: int, inner: int, inner_link: Link, outer_link: Link, 
     return within + (outer or halving_doubling)(n / inner, rows, outer_link)
 
 
-def torus_dims(p: int) -> tuple[int, int]:
-    rows = max(d for d in range(1, math.isqrt(p) + 1) if p % d == 0)
-    return p // rows, rows
-
-
 def predict(algorithm: str, n: float, p: int, cluster: Cluster) -> float:
     """Predicted seconds of an all-reduce of n bytes over p ranks (ranks laid out node by node)."""
     flat = cluster.link_for(p)
@@ -112,7 +108,7 @@ def predict(algorithm: str, n: float, p: int, cluster: Cluster) -> float:
         inner = cluster.node_size if p % cluster.node_size == 0 else p
         return two_level(n, p, inner, cluster.intra, cluster.inter)
     if algorithm == "torus":
-        row, _ = torus_dims(p)
+        row, _ = torus_shape(p)
         return two_level(n, p, row, cluster.link_for(row), cluster.link_for(p), outer=ring)
     raise ValueError(f"no cost formula for {algorithm!r}")
 

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from fivefold.comm.p2p import Ranks
+from fivefold.comm.recursive import rabenseifner_all_reduce
 from fivefold.comm.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
 
@@ -53,8 +54,6 @@ def two_level_all_reduce(flat: torch.Tensor, ranks: Ranks, inner: int,
 
 def hierarchical_all_reduce(flat: torch.Tensor, ranks: Ranks, node_size: int,
                             across: Callable[[torch.Tensor, Ranks], torch.Tensor] | None = None) -> torch.Tensor:
-    from fivefold.comm.recursive import rabenseifner_all_reduce
-
     return two_level_all_reduce(flat, ranks, node_size, across or rabenseifner_all_reduce)
 
 
