@@ -181,6 +181,18 @@ class ParallelConfig:
     """DDP gradient bucket size in MiB: smaller starts communication earlier, larger sends fewer messages."""
     reduce_dtype: str = "fp32"
     """Dtype gradients are all-reduced in: `fp32`, or `bf16` (half the bytes on the wire, less precise)."""
+    allreduce_algorithm: str = "native"
+    """How DDP buckets are summed: `native` (the backend's), a hand-written `ring`, `halving_doubling`, `rabenseifner`, `butterfly`, `tree`, `double_tree`, `hierarchical`, `torus`, or `auto` (the cost model's fastest per bucket, links measured at start)."""
+    node_size: int = 0
+    """Ranks per node for `hierarchical` and `auto`: 0 takes LOCAL_WORLD_SIZE; set it to split one machine into pretend nodes."""
+    compression: str = "none"
+    """DDP gradient compression: `none`, `int8` (block quantised), `sign` (1 bit + scale, error feedback), `topk` (error feedback) or `powersgd` (low rank, error feedback)."""
+    compression_block: int = 256
+    """Values per scale for `int8` and `sign` (a multiple of 8)."""
+    topk_ratio: float = 0.01
+    """Fraction of each bucket's values `topk` sends."""
+    powersgd_rank: int = 4
+    """Rank r of the `powersgd` approximation of each weight matrix."""
     tp: int = 1
     """Tensor-parallel degree (Megatron): attention heads, MLP width and vocabulary split over tp ranks."""
     sequence_parallel: bool = False
@@ -210,6 +222,7 @@ class ParallelConfig:
         if self.bucket_mb <= 0:
             raise ConfigError(f"parallel.bucket_mb = {self.bucket_mb}: must be positive")
         _check_choice("parallel.reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
+        self._validate_gradient_communication()
         _check_choice("parallel.param_dtype", self.param_dtype, ("fp32", "bf16"))
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero_stage = {self.zero_stage}: use 0 (DDP), 1, 2 or 3")
@@ -238,6 +251,27 @@ class ParallelConfig:
                 "ZeRO-3 regathers) per micro-batch backward, which the pipeline interleaves; use zero_stage 0 or 1 "
                 "with pipelining (as DeepSpeed's pipeline engine does)"
             )
+
+    def _validate_gradient_communication(self) -> None:
+        from fivefold.comm.compression import CODECS
+        from fivefold.comm.reducers import ALGORITHMS
+
+        _check_choice("parallel.allreduce_algorithm", self.allreduce_algorithm, ALGORITHMS)
+        _check_choice("parallel.compression", self.compression, CODECS)
+        if self.zero_stage > 0 and (self.allreduce_algorithm != "native" or self.compression != "none"):
+            raise ConfigError(
+                "parallel.allreduce_algorithm and parallel.compression drive the DDP gradient buckets; with "
+                f"parallel.zero_stage = {self.zero_stage} gradients are reduce-scattered by ZeRO: set zero_stage = 0 "
+                "or leave them at native / none"
+            )
+        if self.node_size < 0:
+            raise ConfigError(f"parallel.node_size = {self.node_size}: use 0 (LOCAL_WORLD_SIZE) or a positive rank count")
+        if self.compression_block < 8 or self.compression_block % 8:
+            raise ConfigError(f"parallel.compression_block = {self.compression_block}: must be a positive multiple of 8")
+        if not 0 < self.topk_ratio <= 1:
+            raise ConfigError(f"parallel.topk_ratio = {self.topk_ratio}: must be in (0, 1]")
+        if self.powersgd_rank < 1:
+            raise ConfigError(f"parallel.powersgd_rank = {self.powersgd_rank}: must be >= 1")
 
     def dims(self, world_size: int):
         """The ParallelDims for a world of `world_size` ranks (validated: product == world size)."""

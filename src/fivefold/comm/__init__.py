@@ -30,10 +30,19 @@ ALL_REDUCE = {
 }
 
 
-def default_node_size(world_size: int) -> int:
-    """Ranks per node: LOCAL_WORLD_SIZE under torchrun when it divides the world, else the whole world."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    return local if local >= 1 and world_size % local == 0 else world_size
+def default_node_size(ranks: Ranks) -> int:
+    """How many of `ranks` share each node (global rank // LOCAL_WORLD_SIZE under torchrun).
+
+    The whole list when the ranks are not laid out as equal consecutive runs per node (or when
+    not launched by torchrun).
+    """
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    if local < 1:
+        return ranks.size
+    nodes = [member // local for member in ranks.members]
+    size = nodes.count(nodes[0])
+    laid_out = [node for node in dict.fromkeys(nodes) for _ in range(size)]
+    return size if nodes == laid_out else ranks.size
 
 
 def all_reduce(tensor: torch.Tensor, algorithm: str, ranks: Ranks | None = None, node_size: int = 0) -> torch.Tensor:
@@ -45,7 +54,7 @@ def all_reduce(tensor: torch.Tensor, algorithm: str, ranks: Ranks | None = None,
     ranks = ranks or Ranks.world()
     flat = tensor.view(-1)
     if algorithm == "hierarchical":
-        hierarchical_all_reduce(flat, ranks, node_size or default_node_size(ranks.size))
+        hierarchical_all_reduce(flat, ranks, node_size or default_node_size(ranks))
     else:
         ALL_REDUCE[algorithm](flat, ranks)
     return tensor

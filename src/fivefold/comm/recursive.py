@@ -33,7 +33,7 @@ def _core(ranks: Ranks) -> tuple[Ranks, int, int]:
     power = 1 << (p.bit_length() - 1)
     folded = p - power
     members = tuple(ranks.members[j] for j in range(p) if j >= 2 * folded or j % 2 == 1)
-    return Ranks(members), folded, power
+    return ranks.subset(members), folded, power
 
 
 def _in_core(index: int, folded: int) -> bool:

@@ -36,8 +36,8 @@ def _grid(ranks: Ranks, inner: int) -> tuple[Ranks, Ranks]:
     if inner < 1 or p % inner:
         raise ValueError(f"a row (node) of {inner} ranks must divide the {p} ranks")
     row, position = divmod(i, inner)
-    row_ranks = Ranks(ranks.members[row * inner:(row + 1) * inner])
-    column_ranks = Ranks(tuple(ranks.members[r * inner + position] for r in range(p // inner)))
+    row_ranks = ranks.subset(ranks.members[row * inner:(row + 1) * inner])
+    column_ranks = ranks.subset(tuple(ranks.members[r * inner + position] for r in range(p // inner)))
     return row_ranks, column_ranks
 
 

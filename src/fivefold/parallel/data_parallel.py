@@ -14,16 +14,24 @@ communication; the last micro-step reduces the accumulated gradient once.
 
 Per step each rank sends and receives about 2(p-1)/p x (gradient bytes in reduce_dtype) with a
 ring all-reduce; `reduce_dtype=bf16` halves that for fp32 gradients at the cost of precision.
+
+How a bucket is summed is a reducer (comm/reducers.py): the backend's all-reduce by default, a
+hand-written algorithm (`parallel.allreduce_algorithm`), or a compression codec
+(`parallel.compression`, comm/compression.py). Reducers other than the backend's run on one
+communication thread, buckets in launch order, so they overlap backward the same way.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from fivefold.comm.reducers import CommThread, NativeReducer
 
 
 @dataclass
@@ -33,7 +41,7 @@ class Bucket:
     buffer: torch.Tensor
     ready: int = 0
     captured: set[int] = field(default_factory=set)  # indices whose gradient a hook copied in this pass
-    work: dist.Work | None = field(default=None, repr=False)
+    work: dist.Work | concurrent.futures.Future | None = field(default=None, repr=False)
 
     def view(self, index: int) -> torch.Tensor:
         param = self.params[index]
@@ -96,9 +104,13 @@ class DataParallel(GradientSync):
         group: dist.ProcessGroup,
         bucket_cap_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
+        reducer=None,
     ):
         self.model = model
         self.group = group
+        self.reducer = reducer or NativeReducer(group)
+        self._thread = None if self.reducer.asynchronous else CommThread()
+        self.last_wire_bytes = 0  # bytes this rank sent in the last step's reductions
         self.params = [p for p in model.parameters() if p.requires_grad]
         if len({p.dtype for p in self.params}) > 1 and reduce_dtype is None:
             raise ValueError("parameters of several dtypes need an explicit reduce_dtype")
@@ -127,7 +139,10 @@ class DataParallel(GradientSync):
             bucket = self.buckets[self._next_launch]
             if bucket.ready < len(bucket.params):
                 return
-            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            if self._thread is None:
+                bucket.work = self.reducer.launch(bucket)
+            else:
+                bucket.work = self._thread.submit(lambda i=self._next_launch, b=bucket: self.reducer.reduce(i, b))
             self._next_launch += 1
 
     @torch.no_grad()
@@ -147,8 +162,10 @@ class DataParallel(GradientSync):
                     bucket.view(index).copy_(param.grad)
             bucket.ready = len(bucket.params)
         self._launch_ready()
-        for bucket in self.buckets:
-            bucket.work.wait()
+        self.last_wire_bytes = 0
+        for index, bucket in enumerate(self.buckets):
+            bucket.work.wait() if self._thread is None else bucket.work.result()
+            self.last_wire_bytes += self.reducer.wire_bytes(index, bucket)
             for index, param in enumerate(bucket.params):
                 reduced = bucket.view(index)
                 if param.grad is None:
@@ -166,3 +183,5 @@ class DataParallel(GradientSync):
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+        if self._thread is not None:
+            self._thread.close()

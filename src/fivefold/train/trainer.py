@@ -30,6 +30,7 @@ from fivefold.model import ModelConfig, Transformer, build_model, materialize
 from fivefold.model.generate import generate
 from fivefold.plan.flops import count_parameters, flops_per_token
 from fivefold.plan.memory import ModelStateBytes, zero_model_states
+from fivefold.comm.reducers import build_reducer
 from fivefold.parallel.data_parallel import DataParallel
 from fivefold.parallel.mesh import build_mesh
 from fivefold.parallel.parallelize import IGNORE_INDEX, parallelize
@@ -137,7 +138,10 @@ class Trainer:
             self.optimizer = build_adamw(self.zero.master_parameters(True), self.zero.master_parameters(False), config.optim)
         else:
             if self.dp_cp_group is not None:
-                self.ddp = DataParallel(self.model, self.dp_cp_group, par.bucket_mb, reduce_dtype)
+                reducer = build_reducer(self.dp_cp_group, par.allreduce_algorithm, par.compression, par.node_size,
+                                        block=par.compression_block, topk_ratio=par.topk_ratio,
+                                        powersgd_rank=par.powersgd_rank, seed=config.train.seed)
+                self.ddp = DataParallel(self.model, self.dp_cp_group, par.bucket_mb, reduce_dtype, reducer)
             self.optimizer = build_optimizer(self.model, config.optim)
         self.grad_sync = self.zero or self.ddp
         self.executor = self._build_executor() if self.dims.pp > 1 else None
@@ -334,6 +338,8 @@ class Trainer:
         self.state.step += 1
         self.state.tokens_seen += total_tokens
         metrics = {"lr": lr, "grad_norm": float(grad_norm)}
+        if self.ddp is not None:
+            metrics["wire_bytes"] = self.ddp.last_wire_bytes
         if loss_sum is not None:
             metrics["loss"] = loss_sum / total_tokens
         return metrics
