@@ -7,6 +7,7 @@
     fivefold config [--config FILE.toml] [--section.key VALUE ...] | --reference
     fivefold plot-schedule --pp P --microbatches M --schedule gpipe|1f1b|interleaved|zb-h1 [--virtual V] [--output F.png]
     fivefold plot-schedule --trace RUN/pipeline_trace.json [--output F.png]
+    fivefold bench comm [--nproc-per-node N] [--collectives all_reduce,...] [--min-bytes 1K] [--max-bytes 16M] [--json F]
 """
 
 from __future__ import annotations
@@ -159,6 +160,20 @@ def _plot_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace, argv: list[str]) -> int:
+    """Start `python -m fivefold.comm.bench` in N ranks under torchrun, or run it here when already a rank."""
+    import os
+
+    from fivefold.comm import bench
+
+    forwarded = argv[argv.index("comm") + 1:]
+    if "WORLD_SIZE" in os.environ:
+        return bench.main([a for a in forwarded])
+    from fivefold.train.launch import launch
+
+    return launch(args.nproc_per_node, forwarded, module="fivefold.comm.bench")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fivefold", description="Distributed LLM training on torch.distributed")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -200,6 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--trace", help="draw a measured step instead: a run's pipeline_trace.json")
     plot.add_argument("--virtual", type=int, default=0, help="virtual stages per rank (interleaved; default 2)")
     plot.add_argument("--output", help="PNG path (default schedule-<name>-pp<P>-m<M>.png)")
+    bench = sub.add_parser("bench", help="benchmarks of the runtime")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    from fivefold.comm.bench import add_arguments
+
+    add_arguments(bench_sub.add_parser("comm", help="nccl-tests-style table of every collective algorithm and the "
+                                                    "backend's own, measured beside the cost model's prediction"))
     return parser
 
 
@@ -211,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args, rest)
         if args.command == "config":
             return _config(args, rest)
+        if args.command == "bench":
+            return _bench(args, list(sys.argv[1:] if argv is None else argv))
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "generate":

@@ -6,7 +6,12 @@ algorithm over ranks on several nodes is paced by its slowest link, the inter-no
 two-level algorithms put their row phases on the intra-node link and the column phase on the
 inter-node link. `predict(algorithm, n, p, cluster)` gives the time of an all-reduce of n bytes;
 `best_all_reduce` is the `auto` choice; `fit_link` fits alpha and beta to measured (bytes,
-seconds) pairs by least squares.
+seconds) pairs by least squares. `predict_collective` covers the other collectives
+(reduce-scatter, all-gather, broadcast, all-to-all) that `fivefold bench comm` measures.
+
+`traffic` gives the model's count of what the busiest rank sends (messages, bytes): the
+coefficients of alpha and beta in the formulas above for the non-pipelined algorithms. Tests count
+the messages the runtime really posts and compare.
 """
 
 from __future__ import annotations
@@ -131,3 +136,86 @@ def fit_link(sizes: list[float], seconds: list[float]) -> Link:
     variance = sum((n - mean_n) ** 2 for n in sizes)
     beta = covariance / variance
     return Link(alpha=max(mean_t - beta * mean_n, 0.0), beta=max(beta, 0.0))
+
+
+def _log2(p: int) -> int:
+    return p.bit_length() - 1
+
+
+def reduce_scatter(algorithm: str, n: float, p: int, link: Link) -> float:
+    if p == 1:
+        return 0.0
+    if algorithm == "ring":
+        return (p - 1) * link.alpha + (p - 1) / p * n * (link.beta + link.gamma)
+    power, folded = _folded(p)
+    core = _log2(power) * link.alpha + (power - 1) / power * n * (link.beta + link.gamma)
+    return core + (link.message(n) + n * link.gamma + link.message(n / p) if folded else 0.0)
+
+
+def all_gather(algorithm: str, n: float, p: int, link: Link) -> float:
+    if p == 1:
+        return 0.0
+    if algorithm == "ring":
+        return (p - 1) * link.alpha + (p - 1) / p * n * link.beta
+    power, folded = _folded(p)
+    core = _log2(power) * link.alpha + (power - 1) / power * n * link.beta
+    return core + (link.message(n / p) + link.message(n) if folded else 0.0)
+
+
+def broadcast(algorithm: str, n: float, p: int, link: Link, element_bytes: int = 4) -> float:
+    if p == 1:
+        return 0.0
+    if algorithm == "binomial":
+        return math.ceil(math.log2(p)) * link.message(n)
+    k = max(1, math.ceil(n / element_bytes / DEFAULT_CHUNK_ELEMENTS))
+    return (p - 2 + k) * link.message(n / k)
+
+
+def all_to_all(n: float, p: int, link: Link) -> float:
+    return (p - 1) * link.message(n / p)
+
+
+def predict_collective(collective: str, algorithm: str, n: float, p: int, cluster: Cluster) -> float:
+    """Predicted seconds of one collective over n bytes (a rank's whole vector) with the named algorithm."""
+    link = cluster.link_for(p)
+    if collective == "all_reduce":
+        return predict(algorithm, n, p, cluster)
+    if collective == "reduce_scatter":
+        return reduce_scatter(algorithm, n, p, link)
+    if collective == "all_gather":
+        return all_gather(algorithm, n, p, link)
+    if collective == "broadcast":
+        return broadcast(algorithm, n, p, link)
+    if collective == "all_to_all":
+        return all_to_all(n, p, link)
+    raise ValueError(f"no cost formula for collective {collective!r}")
+
+
+def traffic(collective: str, algorithm: str, n: int, p: int, node_size: int = 0) -> tuple[int, float]:
+    """(messages, bytes) the busiest rank sends, as the formulas count them (n divisible by p)."""
+    if p == 1:
+        return 0, 0.0
+    power, folded = _folded(p)
+    steps = _log2(power)
+    if collective == "all_reduce":
+        if algorithm == "ring":
+            return 2 * (p - 1), 2 * (p - 1) / p * n
+        if algorithm in ("halving_doubling", "rabenseifner"):
+            return 2 * steps + folded, 2 * (power - 1) / power * n + folded * n
+        if algorithm == "butterfly":
+            return steps + folded, (steps + folded) * n
+        if algorithm in ("hierarchical", "torus"):
+            inner = node_size if algorithm == "hierarchical" else torus_shape(p)[0]
+            outer = "rabenseifner" if algorithm == "hierarchical" else "ring"
+            messages, sent = traffic("all_reduce", outer, n // inner, p // inner)
+            return 2 * (inner - 1) + messages, 2 * (inner - 1) / inner * n + sent
+    if collective in ("reduce_scatter", "all_gather"):
+        if algorithm == "ring":
+            return p - 1, (p - 1) / p * n
+        if not folded:
+            return steps, (power - 1) / power * n
+    if collective == "broadcast" and algorithm == "binomial":
+        return math.ceil(math.log2(p)), math.ceil(math.log2(p)) * n
+    if collective == "all_to_all":
+        return p - 1, (p - 1) / p * n
+    raise ValueError(f"no traffic count for {collective} {algorithm} at p = {p}")

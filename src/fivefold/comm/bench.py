@@ -1,0 +1,226 @@
+"""`fivefold bench comm`: an nccl-tests-style benchmark of every hand-written collective and the backend's own.
+
+For each collective, algorithm and message size it reports, as nccl-tests does: size (bytes of
+one rank's vector), count (elements), time per call (the slowest rank's, averaged over the
+iterations), algbw = size / time, busbw = algbw x the nccl-tests bus factor (all-reduce 2(p-1)/p;
+reduce-scatter, all-gather and all-to-all (p-1)/p; broadcast 1), so busbw is comparable with the
+link's bandwidth whatever p is. Beside each measured time stands the alpha-beta-gamma prediction
+(comm/cost.py) from links fitted by ping-pong on this machine at the start (comm/measure.py),
+and their ratio. Rank 0 prints the table and writes JSON with `--json`.
+
+Run under torchrun (`fivefold bench comm --nproc-per-node 4` starts it); gloo on CPU, NCCL on GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fivefold.comm import ALL_REDUCE, all_reduce, default_node_size
+from fivefold.comm.alltoall import pairwise_all_to_all
+from fivefold.comm.cost import predict_collective
+from fivefold.comm.measure import measure_cluster
+from fivefold.comm.p2p import Ranks
+from fivefold.comm.recursive import recursive_all_gather, recursive_reduce_scatter
+from fivefold.comm.ring import ring_all_gather, ring_reduce_scatter
+from fivefold.comm.tree import binomial_broadcast, chain_broadcast
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
+ALGORITHMS = {
+    "all_reduce": ("native", *ALL_REDUCE),
+    "reduce_scatter": ("native", "ring", "recursive"),
+    "all_gather": ("native", "ring", "recursive"),
+    "broadcast": ("native", "binomial", "chain"),
+    "all_to_all": ("native", "pairwise"),
+}
+
+
+def bus_factor(collective: str, p: int) -> float:
+    """nccl-tests' busbw / algbw (doc/PERFORMANCE.md there)."""
+    if collective == "all_reduce":
+        return 2 * (p - 1) / p
+    if collective == "broadcast":
+        return 1.0
+    return (p - 1) / p
+
+
+@dataclass
+class Row:
+    collective: str
+    algorithm: str
+    size: int  # bytes of one rank's vector
+    count: int
+    dtype: str
+    time_us: float
+    algbw_gbs: float
+    busbw_gbs: float
+    predicted_us: float | None
+
+    @property
+    def ratio(self) -> float | None:
+        return self.time_us / self.predicted_us if self.predicted_us else None
+
+
+def operation(collective: str, algorithm: str, x: torch.Tensor, ranks: Ranks, node_size: int):
+    """A zero-argument callable running one collective on x (in place where the collective allows)."""
+    p = ranks.size
+    if collective == "all_reduce":
+        if algorithm == "native":
+            return lambda: dist.all_reduce(x)
+        return lambda: all_reduce(x, algorithm, ranks, node_size)
+    if collective == "reduce_scatter":
+        out = torch.empty(x.numel() // p, dtype=x.dtype, device=x.device)
+        return {"native": lambda: dist.reduce_scatter_tensor(out, x),
+                "ring": lambda: ring_reduce_scatter(x, ranks), "recursive": lambda: recursive_reduce_scatter(x, ranks)}[algorithm]
+    if collective == "all_gather":
+        whole = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
+        part = x[:x.numel() // p]
+        return {"native": lambda: dist.all_gather_into_tensor(whole, part),
+                "ring": lambda: ring_all_gather(x, ranks), "recursive": lambda: recursive_all_gather(x, ranks)}[algorithm]
+    if collective == "broadcast":
+        return {"native": lambda: dist.broadcast(x, 0), "binomial": lambda: binomial_broadcast(x, ranks),
+                "chain": lambda: chain_broadcast(x, ranks)}[algorithm]
+    out = torch.empty_like(x)
+    return {"native": lambda: dist.all_to_all_single(out, x), "pairwise": lambda: pairwise_all_to_all(out, x, ranks)}[algorithm]
+
+
+def time_call(fn, iterations: int, warmup: int, device: torch.device) -> float:
+    """Seconds per call, the slowest rank's."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iterations):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed) / iterations
+
+
+def sizes_between(low: int, high: int, factor: int) -> list[int]:
+    out, size = [], low
+    while size <= high:
+        out.append(size)
+        size *= factor
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Measure every requested row; every rank returns the same report."""
+    p = dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if dist.get_backend() == "nccl" else torch.device("cpu")
+    ranks = Ranks.world()
+    node_size = args.node_size or default_node_size(ranks)
+    cluster = measure_cluster(ranks, node_size)
+    rows = []
+    for collective in args.collectives:
+        for algorithm in args.algorithms or ALGORITHMS[collective]:
+            if algorithm not in ALGORITHMS[collective]:
+                continue
+            for size in sizes_between(args.min_bytes, args.max_bytes, args.factor):
+                count = max(p, size // 4 // p * p)  # float32 elements, a multiple of p
+                x = torch.zeros(count, dtype=torch.float32, device=device)
+                iterations = max(2, min(args.iters, math.ceil(args.bytes_per_row / (count * 4))))
+                seconds = time_call(operation(collective, algorithm, x, ranks, node_size), iterations, args.warmup, device)
+                nbytes = count * 4
+                algbw = nbytes / seconds / 1e9
+                predicted = None
+                if algorithm != "native":
+                    predicted = predict_collective(collective, algorithm, nbytes, p, cluster) * 1e6
+                rows.append(Row(collective, algorithm, nbytes, count, "float32", seconds * 1e6, algbw,
+                                algbw * bus_factor(collective, p), predicted))
+    return {"world_size": p, "backend": dist.get_backend(), "device": device.type, "node_size": node_size,
+            "links": {"intra": asdict(cluster.intra), "inter": asdict(cluster.inter)},
+            "rows": [asdict(r) | {"measured_over_predicted": r.ratio} for r in rows]}
+
+
+def format_table(report: dict) -> str:
+    intra, inter = report["links"]["intra"], report["links"]["inter"]
+    lines = [
+        f"# fivefold bench comm: {report['world_size']} ranks, {report['backend']} on {report['device']}, "
+        f"node size {report['node_size']}",
+        f"# fitted links: intra alpha {intra['alpha'] * 1e6:.1f} us, {1 / max(intra['beta'], 1e-30) / 1e9:.2f} GB/s; "
+        f"inter alpha {inter['alpha'] * 1e6:.1f} us, {1 / max(inter['beta'], 1e-30) / 1e9:.2f} GB/s; "
+        f"reduction {1 / max(intra['gamma'], 1e-30) / 1e9:.2f} GB/s",
+        f"# {'collective':<15}{'algorithm':<17}{'size(B)':>10}{'count':>10}{'type':>8}{'time(us)':>12}"
+        f"{'algbw(GB/s)':>13}{'busbw(GB/s)':>13}{'pred(us)':>11}{'meas/pred':>10}",
+    ]
+    for r in report["rows"]:
+        predicted = f"{r['predicted_us']:>11.1f}" if r["predicted_us"] else f"{'-':>11}"
+        ratio = f"{r['measured_over_predicted']:>10.2f}" if r["measured_over_predicted"] else f"{'-':>10}"
+        lines.append(f"  {r['collective']:<15}{r['algorithm']:<17}{r['size']:>10}{r['count']:>10}{r['dtype']:>8}"
+                     f"{r['time_us']:>12.1f}{r['algbw_gbs']:>13.3f}{r['busbw_gbs']:>13.3f}{predicted}{ratio}")
+    return "\n".join(lines)
+
+
+def parse_bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    text = text.strip().lower().rstrip("b")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc-per-node", type=int, default=4, help="ranks to start (under torchrun)")
+    parser.add_argument("--collectives", default=",".join(COLLECTIVES), help=f"comma list of {', '.join(COLLECTIVES)}")
+    parser.add_argument("--algorithms", default="", help="comma list to keep (default: every algorithm and native)")
+    parser.add_argument("--min-bytes", default="1K", help="smallest vector per rank (e.g. 1K)")
+    parser.add_argument("--max-bytes", default="16M", help="largest vector per rank (e.g. 16M)")
+    parser.add_argument("--factor", type=int, default=4, help="size multiplier between rows")
+    parser.add_argument("--iters", type=int, default=20, help="most timed calls per row")
+    parser.add_argument("--bytes-per-row", default="256M", help="fewer calls for large sizes: about this many bytes per row")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--node-size", type=int, default=0, help="ranks per (pretend) node; 0 = LOCAL_WORLD_SIZE")
+    parser.add_argument("--json", help="also write the report here")
+
+
+def _normalise(args: argparse.Namespace) -> argparse.Namespace:
+    args.collectives = [c for c in args.collectives.split(",") if c]
+    unknown = [c for c in args.collectives if c not in COLLECTIVES]
+    if unknown:
+        raise SystemExit(f"fivefold bench comm: unknown collective(s) {', '.join(unknown)}; use {', '.join(COLLECTIVES)}")
+    args.algorithms = [a for a in args.algorithms.split(",") if a]
+    args.min_bytes, args.max_bytes = parse_bytes(args.min_bytes), parse_bytes(args.max_bytes)
+    args.bytes_per_row = parse_bytes(args.bytes_per_row)
+    if args.factor < 2 or args.min_bytes < 4 or args.max_bytes < args.min_bytes:
+        raise SystemExit("fivefold bench comm: need --factor >= 2 and 4 <= --min-bytes <= --max-bytes")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of each rank (python -m fivefold.comm.bench under torchrun)."""
+    parser = argparse.ArgumentParser(prog="fivefold bench comm")
+    add_arguments(parser)
+    args = _normalise(parser.parse_args(argv))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    try:
+        report = run(args)
+        if dist.get_rank() == 0:
+            print(format_table(report), flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(report, indent=2))
+                print(f"wrote {args.json}")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""`fivefold bench comm`: every collective and algorithm measured beside its prediction, nccl-tests columns."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fivefold.comm.bench import ALGORITHMS, bus_factor, parse_bytes, sizes_between
+
+
+def test_bus_factors_are_nccl_tests():
+    assert bus_factor("all_reduce", 4) == 1.5
+    assert bus_factor("reduce_scatter", 4) == bus_factor("all_gather", 4) == bus_factor("all_to_all", 4) == 0.75
+    assert bus_factor("broadcast", 8) == 1.0
+    assert parse_bytes("16M") == 16 << 20 and parse_bytes("1K") == 1024 and parse_bytes("512") == 512
+    assert sizes_between(1024, 65536, 4) == [1024, 4096, 16384, 65536]
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_bench_comm_table_and_json(tmp_path, world_size):
+    out = tmp_path / "comm.json"
+    run = subprocess.run([sys.executable, "-m", "fivefold", "bench", "comm", f"--nproc-per-node={world_size}",
+                          "--min-bytes=1K", "--max-bytes=4K", "--iters=3", "--warmup=1", f"--json={out}"],
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "busbw(GB/s)" in run.stdout and "meas/pred" in run.stdout
+    report = json.loads(out.read_text())
+    assert report["world_size"] == world_size and report["backend"] == "gloo"
+    seen = {(r["collective"], r["algorithm"]) for r in report["rows"]}
+    assert seen == {(c, a) for c, names in ALGORITHMS.items() for a in names}
+    for row in report["rows"]:
+        assert row["count"] % world_size == 0 and row["size"] == 4 * row["count"]
+        assert row["algbw_gbs"] == pytest.approx(row["size"] / (row["time_us"] * 1e-6) / 1e9)
+        assert row["busbw_gbs"] == pytest.approx(row["algbw_gbs"] * bus_factor(row["collective"], world_size))
+        assert (row["predicted_us"] is None) == (row["algorithm"] == "native")
+        if row["predicted_us"]:
+            assert row["predicted_us"] > 0
+            assert row["measured_over_predicted"] == pytest.approx(row["time_us"] / row["predicted_us"])

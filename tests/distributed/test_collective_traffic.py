@@ -1,0 +1,78 @@
+"""The cost model's alpha and beta coefficients are what the runtime really sends.
+
+Every send the hand-written collectives post is counted (torch.distributed's isend, through which
+both `send` and `batch_isend_irecv` go) and the busiest rank's count of messages and bytes must
+equal `cost.traffic`, the coefficients of alpha and beta in each algorithm's formula, at 4 ranks
+and, for the algorithms that fold, at 6.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from distributed.spawn import run_distributed
+
+N = 840  # elements: divisible by every p and node size used here
+
+
+def _count(rank: int, world_size: int, cases) -> list[tuple[int, int]]:
+    from fivefold.comm import all_reduce
+    from fivefold.comm.alltoall import pairwise_all_to_all
+    from fivefold.comm.p2p import Ranks
+    from fivefold.comm.recursive import recursive_all_gather, recursive_reduce_scatter
+    from fivefold.comm.ring import ring_all_gather, ring_reduce_scatter
+    from fivefold.comm.tree import binomial_broadcast
+
+    sent = []
+    original = c10d.isend
+
+    def counting_isend(tensor, *args, **kwargs):
+        sent.append(tensor.numel() * tensor.element_size())
+        return original(tensor, *args, **kwargs)
+
+    ranks = Ranks.world()
+    run = {
+        ("reduce_scatter", "ring"): ring_reduce_scatter, ("reduce_scatter", "recursive"): recursive_reduce_scatter,
+        ("all_gather", "ring"): ring_all_gather, ("all_gather", "recursive"): recursive_all_gather,
+        ("broadcast", "binomial"): binomial_broadcast,
+    }
+    counts = []
+    for collective, algorithm, node_size in cases:
+        x = torch.ones(N, dtype=torch.float32)
+        dist.barrier()
+        c10d.isend = dist.isend = counting_isend
+        try:
+            sent.clear()
+            if collective == "all_reduce":
+                all_reduce(x, algorithm, ranks, node_size)
+            elif collective == "all_to_all":
+                pairwise_all_to_all(torch.empty_like(x), x, ranks)
+            else:
+                run[(collective, algorithm)](x, ranks)
+        finally:
+            c10d.isend = dist.isend = original
+        counts.append((len(sent), sum(sent)))
+    return counts
+
+
+CASES = [("all_reduce", a, 0) for a in ("ring", "halving_doubling", "rabenseifner", "butterfly", "torus")] + [
+    ("all_reduce", "hierarchical", 2),
+    ("reduce_scatter", "ring", 0), ("all_gather", "ring", 0), ("reduce_scatter", "recursive", 0),
+    ("all_gather", "recursive", 0), ("broadcast", "binomial", 0), ("all_to_all", "pairwise", 0),
+]
+
+
+@pytest.mark.parametrize("world_size", [4, 6])
+def test_busiest_rank_sends_what_the_formulas_count(world_size):
+    from fivefold.comm.cost import traffic
+
+    cases = [c for c in CASES if world_size == 4 or not (c[0] in ("reduce_scatter", "all_gather") and c[1] == "recursive")]
+    per_rank = run_distributed(_count, world_size, cases)
+    for index, (collective, algorithm, node_size) in enumerate(cases):
+        messages = max(counts[index][0] for counts in per_rank)
+        sent = max(counts[index][1] for counts in per_rank)
+        expected = traffic(collective, algorithm, N * 4, world_size, node_size)
+        assert (messages, sent) == (expected[0], pytest.approx(expected[1])), (collective, algorithm, world_size)
