@@ -193,6 +193,14 @@ class ParallelConfig:
     """Fraction of each bucket's values `topk` sends."""
     powersgd_rank: int = 4
     """Rank r of the `powersgd` approximation of each weight matrix."""
+    dp_mode: str = "ddp"
+    """Data parallelism by all-reduce (`ddp`, with ZeRO when zero_stage > 0) or by parameter servers (`ps`: the last ps_servers ranks serve, the others work)."""
+    ps_servers: int = 1
+    """With dp_mode = ps: server ranks holding parameter shards and their optimizer."""
+    ps_sync: str = "bsp"
+    """With dp_mode = ps: `bsp` (synchronous, equals DDP), `asp` (asynchronous) or `ssp` (stale synchronous, bounded by ps_staleness)."""
+    ps_staleness: int = 2
+    """With ps_sync = ssp: the most steps a worker may run ahead of the slowest."""
     tp: int = 1
     """Tensor-parallel degree (Megatron): attention heads, MLP width and vocabulary split over tp ranks."""
     sequence_parallel: bool = False
@@ -223,6 +231,7 @@ class ParallelConfig:
             raise ConfigError(f"parallel.bucket_mb = {self.bucket_mb}: must be positive")
         _check_choice("parallel.reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
         self._validate_gradient_communication()
+        self._validate_parameter_server()
         _check_choice("parallel.param_dtype", self.param_dtype, ("fp32", "bf16"))
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero_stage = {self.zero_stage}: use 0 (DDP), 1, 2 or 3")
@@ -273,10 +282,38 @@ class ParallelConfig:
         if self.powersgd_rank < 1:
             raise ConfigError(f"parallel.powersgd_rank = {self.powersgd_rank}: must be >= 1")
 
+    def _validate_parameter_server(self) -> None:
+        _check_choice("parallel.dp_mode", self.dp_mode, ("ddp", "ps"))
+        _check_choice("parallel.ps_sync", self.ps_sync, ("bsp", "asp", "ssp"))
+        if self.ps_servers < 1:
+            raise ConfigError(f"parallel.ps_servers = {self.ps_servers}: must be a positive integer")
+        if self.ps_staleness < 0:
+            raise ConfigError(f"parallel.ps_staleness = {self.ps_staleness}: must be >= 0")
+        if self.dp_mode != "ps":
+            return
+        others = {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp_shard": self.dp_shard, "zero_stage": self.zero_stage + 1}
+        used = [name for name, value in others.items() if value != 1]
+        if used:
+            raise ConfigError(f"parallel.dp_mode = ps keeps whole models on the workers: set {', '.join('parallel.' + u for u in used)} "
+                              "to its default (tp, cp, pp, dp_shard 1; zero_stage 0)")
+        if self.allreduce_algorithm != "native" or self.compression != "none":
+            raise ConfigError("parallel.allreduce_algorithm and parallel.compression drive DDP buckets; parameter servers "
+                              "push and pull whole gradients: leave them at native / none with dp_mode = ps")
+
+    def workers(self, world_size: int) -> int:
+        """Ranks that train: all of them, or all but the parameter servers."""
+        if self.dp_mode != "ps":
+            return world_size
+        if world_size <= self.ps_servers:
+            raise ConfigError(f"parallel.ps_servers = {self.ps_servers} leaves no worker among {world_size} ranks: "
+                              "start more ranks or use fewer servers")
+        return world_size - self.ps_servers
+
     def dims(self, world_size: int):
         """The ParallelDims for a world of `world_size` ranks (validated: product == world size)."""
         from fivefold.parallel.mesh import ParallelDims
 
+        world_size = self.workers(world_size)
         others = self.pp * self.dp_shard * self.cp * self.tp
         replicate = world_size // others if self.dp_replicate == -1 else self.dp_replicate
         return ParallelDims(dp_replicate=max(replicate, 1), dp_shard=self.dp_shard, cp=self.cp, tp=self.tp,

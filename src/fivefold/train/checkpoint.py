@@ -95,23 +95,27 @@ def save_checkpoint(
     config: dict[str, Any],
     tokenizer,
     keep_last: int,
+    group: dist.ProcessGroup | None = None,
+    distributed: bool | None = None,
 ) -> Path:
     """Write `output_dir/step-NNNNNN` atomically, then delete all but the newest `keep_last`.
 
-    In a distributed run every rank must call this with its part of `training_state`
-    (train_state.capture_training_state); DCP writes the parts in parallel.
+    In a distributed run every rank of `group` (default: all) must call this with its part of
+    `training_state` (train_state.capture_training_state); DCP writes the parts in parallel.
+    `distributed=False` writes from this process alone.
     """
-    distributed = dist.is_available() and dist.is_initialized()
+    if distributed is None:
+        distributed = dist.is_available() and dist.is_initialized()
     coordinator = not distributed or dist.get_rank() == 0
     final = output_dir / checkpoint_name(state.step)
     tmp = temporary_folder(output_dir, state.step)
     if coordinator:
         _start_checkpoint(output_dir, state.step)
     if distributed:
-        dist.barrier()
-    write_training_state(training_state, tmp / "state", distributed)
+        dist.barrier(group=group)
+    write_training_state(training_state, tmp / "state", distributed, group)
     if distributed:
-        dist.barrier()  # every rank's shard is on disk
+        dist.barrier(group=group)  # every rank's shard is on disk
     if coordinator:
         (tmp / "layout.json").write_text(json.dumps(layout, indent=1))
         rng = {"cpu": torch.get_rng_state()}
@@ -129,7 +133,7 @@ def save_checkpoint(
         os.replace(tmp, final)
         prune_checkpoints(output_dir, keep_last)
     if distributed:
-        dist.barrier()  # nobody reads the checkpoint list before the rename
+        dist.barrier(group=group)  # nobody reads the checkpoint list before the rename
     return final
 
 

@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -50,10 +51,11 @@ def _single_process():
         yield
 
 
-def write_training_state(state: dict[str, torch.Tensor], folder: Path, distributed: bool) -> None:
-    """Write this rank's part of the state into `folder` (collective when distributed)."""
+def write_training_state(state: dict[str, torch.Tensor], folder: Path, distributed: bool,
+                         group: dist.ProcessGroup | None = None) -> None:
+    """Write this rank's part of the state into `folder` (collective over `group` when distributed)."""
     with _single_process():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=not distributed)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=not distributed, process_group=group)
 
 
 def checkpoint_layout(model: nn.Module, prefix: str = "") -> dict[str, dict]:

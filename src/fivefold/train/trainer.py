@@ -32,6 +32,7 @@ from fivefold.plan.flops import count_parameters, flops_per_token
 from fivefold.plan.memory import ModelStateBytes, zero_model_states
 from fivefold.comm.reducers import build_reducer
 from fivefold.parallel.data_parallel import DataParallel
+from fivefold.parallel.parameter_server import ParameterServer, ServerClient, ServerLayout
 from fivefold.parallel.mesh import build_mesh
 from fivefold.parallel.parallelize import IGNORE_INDEX, parallelize
 from fivefold.parallel.pipeline.executor import MicroBatch, PipelineExecutor
@@ -94,10 +95,16 @@ class Trainer:
         self.is_rank0 = self.env.is_rank0
         self.device = local_device(device, self.env)
         self.dims = config.parallel.dims(self.env.world_size)
-        self.mesh = build_mesh(self.dims, self.device.type) if self.env.world_size > 1 else None
+        parameter_servers = config.parallel.dp_mode == "ps"  # pure data parallelism over the workers, no mesh
+        self.mesh = build_mesh(self.dims, self.device.type) if self.env.world_size > 1 and not parameter_servers else None
+        self.server, self.ps_client, self.ps_layout = None, None, None
+        if parameter_servers and self._init_parameter_server(data):
+            return  # a server rank: it serves in fit()
         self.dp_rank = self.mesh.local_rank("dp") if self.mesh is not None else 0  # which slice of each batch
         # Data- and context-parallel ranks together: gradients are summed and the loss token-weighted over them.
         self.dp_cp_group = self.mesh.group("dp_cp") if self.mesh is not None and self.dims.dp * self.dims.cp > 1 else None
+        if parameter_servers:
+            self.dp_rank, self.dp_cp_group = self.env.rank, self.workers_group
         self.pp_group = self.mesh.group("pp") if self.dims.pp > 1 else None
         self.pp_rank = self.mesh.local_rank("pp") if self.dims.pp > 1 else 0
         self.output_dir = Path(config.train.output_dir)
@@ -127,6 +134,14 @@ class Trainer:
         self.resumed_from = self._resume_folder()
         self.ddp, self.zero = None, None
         par = config.parallel
+        if par.dp_mode == "ps":
+            if self.resumed_from is not None:
+                raise ConfigError(f"checkpoint.resume with parallel.dp_mode = ps ({self.resumed_from}): the servers' "
+                                  "optimizer states are not in checkpoints, so the run would not resume exactly; "
+                                  "resume with dp_mode = ddp or start a new train.output_dir")
+            sizes = [p.numel() for p in self.model.parameters() if p.requires_grad]
+            self.ps_layout = ServerLayout.balance(sizes, self.dims.world_size, par.ps_servers)
+            self.ps_client = ServerClient(self.model, self.ps_layout)
         reduce_dtype = torch.bfloat16 if par.reduce_dtype == "bf16" else torch.float32
         if par.zero_stage > 0:
             param_dtype = torch.bfloat16 if par.param_dtype == "bf16" else torch.float32
@@ -137,7 +152,7 @@ class Trainer:
                                          norm_weight=self.parallel.norm_weight if weighs else None)
             self.optimizer = build_adamw(self.zero.master_parameters(True), self.zero.master_parameters(False), config.optim)
         else:
-            if self.dp_cp_group is not None:
+            if self.dp_cp_group is not None and self.ps_client is None:
                 reducer = build_reducer(self.dp_cp_group, par.allreduce_algorithm, par.compression, par.node_size,
                                         block=par.compression_block, topk_ratio=par.topk_ratio,
                                         powersgd_rank=par.powersgd_rank, seed=config.train.seed)
@@ -154,6 +169,26 @@ class Trainer:
         if self.resumed_from is not None:  # saved under any layout: DCP reads what this one needs
             restore_training_state(self.resumed_from, self.model, self.optimizer, self.zero, self.mesh, self.tp_prefix)
             self.state = ckpt.load_trainer_state(self.resumed_from)
+
+    def _init_parameter_server(self, data: PreparedData | None) -> bool:
+        """Parameter-server mode: the last ranks become servers (returns True there), the others its clients."""
+        par, workers = self.config.parallel, self.dims.world_size
+        self.output_dir = Path(self.config.train.output_dir)
+        # every rank takes part in creating both groups
+        self.workers_group = dist.new_group(list(range(workers))) if workers > 1 else None
+        server_group = dist.new_group(list(range(workers, self.env.world_size))) if par.ps_servers > 1 else None
+        if self.env.rank < workers:
+            return False
+        self.data = data or self._prepare_data()
+        self.model_config = resolve_model_config(self.config.model, self.data.tokenizer.vocab_size)
+        torch.manual_seed(self.config.train.seed)
+        model = materialize(build_model(self.model_config), self.device, seed=self.config.train.seed)
+        sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+        self.ps_layout = ServerLayout.balance(sizes, workers, par.ps_servers)
+        self.server = ParameterServer(model, self.ps_layout, self.env.rank - workers, self.config.optim,
+                                      self.config.train.steps, par.ps_sync, par.ps_staleness,
+                                      self.config.train.max_grad_norm, server_group)
+        return True
 
     def expected_model_states(self) -> ModelStateBytes:
         """The ZeRO-paper formula for this run (before padding)."""
@@ -262,7 +297,10 @@ class Trainer:
         step = self.state.step
         batches = self.micro_batches(step)
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _ in batches)
-        total_tokens = int(all_reduce_sum(torch.tensor(float(local_tokens), device=self.device), self.dp_cp_group))
+        if self.asynchronous_workers:  # each worker's gradient is the mean over its own tokens
+            total_tokens = local_tokens
+        else:
+            total_tokens = int(all_reduce_sum(torch.tensor(float(local_tokens), device=self.device), self.dp_cp_group))
         if self.executor is not None:
             return self._pipeline_step(batches, total_tokens)
         loss_sum = torch.zeros((), device=self.device)
@@ -273,9 +311,30 @@ class Trainer:
                 loss = self.parallel.loss_sum(logits, labels)
                 (loss / total_tokens).backward()
             loss_sum += loss.detach()
+        if self.ps_client is not None:
+            return self._parameter_server_step(loss_sum, total_tokens)
         self._reduce_gradients()
         all_reduce_sum(loss_sum, self.dp_cp_group)
         return self._optimizer_step(float(loss_sum), total_tokens)
+
+    @property
+    def asynchronous_workers(self) -> bool:
+        return self.ps_client is not None and self.config.parallel.ps_sync != "bsp"
+
+    def _parameter_server_step(self, loss_sum: torch.Tensor, total_tokens: int) -> dict[str, float]:
+        """Push the gradients, pull the parameters; the servers ran the optimizer (clipping included)."""
+        t = self.config.train
+        if self.asynchronous_workers:  # a worker clips its own gradient; its loss is its own
+            if t.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), t.max_grad_norm)
+        else:
+            all_reduce_sum(loss_sum, self.dp_cp_group)
+        lr = lr_at(self.state.step, self.config.optim, t.steps)
+        self.ps_client.push_pull()
+        self.model.zero_grad(set_to_none=True)
+        self.state.step += 1
+        self.state.tokens_seen += total_tokens
+        return {"loss": float(loss_sum) / total_tokens, "lr": lr, "wire_bytes": self.ps_client.bytes_pushed}
 
     def _pipeline_step(self, batches, total_tokens: int) -> dict[str, float]:
         """The step as the pipeline schedule's instruction stream; the bubble measured on logging steps."""
@@ -382,10 +441,13 @@ class Trainer:
 
     def save(self) -> Path:
         """Write a checkpoint; in a distributed run every rank must call this (each writes its shards)."""
+        workers_only = self.ps_client is not None  # the servers are serving: only the workers write
         return ckpt.save_checkpoint(
             self.output_dir, capture_training_state(self.model, self.optimizer, self.zero, self.mesh, self.tp_prefix),
             self.checkpoint_layout, self.state, self.config_dict(), self.data.tokenizer,
             self.config.checkpoint.keep_last,
+            group=self.dp_cp_group if workers_only else None,
+            distributed=(self.dp_cp_group is not None) if workers_only else None,
         )
 
     def config_dict(self) -> dict:
@@ -404,6 +466,10 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         """Train to `train.steps`, evaluating, logging and checkpointing on the way."""
+        if self.server is not None:
+            self.server_clock_log = self.server.serve()
+            return TrainResult(self.config.train.steps, float("nan"), None, float("nan"), None,
+                               self.output_dir / "metrics.jsonl", None, None, [])
         t, c, log = self.config.train, self.config.checkpoint, self.config.logging
         if self.is_rank0:
             self._trim_metrics()

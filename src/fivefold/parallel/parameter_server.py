@@ -1,0 +1,180 @@
+"""Parameter-server data parallelism (Li et al. 2014, "Scaling Distributed Machine Learning with the Parameter Server").
+
+The last S ranks are servers, the first W workers. Each parameter belongs to one server (largest
+first to the least loaded, so shards are balanced); the server keeps it, its AdamW moments and
+the learning-rate schedule. A worker computes the gradient of its batch, pushes each server its
+parameters' gradients, and pulls the new values back, all over point-to-point messages
+(`torch.distributed` send / recv on the default group: push tag 1, pull tag 2).
+
+Consistency models (Ho et al. 2013 for SSP):
+    bsp  bulk synchronous: a server waits for every worker's push of step t, sums them in worker
+         order, clips by the global norm (the servers sum their squared norms) and steps once.
+         With the loss normalised by the global token count this is exactly DDP's update.
+    asp  asynchronous: a server applies each push as it arrives (one optimizer step per push, the
+         pusher's gradient clipped by the pusher) and answers its pull at once: workers never
+         wait for each other, and compute on parameters others have moved since.
+    ssp  stale synchronous with bound s: as asp, but a worker that has finished c steps gets its
+         pull answered only when the slowest worker has finished at least c - s: no worker runs
+         more than s steps ahead. (ssp with s = 0 keeps workers in step but still applies pushes
+         one by one.)
+In asp and ssp a worker's gradient is the mean over its own tokens, and the learning rate of a
+push is the schedule's at the pusher's step. Servers record every worker's clock at each answered
+pull (`clock_log`), so tests can check the bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fivefold.config import OptimConfig
+from fivefold.train.optim import build_adamw, lr_at, set_lr
+
+PUSH, PULL = 1, 2
+SYNC_MODES = ("bsp", "asp", "ssp")
+
+
+@dataclass(frozen=True)
+class ServerLayout:
+    """Workers are ranks 0 .. W-1, servers W .. W+S-1; owner[i] is the server index of parameter i."""
+
+    workers: int
+    servers: int
+    owner: tuple[int, ...]
+
+    @classmethod
+    def balance(cls, sizes: list[int], workers: int, servers: int) -> "ServerLayout":
+        load, owner = [0] * servers, [0] * len(sizes)
+        for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+            target = min(range(servers), key=lambda s: (load[s], s))
+            owner[i] = target
+            load[target] += sizes[i]
+        return cls(workers, servers, tuple(owner))
+
+    def server_rank(self, server: int) -> int:
+        return self.workers + server
+
+    def owned(self, server: int) -> list[int]:
+        return [i for i, s in enumerate(self.owner) if s == server]
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+
+
+def _unflat_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    at = 0
+    for t in tensors:
+        t.copy_(flat[at:at + t.numel()].view_as(t))
+        at += t.numel()
+
+
+class ParameterServer:
+    """One server rank: holds its parameters and their optimizer, answers pushes and pulls."""
+
+    def __init__(self, model: nn.Module, layout: ServerLayout, index: int, optim: OptimConfig, total_steps: int,
+                 sync: str, staleness: int, max_grad_norm: float, server_group: dist.ProcessGroup | None):
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.layout, self.index, self.optim_config = layout, index, optim
+        self.total_steps, self.sync, self.staleness = total_steps, sync, staleness
+        self.max_grad_norm, self.server_group = max_grad_norm, server_group
+        self.params = [nn.Parameter(params[i].detach().clone()) for i in layout.owned(index)]
+        self.numel = sum(p.numel() for p in self.params)
+        decay = [p for p in self.params if p.ndim >= 2]
+        no_decay = [p for p in self.params if p.ndim < 2]
+        self.optimizer = build_adamw(decay, no_decay, optim) if self.params else None
+        self.clocks = [0] * layout.workers  # pushes received from each worker
+        self.clock_log: list[tuple[int, list[int]]] = []  # (worker answered, every clock then)
+
+    def _step(self, grad: torch.Tensor, step: int, clip: bool) -> None:
+        if self.optimizer is None:
+            return
+        for p, g in zip(self.params, grad.split([p.numel() for p in self.params])):
+            p.grad = g.view_as(p).clone()
+        if clip and self.max_grad_norm > 0:
+            squared = torch.tensor(float(grad.double().pow(2).sum()), dtype=torch.float64)
+            if self.server_group is not None:
+                dist.all_reduce(squared, group=self.server_group)
+            norm = float(squared.sqrt())
+            if norm > self.max_grad_norm:
+                for p in self.params:
+                    p.grad.mul_(self.max_grad_norm / (norm + 1e-6))
+        set_lr(self.optimizer, lr_at(step, self.optim_config, self.total_steps))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _answer(self, worker: int) -> dist.Work:
+        self.clock_log.append((worker, list(self.clocks)))
+        return dist.isend(_flat([p.detach() for p in self.params]), worker, tag=PULL)
+
+    def serve(self) -> list[tuple[int, list[int]]]:
+        """Answer every push of every worker for `total_steps` steps; returns the clock log."""
+        if self.sync == "bsp":
+            self._serve_bulk_synchronous()
+        else:
+            self._serve_asynchronous()
+        return self.clock_log
+
+    def _serve_bulk_synchronous(self) -> None:
+        buffers = [torch.empty(self.numel) for _ in range(self.layout.workers)]
+        for step in range(self.total_steps):
+            for work in [dist.irecv(b, w, tag=PUSH) for w, b in enumerate(buffers)]:
+                work.wait()
+            total = buffers[0].clone()
+            for b in buffers[1:]:
+                total += b
+            self._step(total, step, clip=True)
+            self.clocks = [step + 1] * self.layout.workers
+            for work in [self._answer(w) for w in range(self.layout.workers)]:
+                work.wait()
+
+    def _serve_asynchronous(self) -> None:
+        bound = self.staleness if self.sync == "ssp" else None
+        buffer = torch.empty(self.numel)
+        waiting: list[int] = []  # workers whose pull is held back by the staleness bound
+        sends: list[dist.Work] = []
+        for _ in range(self.total_steps * self.layout.workers):
+            worker = dist.recv(buffer, None, tag=PUSH)
+            self._step(buffer, self.clocks[worker], clip=False)
+            self.clocks[worker] += 1
+            waiting.append(worker)
+            slowest = min(self.clocks)
+            ready = [w for w in waiting if bound is None or self.clocks[w] >= self.total_steps
+                     or self.clocks[w] - slowest <= bound]
+            for w in ready:
+                waiting.remove(w)
+                sends.append(self._answer(w))
+        for work in sends:
+            work.wait()
+
+
+@dataclass
+class ServerClient:
+    """A worker's side: push gradients to their servers, pull the new parameters back."""
+
+    model: nn.Module
+    layout: ServerLayout
+    params: list[nn.Parameter] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.shards = [[self.params[i] for i in self.layout.owned(s)] for s in range(self.layout.servers)]
+        self.bytes_pushed = 0
+
+    @torch.no_grad()
+    def push_pull(self) -> None:
+        """Send every server its parameters' gradients, then take their new values."""
+        sends = []
+        for server, shard in enumerate(self.shards):
+            grads = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in shard])
+            sends.append(dist.isend(grads, self.layout.server_rank(server), tag=PUSH))
+            self.bytes_pushed = sum(p.numel() * p.element_size() for p in self.params)
+        incoming = [torch.empty(sum(p.numel() for p in shard)) for shard in self.shards]
+        receives = [dist.irecv(buf, self.layout.server_rank(s), tag=PULL) for s, buf in enumerate(incoming)]
+        for work in sends + receives:
+            work.wait()
+        for shard, buf in zip(self.shards, incoming):
+            _unflat_into(buf, [p.data for p in shard])

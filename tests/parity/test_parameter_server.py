@@ -1,0 +1,82 @@
+"""Parameter-server data parallelism (parallel.dp_mode = ps).
+
+BSP must reproduce DDP (and so single-process training): the servers sum every worker's push,
+clip by the global norm and step once, which is DDP's update. SSP must never let a worker run
+more than s steps ahead of the slowest (checked on every pull the servers answered); ASP and SSP
+must still train the micro model (their gradients are stale, so not equal to DDP's).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fivefold.train.trainer import Trainer
+from parity.harness import _weights, assert_parity, train_distributed, with_changes
+
+from distributed.spawn import run_distributed
+
+
+def _ps_rank(rank: int, world_size: int, config):
+    trainer = Trainer(config)
+    result = trainer.fit()
+    if trainer.server is not None:
+        return {"server": trainer.server.index, "clocks": trainer.server_clock_log}
+    return {"losses": result.losses, "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+            "val": result.val_loss}
+
+
+def _run_ps(config, world_size):
+    results = run_distributed(_ps_rank, world_size, config, timeout=180)
+    workers = [r for r in results if "losses" in r]
+    servers = [r for r in results if "server" in r]
+    return workers, servers
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_bsp_matches_ddp(base, reference, tmp_path, servers):
+    """2 workers (+ 1 or 2 servers) against single-process training, DDP's tolerances."""
+    run = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / f"bsp{servers}")},
+                       parallel={"dp_mode": "ps", "ps_servers": servers, "ps_sync": "bsp"})
+    workers, _ = _run_ps(run, 2 + servers)
+    assert workers[0]["losses"] == workers[1]["losses"]
+    diffs = assert_parity(reference, (workers[0]["losses"], _weights(Path(workers[0]["checkpoint"]))))
+    print(f"BSP, 2 workers, {servers} server(s): {diffs}")
+
+
+def test_bsp_matches_ddp_at_the_same_layout(base, tmp_path):
+    ddp = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "ddp")})
+    reference = train_distributed(ddp, 2)
+    run = with_changes(ddp, train={"output_dir": str(tmp_path / "bsp")}, parallel={"dp_mode": "ps"})
+    workers, _ = _run_ps(run, 3)
+    assert_parity(reference, (workers[0]["losses"], _weights(Path(workers[0]["checkpoint"]))))
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_ssp_never_exceeds_its_staleness_bound(job, tmp_path, staleness):
+    run = with_changes(job, train={"micro_batch_size": 2, "steps": 12, "eval_every": 12, "output_dir": str(tmp_path / "ssp")},
+                       checkpoint={"every": 0}, parallel={"dp_mode": "ps", "ps_servers": 2, "ps_sync": "ssp",
+                                                          "ps_staleness": staleness})
+    workers, servers = _run_ps(run, 5)  # 3 workers, 2 servers
+    answered = 0
+    for server in servers:
+        for worker, clocks in server["clocks"]:
+            if clocks[worker] < 12:  # a pull that lets the worker start step clocks[worker]
+                assert clocks[worker] - min(clocks) <= staleness, (worker, clocks)
+            answered += 1
+    assert answered == 2 * 3 * 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["asp", "ssp"])
+def test_asynchronous_modes_converge(job, tmp_path, sync):
+    """30 steps at 2 workers: the validation loss ends far below the start and near DDP's."""
+    base = with_changes(job, train={"micro_batch_size": 4, "steps": 30, "eval_every": 30, "output_dir": str(tmp_path / "ddp")},
+                        checkpoint={"every": 0})
+    ddp = run_distributed(_ps_rank, 2, base)[0]
+    run = with_changes(base, train={"output_dir": str(tmp_path / sync)}, parallel={"dp_mode": "ps", "ps_sync": sync})
+    workers, _ = _run_ps(run, 3)
+    print(f"{sync}: validation {workers[0]['val']:.3f} vs DDP {ddp['val']:.3f}")
+    assert workers[0]["losses"][-1] < workers[0]["losses"][0] - 1.0
+    assert workers[0]["val"] < ddp["val"] + 0.5
