@@ -19,6 +19,7 @@ SMALL = ["--layers", "1", "--batch", "1", "--seq-len", "16", "--rounds", "1", "-
     ("tensor_parallel.py", [], "ours-tp_vs_dtensor-tp_time="),
     ("context_parallel.py", ["--seq-lens", "16,32"], "2d_vs_ring_time_s32="),
     ("pipeline.py", ["--layers", "4", "--microbatches", "2"], "zbh1_bubble="),
+    ("comm_schedule.py", ["--bucket-mb", "0.05", "--slice-mb", "0.01"], "priority_hidden="),
 ])
 def test_benchmark_runs_and_prints_result(script, extra, expected):
     if script == "model_throughput.py":

@@ -185,6 +185,10 @@ class ParallelConfig:
     """How DDP buckets are summed: `native` (the backend's), a hand-written `ring`, `halving_doubling`, `rabenseifner`, `butterfly`, `tree`, `double_tree`, `hierarchical`, `torus`, or `auto` (the cost model's fastest per bucket, links measured at start)."""
     node_size: int = 0
     """Ranks per node for `hierarchical` and `auto`: 0 takes LOCAL_WORLD_SIZE; set it to split one machine into pretend nodes."""
+    comm_schedule: str = "fifo"
+    """Order of DDP gradient communication: `fifo` (buckets as backward fills them) or `priority` (slices in next-forward order, each module's update deferred to its next forward; needs train.max_grad_norm = 0)."""
+    slice_mb: float = 1.0
+    """With comm_schedule = priority: size of the slices buckets are cut into, in MiB."""
     compression: str = "none"
     """DDP gradient compression: `none`, `int8` (block quantised), `sign` (1 bit + scale, error feedback), `topk` (error feedback) or `powersgd` (low rank, error feedback)."""
     compression_block: int = 256
@@ -273,6 +277,13 @@ class ParallelConfig:
                 f"parallel.zero_stage = {self.zero_stage} gradients are reduce-scattered by ZeRO: set zero_stage = 0 "
                 "or leave them at native / none"
             )
+        _check_choice("parallel.comm_schedule", self.comm_schedule, ("fifo", "priority"))
+        if self.slice_mb <= 0:
+            raise ConfigError(f"parallel.slice_mb = {self.slice_mb}: must be positive")
+        if self.comm_schedule == "priority" and (self.zero_stage > 0 or self.pp > 1 or self.compression != "none"
+                                                 or self.dp_mode != "ddp"):
+            raise ConfigError("parallel.comm_schedule = priority re-orders DDP's dense bucket all-reduces: it needs "
+                              "zero_stage 0, pp 1, compression none and dp_mode ddp")
         if self.node_size < 0:
             raise ConfigError(f"parallel.node_size = {self.node_size}: use 0 (LOCAL_WORLD_SIZE) or a positive rank count")
         if self.compression_block < 8 or self.compression_block % 8:
@@ -342,6 +353,12 @@ class JobConfig:
         from fivefold.parallel.tensor_parallel import check_tensor_parallel
 
         par = self.parallel
+        if par.comm_schedule == "priority" and self.train.max_grad_norm > 0:
+            raise ConfigError(
+                f"parallel.comm_schedule = priority updates each module as soon as its own gradients arrive; clipping by "
+                f"the global norm (train.max_grad_norm = {self.train.max_grad_norm}) needs all of them first: "
+                "set train.max_grad_norm = 0 or use comm_schedule = fifo"
+            )
         check_context_parallel(self.model, par.cp, par.cp_method, par.cp_heads, par.tp, self.train.seq_len)
         # Tensor (and sequence) parallelism sees each context-parallel rank's part of the sequence.
         check_tensor_parallel(self.model, par.tp, par.sequence_parallel, self.train.seq_len // par.cp)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -95,6 +97,30 @@ class GradientSync:
             self._sync = True
 
 
+@dataclass
+class OverlapMeter:
+    """How much gradient communication computation hid: busy = seconds the communication thread
+    spent reducing, exposed = seconds the training thread spent waiting for it."""
+
+    busy: float = 0.0
+    exposed: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_busy(self, seconds: float) -> None:
+        with self._lock:
+            self.busy += seconds
+
+    def hidden_fraction(self) -> float | None:
+        """1 - exposed / busy over what was measured since the last reset (None if nothing was)."""
+        if self.busy <= 0:
+            return None
+        return min(1.0, max(0.0, 1.0 - self.exposed / self.busy))
+
+    def reset(self) -> None:
+        with self._lock:
+            self.busy = self.exposed = 0.0
+
+
 class DataParallel(GradientSync):
     """Attach bucketed, overlapped gradient all-reduce to a model, without wrapping it."""
 
@@ -111,6 +137,7 @@ class DataParallel(GradientSync):
         self.reducer = reducer or NativeReducer(group)
         self._thread = None if self.reducer.asynchronous else CommThread()
         self.last_wire_bytes = 0  # bytes this rank sent in the last step's reductions
+        self.overlap = OverlapMeter()  # measured when reductions run on the communication thread
         self.params = [p for p in model.parameters() if p.requires_grad]
         if len({p.dtype for p in self.params}) > 1 and reduce_dtype is None:
             raise ValueError("parameters of several dtypes need an explicit reduce_dtype")
@@ -142,8 +169,13 @@ class DataParallel(GradientSync):
             if self._thread is None:
                 bucket.work = self.reducer.launch(bucket)
             else:
-                bucket.work = self._thread.submit(lambda i=self._next_launch, b=bucket: self.reducer.reduce(i, b))
+                bucket.work = self._thread.submit(lambda i=self._next_launch, b=bucket: self._timed_reduce(i, b))
             self._next_launch += 1
+
+    def _timed_reduce(self, index: int, bucket: Bucket) -> None:
+        start = time.perf_counter()
+        self.reducer.reduce(index, bucket)
+        self.overlap.add_busy(time.perf_counter() - start)
 
     @torch.no_grad()
     def finish_gradient_sync(self) -> None:
@@ -152,19 +184,13 @@ class DataParallel(GradientSync):
         A gradient no hook copied (accumulated under `no_sync`, as a pipeline does for every
         micro-batch, or never produced: zero) is taken from `.grad` now.
         """
-        for bucket in self.buckets[self._next_launch :]:
-            for index, param in enumerate(bucket.params):
-                if index in bucket.captured:
-                    continue
-                if param.grad is None:
-                    bucket.view(index).zero_()
-                else:
-                    bucket.view(index).copy_(param.grad)
-            bucket.ready = len(bucket.params)
+        self._fill_uncaptured()
         self._launch_ready()
         self.last_wire_bytes = 0
         for index, bucket in enumerate(self.buckets):
+            waited = time.perf_counter()
             bucket.work.wait() if self._thread is None else bucket.work.result()
+            self.overlap.exposed += time.perf_counter() - waited
             self.last_wire_bytes += self.reducer.wire_bytes(index, bucket)
             for index, param in enumerate(bucket.params):
                 reduced = bucket.view(index)
@@ -175,6 +201,17 @@ class DataParallel(GradientSync):
             bucket.ready, bucket.work = 0, None
             bucket.captured.clear()
         self._next_launch = 0
+
+    def _fill_uncaptured(self) -> None:
+        for bucket in self.buckets[self._next_launch :]:
+            for index, param in enumerate(bucket.params):
+                if index in bucket.captured:
+                    continue
+                if param.grad is None:
+                    bucket.view(index).zero_()
+                else:
+                    bucket.view(index).copy_(param.grad)
+            bucket.ready = len(bucket.params)
 
     def gradient_bytes(self) -> int:
         """Bytes each all-reduce step reduces (sum of bucket sizes)."""

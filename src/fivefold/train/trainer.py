@@ -31,6 +31,7 @@ from fivefold.model.generate import generate
 from fivefold.plan.flops import count_parameters, flops_per_token
 from fivefold.plan.memory import ModelStateBytes, zero_model_states
 from fivefold.comm.reducers import build_reducer
+from fivefold.parallel.comm_schedule import PriorityDataParallel, private_group
 from fivefold.parallel.data_parallel import DataParallel
 from fivefold.parallel.parameter_server import ParameterServer, ServerClient, ServerLayout
 from fivefold.parallel.mesh import build_mesh
@@ -153,10 +154,17 @@ class Trainer:
             self.optimizer = build_adamw(self.zero.master_parameters(True), self.zero.master_parameters(False), config.optim)
         else:
             if self.dp_cp_group is not None and self.ps_client is None:
-                reducer = build_reducer(self.dp_cp_group, par.allreduce_algorithm, par.compression, par.node_size,
+                priority = par.comm_schedule == "priority"
+                # the priority schedule's thread outlives the step: it gets a group of its own
+                comm_group = private_group(self.dp_cp_group) if priority else self.dp_cp_group
+                reducer = build_reducer(comm_group, par.allreduce_algorithm, par.compression, par.node_size,
                                         block=par.compression_block, topk_ratio=par.topk_ratio,
                                         powersgd_rank=par.powersgd_rank, seed=config.train.seed)
-                self.ddp = DataParallel(self.model, self.dp_cp_group, par.bucket_mb, reduce_dtype, reducer)
+                if priority:
+                    self.ddp = PriorityDataParallel(self.model, comm_group, par.bucket_mb, reduce_dtype, reducer,
+                                                    par.slice_mb)
+                else:
+                    self.ddp = DataParallel(self.model, self.dp_cp_group, par.bucket_mb, reduce_dtype, reducer)
             self.optimizer = build_optimizer(self.model, config.optim)
         self.grad_sync = self.zero or self.ddp
         self.executor = self._build_executor() if self.dims.pp > 1 else None
@@ -385,6 +393,11 @@ class Trainer:
             grad_norm = self.zero.clip_grad_norm_(max_norm)
             self.zero.prepare_step()
             self.optimizer.step()
+        elif isinstance(self.ddp, PriorityDataParallel):  # each module updates just before its next forward
+            grad_norm = float("nan")  # no clipping (the config requires max_grad_norm = 0): not computed
+            self.ddp.defer_update(lambda params, lr=lr: self._update(params, lr))
+            if self.model_state_bytes is None:
+                self.ddp.flush()
         else:
             grad_norm = self.parallel.clip_grad_norm_(list(self.model.parameters()), max_norm)
             self.optimizer.step()
@@ -403,8 +416,18 @@ class Trainer:
             metrics["loss"] = loss_sum / total_tokens
         return metrics
 
+    def _update(self, params: list[torch.nn.Parameter], lr: float) -> None:
+        """AdamW on these parameters only (the others have no gradient now), at the step's learning rate."""
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+
+    def _apply_deferred_updates(self) -> None:
+        if isinstance(self.ddp, PriorityDataParallel):
+            self.ddp.flush()
+
     @torch.no_grad()
     def evaluate(self) -> float:
+        self._apply_deferred_updates()
         t = self.config.train
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, token count
@@ -441,6 +464,7 @@ class Trainer:
 
     def save(self) -> Path:
         """Write a checkpoint; in a distributed run every rank must call this (each writes its shards)."""
+        self._apply_deferred_updates()
         workers_only = self.ps_client is not None  # the servers are serving: only the workers write
         return ckpt.save_checkpoint(
             self.output_dir, capture_training_state(self.model, self.optimizer, self.zero, self.mesh, self.tp_prefix),
@@ -508,6 +532,9 @@ class Trainer:
                     peak_mem_gib=peak_memory_gib(self.device),
                     tokens_seen=self.state.tokens_seen,
                 )
+                if self.ddp is not None and self.ddp.overlap.hidden_fraction() is not None:
+                    values["comm_hidden"] = self.ddp.overlap.hidden_fraction()  # since the last log
+                    self.ddp.overlap.reset()
                 if metrics:
                     metrics.log(step, values)
                 bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{values['mfu']:.1%}")
@@ -520,6 +547,7 @@ class Trainer:
             if c.enabled and ((c.every and step % c.every == 0) or step == t.steps):
                 last_checkpoint = self.save()
         bar.close()
+        self._apply_deferred_updates()
         if metrics:
             metrics.close()
         return self._finish(losses, val_loss, last_checkpoint)
