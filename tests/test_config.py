@@ -46,6 +46,18 @@ def test_preset_from_command_line():
          r"parallel.cp_heads = 3 must divide parallel.cp = 4"),
         (["--parallel.cp", "16", "--parallel.cp_method", "ulysses"], r"query heads per tensor-parallel rank"),
         (["steps=3"], r"overrides look like --section.key VALUE"),
+        (["--parallel.allreduce_algorithm", "rign"], r"parallel.allreduce_algorithm = 'rign' is not one of native, ring.*did you mean 'ring'"),
+        (["--parallel.compression", "int4"], r"parallel.compression = 'int4' is not one of none, int8"),
+        (["--parallel.compression", "int8", "--parallel.zero_stage", "1", "--parallel.dp_shard", "2"],
+         r"drive the DDP gradient buckets.*set zero_stage = 0"),
+        (["--parallel.compression_block", "100"], r"parallel.compression_block = 100: must be a positive multiple of 8"),
+        (["--parallel.topk_ratio", "0"], r"parallel.topk_ratio = 0.0: must be in \(0, 1\]"),
+        (["--parallel.comm_schedule", "priority"], r"clipping by the global norm \(train.max_grad_norm = 1.0\).*set train.max_grad_norm = 0"),
+        (["--parallel.comm_schedule", "priority", "--parallel.compression", "sign", "--train.max_grad_norm", "0"],
+         r"comm_schedule = priority re-orders DDP's dense bucket all-reduces"),
+        (["--parallel.dp_mode", "ps", "--parallel.tp", "2"], r"dp_mode = ps keeps whole models on the workers: set parallel.tp"),
+        (["--parallel.ps_sync", "bssp"], r"parallel.ps_sync = 'bssp' is not one of bsp, asp, ssp"),
+        (["--parallel.ps_staleness", "-1"], r"parallel.ps_staleness = -1: must be >= 0"),
     ],
 )
 def test_bad_input_names_the_setting(args, message):
@@ -89,3 +101,10 @@ def test_configuration_reference_is_current():
     doc = Path(__file__).parent.parent / "docs" / "configuration.md"
     assert doc.read_text() == describe_config(), "run: fivefold config --reference > docs/configuration.md"
     assert "| steps | int | 200 | Optimizer steps to run. |" in describe_config()
+
+
+def test_parameter_servers_leave_workers():
+    config = load_config(None, ["--parallel.dp_mode", "ps", "--parallel.ps_servers", "2"])
+    assert config.parallel.dims(5).dp == 3
+    with pytest.raises(ConfigError, match="parallel.ps_servers = 2 leaves no worker among 2 ranks"):
+        config.parallel.dims(2)
