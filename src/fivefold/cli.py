@@ -168,7 +168,7 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
 
     forwarded = argv[argv.index("comm") + 1:]
     if "WORLD_SIZE" in os.environ:
-        return bench.main([a for a in forwarded])
+        return bench.main(forwarded)
     from fivefold.train.launch import launch
 
     return launch(args.nproc_per_node, forwarded, module="fivefold.comm.bench")

@@ -45,6 +45,10 @@ class BucketLike(Protocol):
 
 
 class Reducer(Protocol):
+    """What DataParallel needs of a reducer (asynchronous ones also have `launch(bucket) -> Work`)."""
+
+    asynchronous: bool
+
     def reduce(self, index: int, bucket: BucketLike) -> None: ...
 
     def wire_bytes(self, index: int, bucket: BucketLike) -> int: ...

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fivefold.comm.reducers import CommThread, NativeReducer
+from fivefold.comm.reducers import CommThread, NativeReducer, Reducer
 
 
 @dataclass
@@ -130,7 +130,7 @@ class DataParallel(GradientSync):
         group: dist.ProcessGroup,
         bucket_cap_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
-        reducer=None,
+        reducer: Reducer | None = None,
     ):
         self.model = model
         self.group = group

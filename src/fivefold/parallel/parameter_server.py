@@ -24,7 +24,7 @@ pull (`clock_log`), so tests can check the bound.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -151,18 +151,14 @@ class ParameterServer:
             work.wait()
 
 
-@dataclass
 class ServerClient:
     """A worker's side: push gradients to their servers, pull the new parameters back."""
 
-    model: nn.Module
-    layout: ServerLayout
-    params: list[nn.Parameter] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.shards = [[self.params[i] for i in self.layout.owned(s)] for s in range(self.layout.servers)]
-        self.bytes_pushed = 0
+    def __init__(self, model: nn.Module, layout: ServerLayout):
+        self.layout = layout
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.shards = [[params[i] for i in layout.owned(s)] for s in range(layout.servers)]
+        self.bytes_pushed = sum(p.numel() * p.element_size() for p in params)  # per step: every gradient once
 
     @torch.no_grad()
     def push_pull(self) -> None:
@@ -171,7 +167,6 @@ class ServerClient:
         for server, shard in enumerate(self.shards):
             grads = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in shard])
             sends.append(dist.isend(grads, self.layout.server_rank(server), tag=PUSH))
-            self.bytes_pushed = sum(p.numel() * p.element_size() for p in self.params)
         incoming = [torch.empty(sum(p.numel() for p in shard)) for shard in self.shards]
         receives = [dist.irecv(buf, self.layout.server_rank(s), tag=PULL) for s, buf in enumerate(incoming)]
         for work in sends + receives:
