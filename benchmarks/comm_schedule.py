@@ -28,13 +28,14 @@ def _build(variant: str, config, args, world_size: int):
     from fivefold.comm.reducers import build_reducer
     from fivefold.config import OptimConfig
     from fivefold.model import build_model, materialize
-    from fivefold.parallel.comm_schedule import PriorityDataParallel, private_group
+    from fivefold.parallel.comm_schedule import PriorityDataParallel
+    from fivefold.parallel.mesh import private_copy
     from fivefold.parallel.data_parallel import DataParallel
-    from fivefold.train.optim import build_optimizer, set_lr
+    from fivefold.optim import build_optimizer, set_lr
 
     optim = OptimConfig(lr=1e-3)
     model = materialize(build_model(config), "cpu", seed=0)
-    group = private_group(dist.group.WORLD)
+    group = private_copy(dist.group.WORLD)
     sync = None
     if variant == "ours-fifo":
         sync = DataParallel(model, group, args.bucket_mb, reducer=build_reducer(group, args.algorithm))

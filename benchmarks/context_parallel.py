@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import json
 
-import torch
 from ranks import benchmark_arguments, benchmark_model, run_variants, spawn
 
 METHODS = ("none", "ring", "ulysses", "2d")
@@ -29,16 +28,16 @@ PEER = "ring"
 def _build(method: str, config, world_size: int, cp_heads: int):
     from fivefold.config import ParallelConfig
     from fivefold.model import build_model, materialize
-    from fivefold.parallel.mesh import ParallelDims, build_mesh
-    from fivefold.parallel.parallelize import parallelize
+    from fivefold.parallel.mesh import Mesh, ParallelDims, build_mesh
+    from fivefold.parallel.parallelize import apply_model_parallel
     from fivefold.train.memory import saved_activation_bytes
 
     model = materialize(build_model(config), "cpu", seed=0)
     if method == "none":
-        plan = parallelize(model, None, ParallelConfig())
+        plan = apply_model_parallel(model, Mesh.single(), ParallelConfig())
     else:
         mesh = build_mesh(ParallelDims(cp=world_size, world_size=world_size), "cpu")
-        plan = parallelize(model, mesh, ParallelConfig(cp=world_size, cp_method=method, cp_heads=cp_heads))
+        plan = apply_model_parallel(model, mesh, ParallelConfig(cp=world_size, cp_method=method, cp_heads=cp_heads))
     params = list(model.parameters())
 
     def step(inputs, labels):

@@ -47,10 +47,11 @@ def _build(variant: str, config, group, world_size: int):
 
     from fivefold.config import OptimConfig
     from fivefold.model import build_model, materialize
-    from fivefold.parallel.data_parallel import DataParallel
-    from fivefold.parallel.zero import ZeroDataParallel
+    from fivefold.parallel.data_parallel import DataParallel, DDPSync
+    from fivefold.parallel.gradient_sync import GradNorm
+    from fivefold.parallel.zero import ZeroDataParallel, ZeroSync
     from fivefold.train.memory import measure_model_states
-    from fivefold.train.optim import build_adamw, build_optimizer
+    from fivefold.optim import build_adamw, build_optimizer
 
     optim = OptimConfig(lr=1e-3)
     model = materialize(build_model(config), "cpu", seed=0)
@@ -83,10 +84,10 @@ def _build(variant: str, config, group, world_size: int):
         optimizer.step()
         memory = None
         if zero is not None:
-            memory = measure_model_states(model, optimizer, zero).total
+            memory = measure_model_states(ZeroSync(zero, optimizer, GradNorm(), None)).total
             zero.after_step()
         elif variant == "ours-ddp":
-            memory = measure_model_states(model, optimizer).total
+            memory = measure_model_states(DDPSync(model, optimizer, sync, GradNorm())).total
         else:
             params = list(model.parameters())
             memory = _storage_bytes([*params, *(p.grad for p in params), *_optimizer_tensors(optimizer)])

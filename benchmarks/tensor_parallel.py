@@ -56,13 +56,13 @@ def _build(variant: str, config, world_size: int):
     from fivefold.config import OptimConfig, ParallelConfig
     from fivefold.model import build_model, materialize
     from fivefold.parallel.mesh import ParallelDims, build_mesh
-    from fivefold.parallel.parallelize import parallelize
-    from fivefold.train.optim import build_optimizer
+    from fivefold.parallel.parallelize import apply_model_parallel
+    from fivefold.optim import build_optimizer
 
     model = materialize(build_model(config), "cpu", seed=0)
     if variant.startswith("ours"):
         mesh = build_mesh(ParallelDims(tp=world_size, world_size=world_size), "cpu")
-        plan = parallelize(model, mesh, ParallelConfig(tp=world_size, sequence_parallel=variant.endswith("sp")))
+        plan = apply_model_parallel(model, mesh, ParallelConfig(tp=world_size, sequence_parallel=variant.endswith("sp")))
         loss_of = plan.loss_sum
         context = torch.enable_grad
     else:

@@ -10,7 +10,7 @@ import torch
 from fivefold.config import OptimConfig
 from fivefold.plan.flops import flops_per_token
 from fivefold.train.metrics import lookup_gpu_peak_tflops, peak_tflops
-from fivefold.train.optim import lr_at
+from fivefold.optim import lr_at
 from fivefold.train.trainer import IGNORE_INDEX, Trainer
 
 

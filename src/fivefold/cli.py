@@ -22,7 +22,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     import os
 
     from fivefold.config import load_config
-    from fivefold.train.trainer import Trainer
+    from fivefold.train.roles import run
 
     if args.resume is not None:
         overrides = [*overrides, "--checkpoint.resume", args.resume]
@@ -33,7 +33,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         config.parallel.dims(args.nproc_per_node)  # fail here, before starting any rank
         forwarded = ([f"--config={args.config}"] if args.config else []) + overrides
         return launch(args.nproc_per_node, forwarded)
-    Trainer(config).fit()
+    run(config)
     return 0
 
 

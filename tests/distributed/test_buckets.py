@@ -22,7 +22,7 @@ def test_make_buckets_cap_and_order():
 
 
 def _bucket_counts(rank, world_size, configs):
-    return [len(Trainer(c).ddp.buckets) for c in configs]
+    return [len(Trainer(c).sync.ddp.buckets) for c in configs]
 
 
 def test_bucket_mb_reaches_the_trainer(job, tmp_path):

@@ -44,7 +44,10 @@ def _rank(rank: int, world: int, ring: int, heads: int, dtype, fused: bool = Tru
 
         context_parallel._FUSED_FORWARD = None
     layout = ContextParallelLayout(ring=ring, heads=heads)
-    groups = build_context_parallel_groups(torch.arange(world).view(1, world), layout)
+    from fivefold.parallel.mesh import ParallelDims, build_mesh
+
+    mesh = build_mesh(ParallelDims(cp=world, world_size=world), "cpu")
+    groups = build_context_parallel_groups(mesh, layout)
     positions = layout.shard_positions(SEQ, groups.cp_rank)
     q, k, v, dout = (t[:, :, positions].to(dtype).requires_grad_() for t in _inputs())
     out = ContextParallelAttention(groups)(q, k, v)

@@ -18,15 +18,16 @@ def _facts(rank: int, world_size: int, config) -> dict:
 
     trainer = Trainer(config)
     trainer.fit()
-    reducer = trainer.ddp.reducer
-    facts = {"reducer": type(reducer).__name__, "ddp": type(trainer.ddp).__name__,
-             "wire": trainer.ddp.last_wire_bytes, "bytes": trainer.ddp.gradient_bytes()}
+    ddp = trainer.sync.ddp
+    reducer = ddp.reducer
+    facts = {"reducer": type(reducer).__name__, "ddp": type(ddp).__name__,
+             "wire": ddp.last_wire_bytes, "bytes": ddp.gradient_bytes()}
     for name in ("choices", "node_size", "ratio", "block", "rank"):
         if hasattr(reducer, name):
             facts[name] = getattr(reducer, name)
-    if hasattr(trainer.ddp, "order_log"):
-        facts["orders"] = len(trainer.ddp.order_log)
-        facts["slices"] = len(trainer.ddp.slices)
+    if hasattr(ddp, "order_log"):
+        facts["orders"] = len(ddp.order_log)
+        facts["slices"] = len(ddp.slices)
     return facts
 
 

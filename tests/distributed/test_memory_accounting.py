@@ -15,9 +15,10 @@ def _measure(rank, world_size, configs):
     for config in configs:
         trainer = Trainer(config)
         trainer.train_step()
-        groups = len(trainer.zero.groups) if trainer.zero else 0
-        out.append((tuple(trainer.model_state_bytes.__dict__.values()),
-                    tuple(trainer.expected_model_states().__dict__.values()), groups))
+        zero = getattr(trainer.sync, "zero", None)
+        groups = len(zero.groups) if zero else 0
+        out.append((tuple(trainer.report.model_state_bytes.__dict__.values()),
+                    tuple(trainer.report.expected_model_states().__dict__.values()), groups))
     return out
 
 

@@ -48,7 +48,7 @@ def _traced_run(rank, world_size, config):
 
     trainer = Trainer(config)
     trainer.fit()
-    return [e.name for e in trainer.executor.events if e.category == "compute"], trainer.executor.peak_in_flight
+    return [e.name for e in trainer.step_fn.executor.events if e.category == "compute"], trainer.step_fn.executor.peak_in_flight
 
 
 @pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])

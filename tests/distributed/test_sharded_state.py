@@ -24,19 +24,21 @@ class Odd(nn.Module):
 def _zero(world_size, stage):
     from fivefold.config import OptimConfig
     from fivefold.parallel.mesh import ParallelDims, build_mesh
-    from fivefold.parallel.zero import ZeroDataParallel
-    from fivefold.train.optim import build_adamw
+    from fivefold.optim import build_adamw
+    from fivefold.parallel.gradient_sync import GradNorm
+    from fivefold.parallel.zero import ZeroDataParallel, ZeroSync
 
     mesh = build_mesh(ParallelDims(dp_shard=world_size, world_size=world_size), "cpu")
     zero = ZeroDataParallel(Odd(), mesh.group("dp_shard"), None, stage)
     optimizer = build_adamw(zero.master_parameters(True), zero.master_parameters(False), OptimConfig())
-    return zero, optimizer, mesh
+    sync = ZeroSync(zero, optimizer, GradNorm(), mesh.device_mesh["dp_replicate", "dp_shard_cp"])
+    return zero, optimizer, sync
 
 
 def _save(rank, world_size, folder):
-    from fivefold.train.train_state import capture_training_state, write_training_state
+    from fivefold.train.train_state import write_training_state
 
-    zero, optimizer, mesh = _zero(world_size, stage=3)
+    zero, optimizer, sync = _zero(world_size, stage=3)
     for g in zero.groups:  # moments that identify their position: exp_avg = 100 + index
         lo, hi = zero.owned_range(g)
         state = optimizer.state[g.master]
@@ -44,23 +46,24 @@ def _save(rank, world_size, folder):
         state["exp_avg"] = torch.zeros_like(g.master)
         state["exp_avg"][: hi - lo] = 100 + torch.arange(lo, hi, dtype=torch.float32)
         state["exp_avg_sq"] = torch.zeros_like(g.master)
-    write_training_state(capture_training_state(zero.model, optimizer, zero, mesh), folder, distributed=True)
+    write_training_state(sync.state_dict(None), folder, distributed=True)
     return [zero.owned_range(g) for g in zero.groups]
 
 
 def _load(rank, world_size, folder):
-    from fivefold.train.train_state import restore_training_state
+    from fivefold.train.train_state import restore_sync_state
 
-    zero, optimizer, mesh = _zero(world_size, stage=2)
+    zero, optimizer, sync = _zero(world_size, stage=2)
     with torch.no_grad():
         for g in zero.groups:
             g.master.fill_(-1.0)
-    restore_training_state(folder.parent, zero.model, optimizer, zero, mesh)
+    restore_sync_state(folder, sync, None)
     return [(g.layout.key, zero.owned_range(g), g.master.tolist(), optimizer.state[g.master]["exp_avg"].tolist(),
              float(optimizer.state[g.master]["step"])) for g in zero.groups], zero.model.layers["0"].weight.tolist()
 
 
 def test_uneven_shards_save_at_4_and_load_at_3_and_whole(tmp_path):
+    from fivefold.parallel.checkpoint_layout import CheckpointLayout
     from fivefold.train.train_state import read_consolidated_weights
 
     folder = tmp_path / "state"
@@ -68,7 +71,7 @@ def test_uneven_shards_save_at_4_and_load_at_3_and_whole(tmp_path):
     assert [r[0] for r in ranges] == [(0, 2), (2, 4), (4, 5), (5, 5)]  # layers.0/decay: the last shard is empty
     layout = {"layers.0/decay": {"names": ["layers.0.weight"], "shapes": [[1, 5]]},
               "gain/no_decay": {"names": ["gain"], "shapes": [[3]]}}
-    whole = read_consolidated_weights(tmp_path, layout)
+    whole = read_consolidated_weights(tmp_path, CheckpointLayout.from_json(layout))
     assert whole["layers.0.weight"].tolist() == [[0.0, 1.0, 2.0, 3.0, 4.0]]
     assert whole["gain"].tolist() == [10.0, 11.0, 12.0]
 

@@ -27,6 +27,7 @@ import torch
 from fivefold.config import JobConfig
 from fivefold.train.checkpoint import load_layout
 from fivefold.train.train_state import read_consolidated_weights
+from fivefold.train.roles import run
 from fivefold.train.trainer import Trainer
 
 from distributed.spawn import run_distributed
@@ -42,7 +43,7 @@ def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def _rank_main(rank: int, world_size: int, config: JobConfig) -> tuple[list[float], str | None]:
-    result = Trainer(config).fit()
+    result = run(config)
     return result.losses, str(result.checkpoint) if result.checkpoint else None
 
 
@@ -54,7 +55,7 @@ def train_single(config: JobConfig) -> tuple[list[float], dict[str, torch.Tensor
 def train_distributed(config: JobConfig, world_size: int, timeout: float = 150.0):
     results = run_distributed(_rank_main, world_size, config, timeout=timeout)
     losses = [r[0] for r in results]
-    assert all(l == losses[0] for l in losses), "ranks disagree on the logged loss"
+    assert all(rank_losses == losses[0] for rank_losses in losses), "ranks disagree on the logged loss"
     return losses[0], _weights(Path(results[0][1]))
 
 

@@ -12,17 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.train.trainer import Trainer
+from fivefold.train.roles import ServerResult, run
 from parity.harness import _weights, assert_parity, train_distributed, with_changes
 
 from distributed.spawn import run_distributed
 
 
 def _ps_rank(rank: int, world_size: int, config):
-    trainer = Trainer(config)
-    result = trainer.fit()
-    if trainer.server is not None:
-        return {"server": trainer.server.index, "clocks": trainer.server_clock_log}
+    result = run(config)
+    if isinstance(result, ServerResult):
+        return {"server": result.server, "clocks": result.clock_log}
     return {"losses": result.losses, "checkpoint": str(result.checkpoint) if result.checkpoint else None,
             "val": result.val_loss}
 

@@ -31,11 +31,12 @@ def test_priority_schedule_matches_single_process(base, tmp_path, algorithm):
 def _order(rank: int, world_size: int) -> tuple[list[int], list[int]]:
     from fivefold.comm.reducers import NativeReducer
     from fivefold.model import ModelConfig, build_model, materialize
-    from fivefold.parallel.comm_schedule import PriorityDataParallel, private_group
+    from fivefold.parallel.comm_schedule import PriorityDataParallel
+    from fivefold.parallel.mesh import private_copy
 
     model = materialize(build_model(ModelConfig(name="m", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
                                                 max_seq_len=16, vocab_size=64)), torch.device("cpu"), seed=0)
-    group = private_group(dist.group.WORLD)
+    group = private_copy(dist.group.WORLD)
     ddp = PriorityDataParallel(model, group, bucket_cap_mb=0.02, reducer=NativeReducer(group), slice_mb=0.005)
     with ddp.no_sync():
         model(torch.randint(0, 64, (2, 16))).sum().backward()

@@ -9,7 +9,7 @@ update is deferred per module: the next forward of a module waits only for the s
 own parameters, updates them, and runs, while later slices are still on the wire.
 
 Every rank must reduce the same slices in the same order, but readiness differs between ranks.
-The thread communicates on a process group of its own (`private_group`), since it is still busy
+The thread communicates on a process group of its own (`Mesh.private_copy`), since it is still busy
 while the training thread starts the next step's collectives.
 As Horovod's coordinator does, the communication thread negotiates: each round it sums a
 readiness vector over the group (one small all-reduce, MIN), then reduces the most urgent slice
@@ -31,23 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.comm.reducers import CommThread
-from fivefold.parallel.data_parallel import DataParallel
-
-
-def private_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A new process group with the same ranks as `group` (collective: every rank of the world calls it).
-
-    Ranks learn every rank's group by all_gather_object and create them all in one order, as
-    torch.distributed.new_group requires.
-    """
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, tuple(dist.get_process_group_ranks(group)))
-    mine = None
-    for ranks in sorted(set(everyone)):
-        created = dist.new_group(list(ranks))
-        if dist.get_rank() in ranks:
-            mine = created
-    return mine
+from fivefold.optim import set_lr
+from fivefold.parallel.data_parallel import DataParallel, DDPSync
 
 
 @dataclass(frozen=True)
@@ -198,3 +183,27 @@ class PriorityDataParallel(DataParallel):
         for hook in self._pre_hooks:
             hook.remove()
         super().remove()
+
+
+class PrioritySync(DDPSync):
+    """DDPSync whose optimizer step is deferred per module to its next forward (no global clipping)."""
+
+    kind = "ddp-priority"
+    ddp: PriorityDataParallel
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Not computed: gradients are still on the wire (the config requires train.max_grad_norm = 0)."""
+        return float("nan")
+
+    def step(self, lr: float) -> None:
+        def update(params: list[nn.Parameter]) -> None:  # AdamW on these parameters only; the others have no gradient
+            set_lr(self.optimizer, lr)
+            self.optimizer.step()
+
+        self.ddp.defer_update(update)
+
+    def flush(self) -> None:
+        self.ddp.flush()
+
+    def describe(self) -> str:
+        return super().describe() + f", priority schedule over {len(self.ddp.slices)} slices"

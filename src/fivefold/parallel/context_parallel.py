@@ -122,26 +122,18 @@ class ContextParallelGroups:
         return self.cp_rank // self.layout.heads
 
 
-def build_context_parallel_groups(cp_rank_table: torch.Tensor, layout: ContextParallelLayout) -> ContextParallelGroups:
-    """Create the head and ring groups of every cp group (collective: all ranks, same order).
-
-    `cp_rank_table` lists the global ranks of every cp group, one row per group, in cp-rank order.
-    """
+def build_context_parallel_groups(mesh, layout: ContextParallelLayout) -> ContextParallelGroups:
+    """Ask the mesh for the head and ring groups of every cp group (collective: all ranks, same order)."""
     me = dist.get_rank()
     mine: dict = {}
-    for row in cp_rank_table.tolist():
+    for row in mesh.rank_table("cp").tolist():
         grid = [row[i * layout.heads:(i + 1) * layout.heads] for i in range(layout.ring)]  # [ring][head]
         rings = [[grid[i][head] for i in range(layout.ring)] for head in range(layout.heads)]
-        for ranks in grid:
-            group = dist.new_group(ranks) if layout.heads > 1 else None
-            if me in ranks:
-                mine["head_group"] = group
-        for ranks in rings:
-            group = dist.new_group(ranks) if layout.ring > 1 else None
-            if me in ranks:
-                mine.update(ring_group=group, ring_ranks=ranks)
+        head_group = mesh.subgroup(grid)
+        ring_group = mesh.subgroup(rings)
         if me in row:
-            mine["cp_rank"] = row.index(me)
+            mine.update(cp_rank=row.index(me), head_group=head_group, ring_group=ring_group,
+                        ring_ranks=next(ranks for ranks in rings if me in ranks))
     return ContextParallelGroups(layout=layout, **mine)
 
 

@@ -34,6 +34,15 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.comm.reducers import CommThread, NativeReducer, Reducer
+from fivefold.errors import ConfigError
+from fivefold.parallel.gradient_sync import (
+    GradientSync,
+    GradNorm,
+    clip_,
+    load_whole_pieces,
+    pieces_of_state,
+    whole_state,
+)
 
 
 @dataclass
@@ -81,8 +90,8 @@ def broadcast_module(model: nn.Module, group: dist.ProcessGroup) -> None:
         dist.broadcast(tensor, src=src, group=group)
 
 
-class GradientSync:
-    """What the trainer needs of a data-parallel scheme: skip communication on accumulation micro-steps."""
+class SkipOnAccumulation:
+    """Hooks that skip communication on accumulation micro-steps (inside `no_sync()`)."""
 
     reduces_every_micro_step = False  # ZeRO-2/3 reduce-scatter each micro-step to keep only shards
     _sync = True
@@ -121,7 +130,7 @@ class OverlapMeter:
             self.busy = self.exposed = 0.0
 
 
-class DataParallel(GradientSync):
+class DataParallel(SkipOnAccumulation):
     """Attach bucketed, overlapped gradient all-reduce to a model, without wrapping it."""
 
     def __init__(
@@ -140,7 +149,7 @@ class DataParallel(GradientSync):
         self.overlap = OverlapMeter()  # measured when reductions run on the communication thread
         self.params = [p for p in model.parameters() if p.requires_grad]
         if len({p.dtype for p in self.params}) > 1 and reduce_dtype is None:
-            raise ValueError("parameters of several dtypes need an explicit reduce_dtype")
+            raise ConfigError("parameters of several dtypes need an explicit reduce_dtype (parallel.reduce_dtype)")
         self.buckets = make_buckets(self.params, bucket_cap_mb, reduce_dtype)
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._next_launch = 0
@@ -222,3 +231,58 @@ class DataParallel(GradientSync):
             hook.remove()
         if self._thread is not None:
             self._thread.close()
+
+
+class DDPSync(GradientSync):
+    """Whole weights, gradients and AdamW on every rank; gradients summed by `DataParallel` (none in one process)."""
+
+    kind = "ddp"
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ddp: DataParallel | None, norm: GradNorm,
+                 tied_group: dist.ProcessGroup | None = None, loss_group: dist.ProcessGroup | None = None):
+        super().__init__(model, norm, tied_group, loss_group)
+        self.optimizer, self.ddp = optimizer, ddp
+        self.overlap = ddp.overlap if ddp is not None else None
+        self.reports_wire_bytes = ddp is not None
+
+    def no_sync(self):
+        return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
+
+    def _finish(self) -> None:
+        if self.ddp is not None:
+            self.ddp.finish_gradient_sync()
+            self.wire_bytes = self.ddp.last_wire_bytes
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not self.norm.groups and self.norm.weight is None:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        squares = sum(float(p.grad.double().pow(2).sum()) * self.norm.of(p) for p in params)
+        norm = self.norm.total(squares, params[0].device if params else torch.device("cpu"))
+        clip_([p.grad for p in params], norm, max_norm)
+        return norm
+
+    def describe(self) -> str:
+        if self.ddp is None:
+            return "no data parallelism"
+        reducer = getattr(self.ddp.reducer, "describe", lambda: type(self.ddp.reducer).__name__)()
+        return f"DDP, {len(self.ddp.buckets)} buckets, reducer {reducer}"
+
+    def model_state_tensors(self) -> tuple[list, list, list]:
+        params = list(self.model.parameters())
+        states = [t for state in self.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+        return params, [p.grad for p in params], states
+
+    def state_dict(self, tp_rank: int | None, fresh: bool = False) -> dict[str, torch.Tensor]:
+        return whole_state(self.model, self.optimizer, tp_rank)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], tp_rank: int | None) -> None:
+        self.load_pieces(pieces_of_state(self.model, state, tp_rank))
+
+    def load_pieces(self, pieces: dict[str, dict[str, torch.Tensor]]) -> None:
+        load_whole_pieces(self.model, self.optimizer, pieces)
+
+    def remove(self) -> None:
+        if self.ddp is not None:
+            self.ddp.remove()

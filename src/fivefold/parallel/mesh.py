@@ -1,22 +1,28 @@
-"""Parallel dimensions and the device mesh they define.
+"""Parallel dimensions and the mesh that owns every process group of a run.
 
 Ranks are laid out row-major over (pp, dp_replicate, dp_shard, cp, tp), tp innermost:
 consecutive global ranks form a tensor-parallel group, so with tp <= GPUs per node a TP group
 never leaves a node (its all-reduces are the most frequent and the largest). Then context,
 then data (sharded, then replicated), then pipeline outermost, whose point-to-point traffic is
-the lightest and can cross the slowest links. Expert parallelism borrows ranks from
-dp_shard x cp (it must divide that product) and adds no ranks of its own.
+the lightest and can cross the slowest links.
 
 The mesh is a `torch.distributed.device_mesh.DeviceMesh` with these names, plus three flattened
 dimensions: `dp` = (dp_replicate, dp_shard), over which batches are split; `dp_cp` =
 (dp_replicate, dp_shard, cp), over which gradients are summed and the loss is token-weighted
 (context-parallel ranks hold the same weights and different tokens); and `dp_shard_cp` =
 (dp_shard, cp), over which ZeRO shards model states (as torchtitan's FSDP does).
+
+Every process group of a run is created here (picotron's and torchtitan's rule: one place owns
+the topology). Folds that need groups the grid does not name, such as ring attention's head and
+ring groups, the first/last pipeline stage pair holding a tied embedding, or a private copy of a
+group for a communication thread, hand the mesh the rows of ranks and get their own group back
+(`subgroup`). Parameter-server runs have no grid: `Mesh.for_parameter_server` builds the workers'
+and the servers' groups.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -25,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fivefold.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+             "dp_shard_cp": ("dp_shard", "cp")}
 
 
 @dataclass(frozen=True)
@@ -34,23 +42,18 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     pp: int = 1
-    ep: int = 1
     world_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "world_size"):
+        for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "world_size"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"parallel.{name} = {getattr(self, name)}: must be a positive integer")
+                raise ConfigError(f"{name} = {getattr(self, name)}: must be a positive integer")
         product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
             raise ConfigError(
                 f"parallel dims multiply to pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} "
                 f"x cp {self.cp} x tp {self.tp} = {product}, but the world size is {self.world_size}: "
                 "make the product equal the number of processes (--nproc-per-node x nodes)"
-            )
-        if (self.dp_shard * self.cp) % self.ep:
-            raise ConfigError(
-                f"parallel.ep = {self.ep} must divide dp_shard x cp = {self.dp_shard * self.cp} (experts borrow those ranks)"
             )
 
     @property
@@ -61,6 +64,14 @@ class ParallelDims:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, name) for name in MESH_DIMS)
+
+    def size(self, name: str) -> int:
+        """Ranks along a mesh dimension or a flattened one."""
+        parts = FLATTENED.get(name, (name,))
+        out = 1
+        for part in parts:
+            out *= getattr(self, part)
+        return out
 
     def describe_degrees(self) -> str:
         """The degrees in one line, for logs: 'dp 2 x cp 2 x tp 1 x pp 1'."""
@@ -89,36 +100,100 @@ class ParallelDims:
 
 @dataclass
 class Mesh:
-    """The DeviceMesh over MESH_DIMS, and the flattened data-parallel mesh kept beside it."""
+    """Every process group of this rank: the grid's dimensions, flattened ones, and named extras.
+
+    `group(name)` is None where the dimension has one rank (or the run has one process), so
+    callers skip communication with a plain `if group is not None`.
+    """
 
     dims: ParallelDims
-    device_mesh: DeviceMesh
-    flattened: dict[str, DeviceMesh]
+    device_mesh: DeviceMesh | None = None
+    flattened: dict[str, DeviceMesh] = field(default_factory=dict)
+    named: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
 
     def _sub(self, name: str) -> DeviceMesh:
+        if self.device_mesh is None:
+            raise KeyError(f"this run has no device mesh (mesh dimension {name!r})")
         return self.flattened[name] if name in self.flattened else self.device_mesh[name]
 
-    def group(self, name: str) -> dist.ProcessGroup:
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        if name in self.named:
+            return self.named[name]
+        if self.device_mesh is None or self.dims.size(name) == 1:
+            return None
         return self._sub(name).get_group()
 
     def local_rank(self, name: str) -> int:
+        if name in self.named:
+            return dist.get_rank(self.named[name]) if self.named[name] is not None else 0
+        if self.device_mesh is None or self.dims.size(name) == 1:
+            return 0
         return self._sub(name).get_local_rank()
 
     def ranks(self, name: str) -> list[int]:
-        return dist.get_process_group_ranks(self.group(name))
+        return dist.get_process_group_ranks(self._sub(name).get_group())
 
     def rank_table(self, name: str) -> torch.Tensor:
         """Global ranks of every group along mesh dimension `name`: one row per group, in group-rank order."""
+        if self.device_mesh is None:
+            return torch.zeros(1, 1, dtype=torch.long)
         table = self.device_mesh.mesh.movedim(MESH_DIMS.index(name), -1)
         return table.reshape(-1, table.shape[-1])
 
+    def subgroup(self, rows: list[list[int]]) -> dist.ProcessGroup | None:
+        return subgroup(rows)
+
+    def private_copy(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+        return private_copy(group)
+
+    @classmethod
+    def single(cls) -> "Mesh":
+        """One process: no groups."""
+        return cls(ParallelDims())
+
+    @classmethod
+    def for_parameter_server(cls, world_size: int, servers: int) -> "Mesh":
+        """Workers are ranks 0 .. W-1, servers the last S; groups `workers` and `servers` (collective)."""
+        workers = world_size - servers
+        mesh = cls(ParallelDims(dp_replicate=workers, world_size=workers))
+        worker_group = mesh.subgroup([list(range(workers))])
+        server_group = mesh.subgroup([list(range(workers, world_size))])
+        mesh.named.update(workers=worker_group, servers=server_group, dp_cp=worker_group, dp=worker_group)
+        return mesh
+
+
+def subgroup(rows: list[list[int]]) -> dist.ProcessGroup | None:
+    """Create one group per row of global ranks (collective: every rank, same rows, same order).
+
+    Returns the group of the row holding this rank, or None if no row does or rows have one rank.
+    """
+    me, mine = dist.get_rank(), None
+    for ranks in rows:
+        if len(ranks) < 2:
+            continue
+        created = dist.new_group(list(ranks))
+        if me in ranks:
+            mine = created
+    return mine
+
+
+def private_copy(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A new group with the same ranks as `group`, for a thread whose collectives outlive the step.
+
+    Ranks learn every rank's group by all_gather_object and create them all in one order, as
+    torch.distributed.new_group requires (collective over the world).
+    """
+    if group is None:
+        return None
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, tuple(dist.get_process_group_ranks(group)))
+    return subgroup([list(ranks) for ranks in sorted(set(everyone))])
+
 
 def build_mesh(dims: ParallelDims, device_type: str) -> Mesh:
-    """Build the mesh (needs an initialised process group; every rank must call this)."""
+    """Build the mesh (needs an initialised process group when dims.world_size > 1; every rank calls it)."""
+    if dims.world_size == 1:
+        return Mesh(dims)
     device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
-    flattened = {
-        "dp": device_mesh["dp_replicate", "dp_shard"]._flatten("dp"),
-        "dp_cp": device_mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
-        "dp_shard_cp": device_mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
-    }
+    flattened = {name: device_mesh[parts]._flatten(name) for name, parts in FLATTENED.items()}
     return Mesh(dims, device_mesh, flattened)

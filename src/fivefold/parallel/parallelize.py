@@ -1,39 +1,61 @@
-"""`parallelize(model, mesh, config)`: apply the model-parallel folds to a plain, materialised model.
+"""`parallelize(model, mesh, config, device)`: apply every fold to a plain meta-device model, in one place.
 
-Order: tensor (and sequence) parallelism swaps the layers and slices the weights, context
-parallelism replaces the attention cores, then activation recomputation wraps blocks or
-attention cores (so a recomputed core reruns its context-parallel communication too). Data parallelism (our DDP or ZeRO)
-is applied after this by the trainer, over the data-parallel groups of the same mesh. The
-result says how to compute the loss: with tensor parallelism the logits are split over the
-vocabulary, so the loss is the vocab-parallel cross-entropy; with context parallelism each rank
-feeds the model its shard of every sequence, with those tokens' positions.
+The order (torchtitan's parallelize_llama, with the pipeline cut first as Megatron does):
+  1. pipeline: split the blocks into stages and delete what this rank's stages do not run,
+     before any memory is allocated (parameter names stay global);
+  2. materialise the kept weights on the device (same seed, same values as one process);
+  3. tensor (and sequence) parallelism swaps the layers and slices the weights;
+  4. context parallelism replaces the attention cores;
+  5. activation recomputation wraps blocks or attention cores (so a recomputed core reruns its
+     context-parallel communication too);
+  6. data parallelism: `apply_data_parallel` picks the GradientSync (DDP with its reducer and
+     schedule, ZeRO-1/2/3, or a parameter-server worker) over the mesh's data-parallel groups;
+  7. the step function is chosen once: one stage, or the pipeline schedule's executor.
+The result is frozen: the training loop reads it and never branches on which folds are on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.config import ParallelConfig
-from fivefold.parallel.context_parallel import (
-    ContextParallelLayout,
-    apply_context_parallel,
-    build_context_parallel_groups,
-)
+from fivefold.comm.reducers import build_reducer
+from fivefold.config import JobConfig, ParallelConfig
+from fivefold.model import Transformer, materialize
+from fivefold.optim import build_adamw, build_optimizer
+from fivefold.parallel.checkpoint_layout import CheckpointLayout, local_layout
+from fivefold.parallel.comm_schedule import PriorityDataParallel, PrioritySync
+from fivefold.parallel.context_parallel import ContextParallelLayout, apply_context_parallel, build_context_parallel_groups
+from fivefold.parallel.data_parallel import DataParallel, DDPSync
+from fivefold.parallel.gradient_sync import GradientSync, GradNorm
 from fivefold.parallel.mesh import Mesh
+from fivefold.parallel.parameter_server import ParameterServerSync, ServerClient, ServerLayout
+from fivefold.parallel.pipeline.executor import PipelineExecutor
+from fivefold.parallel.pipeline.schedules import PipelineShape
+from fivefold.parallel.pipeline.stages import (
+    PipelineStage,
+    check_pipeline,
+    cut_model,
+    holds_tied_copy,
+    stages_of_rank,
+    tied_embedding_rows,
+)
 from fivefold.parallel.recompute import apply_recompute
-from fivefold.parallel.tensor_parallel import apply_tensor_parallel, tp_spec, vocab_parallel_cross_entropy
+from fivefold.parallel.step import PipelineStep, SingleStageStep
+from fivefold.parallel.tensor_parallel import IGNORE_INDEX, apply_tensor_parallel, tp_spec, vocab_parallel_cross_entropy
+from fivefold.parallel.zero import ZeroDataParallel, ZeroSync
 
-IGNORE_INDEX = -100
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-@dataclass
-class Parallelized:
-    """What the trainer needs to know about a parallelized model."""
+@dataclass(frozen=True)
+class ModelParallel:
+    """What tensor, context and pipeline parallelism change for the loop: batch sharding, loss, norm weights."""
 
     vocab_size: int
     tp_group: dist.ProcessGroup | None = None
@@ -43,11 +65,6 @@ class Parallelized:
     cp_rank: int = 0
     pp_group: dist.ProcessGroup | None = None
     duplicates: frozenset[int] = frozenset()  # ids of parameters another pipeline stage also holds (tied head)
-
-    @property
-    def norm_groups(self) -> tuple[dist.ProcessGroup, ...]:
-        """Groups whose ranks hold the other parts of the model: the gradient norm is summed over them."""
-        return tuple(g for g in (self.tp_group, self.pp_group) if g is not None)
 
     def shard_sequence(self, inputs: torch.Tensor, labels: torch.Tensor):
         """This rank's (inputs, labels, positions) of a (batch, seq) micro-batch; positions None without CP."""
@@ -72,40 +89,126 @@ class Parallelized:
         """Weight of this rank's copy of `param` in the global norm: each value counts once over all ranks."""
         return 0.0 if id(param) in self.duplicates else 1.0 / self.replicas(param)
 
-    @torch.no_grad()
-    def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float) -> float:
-        """Global L2 gradient norm over the tensor-parallel and pipeline groups (each value counted once); clip."""
-        if not self.norm_groups:
-            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        pairs = [(p, p.grad) for p in params if p.grad is not None]
-        grads = [g for _, g in pairs]
-        local = sum(float(g.double().pow(2).sum()) * self.norm_weight(p) for p, g in pairs)
-        total = torch.tensor(local, dtype=torch.float64, device=self.device_of(params))
-        for group in self.norm_groups:
-            dist.all_reduce(total, group=group)
-        norm = float(total.sqrt())
-        if norm > max_norm:
-            for g in grads:
-                g.mul_(max_norm / (norm + 1e-6))
-        return norm
+    def grad_norm(self) -> GradNorm:
+        groups = tuple(g for g in (self.tp_group, self.pp_group) if g is not None)
+        return GradNorm(groups, self.norm_weight if groups or self.duplicates else None)
+
+    @property
+    def checkpoint_tp_rank(self) -> int | None:
+        return self.tp_rank if self.tp > 1 else None
 
 
-    @staticmethod
-    def device_of(params: list[nn.Parameter]) -> torch.device:
-        return params[0].device if params else torch.device("cpu")
+@dataclass(frozen=True)
+class Parallelized:
+    """This rank's part of the model with every fold applied, its gradient sync and its step function."""
+
+    model: Transformer
+    folds: ModelParallel
+    sync: GradientSync
+    step: SingleStageStep | PipelineStep
+    stage_split: tuple[tuple[int, ...], ...] | None  # blocks of every pipeline stage (None without pipelining)
+    layout: CheckpointLayout  # every rank's checkpoint pieces (gathered over TP and pipeline ranks)
+    local_layout: CheckpointLayout  # this rank's pieces
+    parameters: int  # Ψ on this rank: its tensor-parallel shard and pipeline stages, before ZeRO
+    dp_rank: int  # which slice of each global batch this rank takes
 
 
-def parallelize(model: nn.Module, mesh: Mesh | None, config: ParallelConfig) -> Parallelized:
-    """Apply tensor/sequence/context parallelism and recomputation in place; return how to use the result."""
-    result = Parallelized(vocab_size=model.config.vocab_size)
-    if config.tp > 1:
-        group = mesh.group("tp")
-        apply_tensor_parallel(model, group, config.sequence_parallel)
-        result.tp_group, result.tp_rank, result.tp = group, dist.get_rank(group), config.tp
-    if config.cp > 1:
-        layout = ContextParallelLayout.for_method(config.cp_method, config.cp, config.cp_heads)
-        groups = build_context_parallel_groups(mesh.rank_table("cp"), layout)
+def apply_model_parallel(model: Transformer, mesh: Mesh, par: ParallelConfig,
+                         stages: list[PipelineStage] | None = None) -> ModelParallel:
+    """Tensor/sequence parallelism, context parallelism and recomputation on a materialised model, in place."""
+    folds = {"vocab_size": model.config.vocab_size, "pp_group": mesh.group("pp")}
+    tp_group = mesh.group("tp")
+    if tp_group is not None:
+        apply_tensor_parallel(model, tp_group, par.sequence_parallel)
+        folds.update(tp_group=tp_group, tp_rank=dist.get_rank(tp_group), tp=par.tp)
+    if par.cp > 1:
+        layout = ContextParallelLayout.for_method(par.cp_method, par.cp, par.cp_heads)
+        groups = build_context_parallel_groups(mesh, layout)
         apply_context_parallel(model, groups)
-        result.cp_layout, result.cp_rank = layout, groups.cp_rank
-    apply_recompute(model, config.recompute)
-    return result
+        folds.update(cp_layout=layout, cp_rank=groups.cp_rank)
+    apply_recompute(model, par.recompute)
+    if stages is not None and holds_tied_copy(model, stages):
+        folds["duplicates"] = frozenset({id(model.tok_embeddings.weight)})
+    return ModelParallel(**folds)
+
+
+def apply_data_parallel(model: Transformer, mesh: Mesh, config: JobConfig, norm: GradNorm,
+                        tied_group: dist.ProcessGroup | None = None) -> GradientSync:
+    """The gradient sync for this run: a parameter-server worker, ZeRO, or DDP (FIFO or priority)."""
+    par, loss_group = config.parallel, mesh.group("dp_cp")
+    if par.dp_mode == "ps":
+        sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+        layout = ServerLayout.balance(sizes, mesh.dims.world_size, par.ps_servers)
+        return ParameterServerSync(model, ServerClient(model, layout), par.ps_sync, mesh.group("workers"))
+    reduce_dtype = DTYPES[par.reduce_dtype]
+    if par.zero_stage > 0:
+        zero = ZeroDataParallel(model, mesh.group("dp_shard_cp"), mesh.group("dp_replicate"), par.zero_stage,
+                                DTYPES[par.param_dtype], reduce_dtype, par.offload, norm_groups=norm.groups,
+                                norm_weight=norm.weight)
+        optimizer = build_adamw(zero.master_parameters(True), zero.master_parameters(False), config.optim)
+        device_mesh = mesh.device_mesh["dp_replicate", "dp_shard_cp"]
+        return ZeroSync(zero, optimizer, norm, device_mesh, tied_group, loss_group)
+    ddp = None
+    priority = par.comm_schedule == "priority"
+    if loss_group is not None:
+        # the priority schedule's thread outlives the step: it gets a group of its own
+        group = mesh.private_copy(loss_group) if priority else loss_group
+        reducer = build_reducer(group, par.allreduce_algorithm, par.compression, par.node_size,
+                                block=par.compression_block, topk_ratio=par.topk_ratio,
+                                powersgd_rank=par.powersgd_rank, seed=config.train.seed)
+        if priority:
+            ddp = PriorityDataParallel(model, group, par.bucket_mb, reduce_dtype, reducer, par.slice_mb)
+        else:
+            ddp = DataParallel(model, loss_group, par.bucket_mb, reduce_dtype, reducer)
+    sync_type = PrioritySync if priority and ddp is not None else DDPSync
+    return sync_type(model, build_optimizer(model, config.optim), ddp, norm, tied_group, loss_group)
+
+
+def build_step(model: Transformer, folds: ModelParallel, sync: GradientSync, mesh: Mesh, config: JobConfig,
+               stages: list[PipelineStage] | None, autocast: Callable) -> SingleStageStep | PipelineStep:
+    """The step function, chosen once: one stage, or this rank's pipeline schedule."""
+    dp_rank, dp = mesh.local_rank("dp"), mesh.dims.dp
+    if stages is None:
+        return SingleStageStep(model, folds.loss_sum, sync, autocast, dp_rank, dp, mesh.group("dp_cp"))
+    t, par = config.train, config.parallel
+    shape = PipelineShape(par.pp, t.grad_accum_steps, par.pp_virtual)
+    seq = t.seq_len // par.cp // (par.tp if par.sequence_parallel else 1)
+    dtype = next(model.parameters()).dtype  # the residual stream's dtype (autocast leaves it)
+    executor = PipelineExecutor(model, stages, shape, par.pp_schedule, mesh.group("pp"), folds.loss_sum,
+                                (t.micro_batch_size, seq, model.config.dim), dtype, next(model.parameters()).device,
+                                autocast)
+    return PipelineStep(executor, par.pp_schedule, sync, mesh.group("pp"), dp_rank, dp, mesh.group("dp_cp"))
+
+
+def gather_layout(local: CheckpointLayout, mesh: Mesh) -> CheckpointLayout:
+    """Every tensor-parallel piece and pipeline stage's groups (collective when the model is split)."""
+    if mesh.dims.tp == 1 and mesh.dims.pp == 1:
+        return local
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local.to_json())
+    merged = CheckpointLayout({})
+    for part in everyone:
+        merged = merged.merged(CheckpointLayout.from_json(part))
+    return merged
+
+
+def parallelize(model: Transformer, mesh: Mesh, config: JobConfig, device: torch.device,
+                autocast: Callable) -> Parallelized:
+    """Cut, materialise and parallelize a meta-device model; every rank calls this (it is collective)."""
+    par, t = config.parallel, config.train
+    split, stages = None, None
+    if par.pp > 1:  # keep only this rank's stages, before any memory is allocated
+        split = check_pipeline(model.config, par, t.seq_len, t.grad_accum_steps)
+        stages = stages_of_rank(split, par.pp, mesh.local_rank("pp"))
+        cut_model(model, stages)
+    model = materialize(model, device, seed=t.seed)
+    folds = apply_model_parallel(model, mesh, par, stages)
+    tied_group = None  # first and last pipeline stage, which both hold a tied embedding
+    if stages is not None and model.config.tie_embeddings:
+        tied_group = mesh.subgroup(tied_embedding_rows(mesh.rank_table("pp"), (len(split) - 1) % par.pp))
+    local = local_layout(model, folds.checkpoint_tp_rank)  # before ZeRO empties the parameters
+    parameters = sum(p.numel() for p in model.parameters())
+    sync = apply_data_parallel(model, mesh, config, folds.grad_norm(), tied_group)
+    step = build_step(model, folds, sync, mesh, config, stages, autocast)
+    return Parallelized(model, folds, sync, step, tuple(map(tuple, split)) if split else None,
+                        gather_layout(local, mesh), local, parameters, mesh.local_rank("dp"))

@@ -31,7 +31,10 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.config import OptimConfig
-from fivefold.train.optim import build_adamw, lr_at, set_lr
+from fivefold.errors import CheckpointError
+from fivefold.optim import build_adamw, lr_at, set_lr
+from fivefold.parallel.gradient_sync import GradientSync, GradNorm, whole_state
+from fivefold.plan.memory import ModelStateBytes
 
 PUSH, PULL = 1, 2
 SYNC_MODES = ("bsp", "asp", "ssp")
@@ -152,24 +155,92 @@ class ParameterServer:
 
 
 class ServerClient:
-    """A worker's side: push gradients to their servers, pull the new parameters back."""
+    """A worker's side: push gradients to their servers, pull the new parameters back.
+
+    `bytes_pushed` and `bytes_pulled` count the messages of the last push_pull as sent and received.
+    """
 
     def __init__(self, model: nn.Module, layout: ServerLayout):
         self.layout = layout
         params = [p for p in model.parameters() if p.requires_grad]
         self.shards = [[params[i] for i in layout.owned(s)] for s in range(layout.servers)]
-        self.bytes_pushed = sum(p.numel() * p.element_size() for p in params)  # per step: every gradient once
+        self.bytes_pushed = self.bytes_pulled = 0
 
     @torch.no_grad()
     def push_pull(self) -> None:
         """Send every server its parameters' gradients, then take their new values."""
-        sends = []
+        sends, outgoing = [], []
         for server, shard in enumerate(self.shards):
             grads = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in shard])
+            outgoing.append(grads)
             sends.append(dist.isend(grads, self.layout.server_rank(server), tag=PUSH))
         incoming = [torch.empty(sum(p.numel() for p in shard)) for shard in self.shards]
         receives = [dist.irecv(buf, self.layout.server_rank(s), tag=PULL) for s, buf in enumerate(incoming)]
         for work in sends + receives:
             work.wait()
+        self.bytes_pushed = sum(t.numel() * t.element_size() for t in outgoing)
+        self.bytes_pulled = sum(t.numel() * t.element_size() for t in incoming)
         for shard, buf in zip(self.shards, incoming):
             _unflat_into(buf, [p.data for p in shard])
+
+
+class ParameterServerSync(GradientSync):
+    """The worker side as a GradientSync: the step is a push of the gradients and a pull of new weights.
+
+    In bsp the servers clip by the global norm and the loss is token-weighted over all workers; in
+    asp and ssp each worker's gradient is the mean over its own tokens (no loss group) and the worker
+    clips it itself. Workers hold weights and gradients only: the optimizer lives on the servers.
+    """
+
+    kind = "ps"
+    reports_wire_bytes = True
+
+    def __init__(self, model: nn.Module, client: ServerClient, sync: str, workers_group: dist.ProcessGroup | None):
+        asynchronous = sync != "bsp"
+        super().__init__(model, GradNorm(), loss_group=None if asynchronous else workers_group)
+        self.client, self.asynchronous, self.sync = client, asynchronous, sync
+        self.optimizer = None
+
+    def _finish(self) -> None:
+        """Nothing to reduce here: the servers sum the workers' pushes."""
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        if not self.asynchronous:
+            return float("nan")  # the servers clip the summed gradient
+        return float(torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], max_norm))
+
+    def step(self, lr: float) -> None:
+        """Push, pull; the servers ran AdamW at their own schedule's learning rate."""
+        self.client.push_pull()
+        self.wire_bytes = self.client.bytes_pushed
+
+    def after_step(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+    def describe(self) -> str:
+        return f"parameter server ({self.sync}), {self.client.layout.servers} server(s), {self.client.layout.workers} workers"
+
+    def expected_model_states(self, parameters: int) -> ModelStateBytes:
+        return ModelStateBytes(4 * parameters, 4 * parameters, 0)  # AdamW lives on the servers
+
+    def model_state_tensors(self) -> tuple[list, list, list]:
+        params = list(self.model.parameters())
+        return params, [p.grad for p in params], []
+
+    def state_dict(self, tp_rank: int | None, fresh: bool = False) -> dict[str, torch.Tensor]:
+        return whole_state(self.model, None, tp_rank)  # weights; the servers' moments are not saved
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], tp_rank: int | None) -> None:
+        raise CheckpointError("resuming a parameter-server run is not supported: the servers' optimizer states are "
+                              "not in checkpoints; resume with dp_mode = ddp or start a new train.output_dir")
+
+    def load_pieces(self, pieces: dict[str, dict[str, torch.Tensor]]) -> None:
+        self.load_state_dict({}, None)
+
+
+def serve(model: nn.Module, layout: ServerLayout, index: int, optim: OptimConfig, total_steps: int, sync: str,
+          staleness: int, max_grad_norm: float, server_group: dist.ProcessGroup | None) -> list[tuple[int, list[int]]]:
+    """A server rank's whole life: hold its shard of `model`, answer every push and pull; returns the clock log."""
+    return ParameterServer(model, layout, index, optim, total_steps, sync, staleness, max_grad_norm,
+                           server_group).serve()

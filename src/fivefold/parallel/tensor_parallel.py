@@ -41,6 +41,8 @@ from fivefold.model.config import ModelConfig
 from fivefold.model.llama import RMSNorm
 from fivefold.parallel.collectives import all_gather_flat, conjugate_function, reduce_scatter_flat
 
+IGNORE_INDEX = -100  # label of positions that carry no target token (PyTorch's cross-entropy default)
+
 
 SEQ_DIM = 1  # activations are (batch, seq, hidden)
 
@@ -277,7 +279,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, group,
-                                 ignore_index: int = -100) -> torch.Tensor:
+                                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Per-token losses (flattened) from this rank's slice of the padded vocabulary."""
     start = dist.get_rank(group) * logits.shape[-1]
     return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), labels.flatten(), start, vocab_size, group,

@@ -36,9 +36,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fivefold.errors import ConfigError
+from fivefold.optim import set_lr
+from fivefold.parallel.checkpoint_layout import MOMENTS, ShardKey
 from fivefold.parallel.collectives import all_gather_flat, reduce_scatter_flat
-from fivefold.parallel.data_parallel import GradientSync, broadcast_module
+from fivefold.parallel.data_parallel import SkipOnAccumulation, broadcast_module
 from fivefold.parallel.flat_groups import GroupLayout, flat_group_layout, units
+from fivefold.parallel.gradient_sync import GradientSync, GradNorm, step_tensor
+from fivefold.plan.memory import ModelStateBytes, zero_model_states
 
 
 @dataclass
@@ -75,7 +82,7 @@ def _make_group(layout: GroupLayout, params: list[nn.Parameter], shards: int) ->
                      layout.decay, layout.unit, layout)
 
 
-class ZeroDataParallel(GradientSync):
+class ZeroDataParallel(SkipOnAccumulation):
     """Apply ZeRO stage 1, 2 or 3 to a model, from outside (the model's names and modules are kept)."""
 
     def __init__(
@@ -91,7 +98,7 @@ class ZeroDataParallel(GradientSync):
         norm_weight: Callable[[nn.Parameter], float] | None = None,
     ):
         if stage not in (1, 2, 3):
-            raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
+            raise ConfigError(f"parallel.zero_stage = {stage}: ZeRO stages are 1, 2 or 3")
         self.model, self.stage = model, stage
         self.reduces_every_micro_step = stage >= 2  # stage 1 keeps whole gradients and reduces once
         self.shard_group, self.replicate_group = shard_group, replicate_group
@@ -332,3 +339,106 @@ class ZeroDataParallel(GradientSync):
         if self.stage == 1:
             for g in self.groups:
                 g.flat_grad.zero_()
+
+
+class ZeroSync(GradientSync):
+    """ZeRO as a GradientSync: AdamW over this rank's fp32 master shards; checkpoints written shard by shard.
+
+    Checkpoint tensors are DTensors over (dp_replicate, dp_shard x cp) wrapping this rank's unpadded
+    shard of every flat group, so DCP writes the shards in parallel with no gather and reads back
+    whatever another layout's shards cover.
+    """
+
+    kind = "zero"
+    collective_checkpoint = True
+
+    def __init__(self, zero: ZeroDataParallel, optimizer: torch.optim.Optimizer, norm: GradNorm, device_mesh,
+                 tied_group: dist.ProcessGroup | None = None, loss_group: dist.ProcessGroup | None = None):
+        super().__init__(zero.model, norm, tied_group, loss_group)
+        self.zero, self.optimizer, self.device_mesh = zero, optimizer, device_mesh
+        self.reduces_every_micro_step = zero.stage >= 2
+        self.gathers_in_forward = zero.stage == 3
+
+    def no_sync(self):
+        return self.zero.no_sync()
+
+    def _finish(self) -> None:
+        self.zero.finish_gradient_sync()
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        return self.zero.clip_grad_norm_(max_norm)
+
+    def step(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+        self.zero.prepare_step()
+        self.optimizer.step()
+
+    def after_step(self) -> None:
+        self.zero.after_step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.zero.param_dtype != torch.float32
+
+    def describe(self) -> str:
+        z = self.zero
+        return (f"ZeRO-{z.stage} over {z.shards} ranks, {len(z.groups)} flat groups"
+                f"{', bf16 weights + fp32 masters' if self.mixed_precision else ''}{', offloaded to CPU' if z.offload else ''}")
+
+    def expected_model_states(self, parameters: int) -> ModelStateBytes:
+        return zero_model_states(parameters, self.zero.stage, self.zero.shards, self.mixed_precision)
+
+    def model_state_tensors(self) -> tuple[list, list, list]:
+        z = self.zero
+        params = [g.flat for g in z.groups] + [g.local for g in z.groups] + list(self.model.parameters())
+        grads = [g.flat_grad for g in z.groups] + [g.grad_shard for g in z.groups]
+        masters = [p for group in self.optimizer.param_groups for p in group["params"]]
+        transient = {id(p.grad) for p in masters}  # the fp32 gradient copy handed to the optimizer
+        states = [t for state in self.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+        return params, grads, [t for t in [*states, *masters] if id(t) not in transient]
+
+    def state_dict(self, tp_rank: int | None, fresh: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's unpadded shard of every group as DTensors; with `fresh`, zero buffers for DCP to load into."""
+        z, out = self.zero, {}
+        for g in z.groups:
+            lo, hi = z.owned_range(g)
+            n = hi - lo
+            state = self.optimizer.state.get(g.master, {})
+            key = ShardKey(g.layout.key, tp_rank)
+            locals_ = {"model": g.master.detach()[:n]}
+            for moment in MOMENTS:
+                locals_[moment] = state[moment][:n] if moment in state else torch.zeros(n)
+            for kind, local in locals_.items():
+                local = torch.zeros(n, dtype=torch.float32, device=z.device) if fresh else local.to(z.device)
+                out[key.tensor(kind)] = DTensor.from_local(local, self.device_mesh, [Replicate(), Shard(0)],
+                                                           run_check=False, shape=(g.numel,), stride=(1,))
+            out[key.tensor("step")] = step_tensor(0.0 if fresh else float(state.get("step", 0.0)))
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor], tp_rank: int | None) -> None:
+        for g in self.zero.groups:
+            key = ShardKey(g.layout.key, tp_rank)
+            self._set_shard(g, {kind: state[key.tensor(kind)].to_local() for kind in ("model", *MOMENTS)},
+                            state[key.tensor("step")])
+        self.zero.publish_masters()
+
+    @torch.no_grad()
+    def load_pieces(self, pieces: dict[str, dict[str, torch.Tensor]]) -> None:
+        for g in self.zero.groups:
+            lo, hi = self.zero.owned_range(g)
+            piece = pieces[g.layout.key]
+            self._set_shard(g, {kind: piece[kind][lo:hi] for kind in ("model", *MOMENTS)}, piece["step"])
+        self.zero.publish_masters()
+
+    def _set_shard(self, g: FlatGroup, values: dict[str, torch.Tensor], step: torch.Tensor) -> None:
+        n = values["model"].numel()
+
+        def padded(value: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros_like(g.master)
+            out[:n] = value.to(out.device)
+            return out
+
+        g.master.copy_(padded(values["model"]))
+        self.optimizer.state[g.master] = {"step": step_tensor(step), **{m: padded(values[m]) for m in MOMENTS}}

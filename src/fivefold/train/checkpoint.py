@@ -37,12 +37,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.errors import CheckpointError
-from fivefold.train.train_state import (
-    checkpoint_layout,
-    consolidated_shapes,
-    read_consolidated_weights,
-    write_training_state,
-)
+from fivefold.parallel.checkpoint_layout import CheckpointLayout, local_layout
+from fivefold.train.train_state import read_consolidated_weights, write_training_state
 
 FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -90,7 +86,7 @@ def _start_checkpoint(output_dir: Path, step: int) -> Path:
 def save_checkpoint(
     output_dir: Path,
     training_state: dict[str, torch.Tensor],
-    layout: dict[str, dict],
+    layout: CheckpointLayout,
     state: TrainerState,
     config: dict[str, Any],
     tokenizer,
@@ -117,7 +113,7 @@ def save_checkpoint(
     if distributed:
         dist.barrier(group=group)  # every rank's shard is on disk
     if coordinator:
-        (tmp / "layout.json").write_text(json.dumps(layout, indent=1))
+        (tmp / "layout.json").write_text(json.dumps(layout.to_json(), indent=1))
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
@@ -200,54 +196,42 @@ def load_config_dict(folder: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def load_layout(folder: Path) -> dict[str, dict]:
+def load_layout(folder: Path) -> CheckpointLayout:
     path = Path(folder) / "layout.json"
     if not path.is_file():
         raise CheckpointError(f"{folder} has no layout.json: not a complete fivefold checkpoint")
     check_format(Path(folder))
-    return json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}): the checkpoint is damaged") from exc
+    return CheckpointLayout.from_json(data)
 
 
-def _tp_degree(layout: dict[str, dict]) -> int:
-    ranks = {key.split("/", 1)[0] for key in layout if key.startswith("tp")}
-    return max(len(ranks), 1)
+def check_layout(folder: Path, saved: CheckpointLayout, expected: CheckpointLayout) -> None:
+    """Refuse a checkpoint whose whole parameters (names, unsplit shapes) differ from this run's model.
 
-
-def _check_shapes(folder: Path, saved: dict[str, dict], expected: dict[str, dict]) -> None:
-    """Refuse a checkpoint whose whole parameters (names, unsplit shapes) differ from the model's."""
-    saved_shapes, model_shapes = consolidated_shapes(saved), consolidated_shapes(expected)
+    Any tensor-parallel or pipeline degree can be read (train_state.restore_training_state reshards);
+    only a different model cannot. The message names both layouts.
+    """
+    saved_shapes, model_shapes = saved.full_shapes(), expected.full_shapes()
     if saved_shapes == model_shapes:
         return
     missing = sorted(set(model_shapes) - set(saved_shapes))
     unexpected = sorted(set(saved_shapes) - set(model_shapes))
     shapes = sorted(n for n in set(saved_shapes) & set(model_shapes) if saved_shapes[n] != model_shapes[n])
     raise CheckpointError(
-        f"checkpoint {folder} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+        f"checkpoint {folder} ({saved.describe()}) does not match this run's model ({expected.describe()}): "
+        f"missing {missing[:5]}, unexpected {unexpected[:5]}, "
         f"different shapes {[(n, saved_shapes[n], model_shapes[n]) for n in shapes[:3]]}; "
         "the model config differs from the one it was saved with"
-    )
-
-
-def check_layout(folder: Path, expected: dict[str, dict]) -> None:
-    """Refuse a checkpoint whose parameters (names, full shapes) or tensor-parallel split differ from this run's.
-
-    `expected` is this run's layout (train_state.checkpoint_layout, gathered over the TP group).
-    """
-    saved = load_layout(folder)
-    if saved == expected:
-        return
-    _check_shapes(folder, saved, expected)
-    raise CheckpointError(
-        f"checkpoint {folder} was saved with parallel.tp = {_tp_degree(saved)}, this run has parallel.tp = "
-        f"{_tp_degree(expected)}: resume with the same tp (any data-parallel layout works), or consolidate it "
-        "with `fivefold convert` and start from the weights"
     )
 
 
 def load_model_weights(folder: Path, model: nn.Module) -> None:
     """Consolidated weights into a whole model, from a checkpoint saved under any layout (TP pieces joined)."""
     layout = load_layout(folder)
-    _check_shapes(folder, layout, checkpoint_layout(model))
+    check_layout(folder, layout, local_layout(model, None))
     model.load_state_dict(read_consolidated_weights(Path(folder), layout), strict=False)
 
 

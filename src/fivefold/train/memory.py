@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 import torch
-from torch import nn
 
 from fivefold.plan.memory import ModelStateBytes
 
@@ -30,21 +29,15 @@ def _unique_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
     return total
 
 
-def measure_model_states(model: nn.Module, optimizer: torch.optim.Optimizer, zero=None) -> ModelStateBytes:
-    """(parameters, gradients, optimizer states) bytes held by this rank right after an optimizer step."""
+def measure_model_states(sync) -> ModelStateBytes:
+    """(parameters, gradients, optimizer states) bytes held by this rank right after an optimizer step.
+
+    The tensors come from the gradient sync (`GradientSync.model_state_tensors`); each storage is
+    counted once, in that order.
+    """
     seen: set[int] = set()
-    if zero is None:
-        params = _unique_bytes(model.parameters(), seen)
-        grads = _unique_bytes((p.grad for p in model.parameters()), seen)
-    else:
-        weights = [g.flat for g in zero.groups] + [g.local for g in zero.groups]
-        params = _unique_bytes([*weights, *model.parameters()], seen)
-        grads = _unique_bytes([*(g.flat_grad for g in zero.groups), *(g.grad_shard for g in zero.groups)], seen)
-    transient = {id(p.grad) for group in optimizer.param_groups for p in group["params"] if zero is not None}
-    states = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    masters = [p for group in optimizer.param_groups for p in group["params"]]
-    optimizer_bytes = _unique_bytes([t for t in [*states, *masters] if id(t) not in transient], seen)
-    return ModelStateBytes(params, grads, optimizer_bytes)
+    params, grads, optimizer = sync.model_state_tensors()
+    return ModelStateBytes(_unique_bytes(params, seen), _unique_bytes(grads, seen), _unique_bytes(optimizer, seen))
 
 
 def saved_activation_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:

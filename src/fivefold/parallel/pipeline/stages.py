@@ -195,17 +195,10 @@ def holds_tied_copy(model: Transformer, stages: list[PipelineStage]) -> bool:
     return model.output is None and model.tok_embeddings is not None and not any(s.is_first for s in stages)
 
 
-def build_tied_embedding_group(pp_rank_table: torch.Tensor, own_rank: int, last_rank: int):
-    """The group of this rank's first and last pipeline ranks, which both hold the tied embedding.
+def tied_embedding_rows(pp_rank_table: torch.Tensor, last_rank: int) -> list[list[int]]:
+    """For every pipeline group, its first and last pipeline ranks, which both hold the tied embedding.
 
-    `pp_rank_table` has one row per pipeline group (Mesh.rank_table("pp")); every rank creates every
-    row's group, in the same order, as torch.distributed requires, and keeps the one it belongs to.
+    `pp_rank_table` has one row per pipeline group (Mesh.rank_table("pp")); the mesh creates a group
+    per row (Megatron-LM's embedding group).
     """
-    import torch.distributed as dist
-
-    mine = None
-    for row in pp_rank_table.tolist():
-        group = dist.new_group([row[0], row[last_rank]])
-        if own_rank in (row[0], row[last_rank]):
-            mine = group
-    return mine
+    return [[row[0], row[last_rank]] for row in pp_rank_table.tolist()]

@@ -1,0 +1,189 @@
+"""The gradient-sync interface: how gradients become an optimizer step across data-parallel ranks.
+
+Every data-parallel scheme implements `GradientSync`: our DDP (parallel/data_parallel.py, every
+reducer and codec, FIFO or priority scheduling), ZeRO-1/2/3 with offload (parallel/zero.py) and
+the parameter server's worker side (parallel/parameter_server.py). The training loop calls it
+at fixed points and never asks which one it has (as Megatron-Core's DDP/optimizer pair and
+torchtitan's FSDP/DDP wrappers are driven):
+
+    with sync.no_sync(): backward      accumulation micro-steps: no communication
+    backward                           the last micro-step: hooks launch the reduction
+    sync.finish()                      sum tied copies across pipeline stages, wait for the reduction
+    sync.clip_grad_norm_(max_norm)     global L2 norm over every rank holding a part of the model
+    sync.step(lr)                      optimizer step
+    sync.after_step()                  publish updated weights (ZeRO's all-gather), drop gradients
+    sync.flush()                       apply deferred updates (before evaluation, saving, the end)
+
+and, for reporting and checkpoints, `model_state_tensors()` (what the rank holds), `state_dict()`
+and `load_pieces()` (the checkpoint's tensors, keyed by parallel/checkpoint_layout.py).
+
+The gradient norm counts every value once over all ranks: the squares of a rank's gradient are
+weighted by 1 / (ranks holding that value), summed over the data-parallel shards (ZeRO) and over
+the groups holding the other parts (tensor-parallel pieces, pipeline stages).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fivefold.optim import set_lr
+from fivefold.parallel.checkpoint_layout import MOMENTS, ShardKey
+from fivefold.parallel.flat_groups import flat_group_layout, flatten, unflatten
+from fivefold.plan.memory import ModelStateBytes
+
+
+@dataclass(frozen=True)
+class GradNorm:
+    """Where the other parts of the model live, and how much each local value counts in the norm."""
+
+    groups: tuple[dist.ProcessGroup, ...] = ()  # tensor-parallel and pipeline groups
+    weight: Callable[[nn.Parameter], float] | None = None  # None: every value counts once
+
+    def of(self, param: nn.Parameter) -> float:
+        return 1.0 if self.weight is None else self.weight(param)
+
+    def total(self, local_squares: float, device: torch.device, extra: tuple = ()) -> float:
+        """sqrt of the squares summed over `extra` groups (ZeRO's shards) and the model-part groups."""
+        total = torch.tensor(local_squares, dtype=torch.float64, device=device)
+        for group in (*extra, *self.groups):
+            if group is not None:
+                dist.all_reduce(total, group=group)
+        return float(total.sqrt())
+
+
+def clip_(grads: list[torch.Tensor], norm: float, max_norm: float) -> None:
+    if norm > max_norm:
+        for g in grads:
+            g.mul_(max_norm / (norm + 1e-6))
+
+
+def step_tensor(value: float) -> torch.Tensor:
+    """AdamW's step count as torch.optim keeps it (a float32 CPU scalar unless capturable/fused)."""
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+class GradientSync(abc.ABC):
+    """One data-parallel scheme, attached to this rank's model part."""
+
+    reduces_every_micro_step = False  # ZeRO-2/3 reduce-scatter each micro-step to keep only shards
+    gathers_in_forward = False  # ZeRO-3: every rank must run each forward (evaluation, generation)
+    kind = "sync"
+    reports_wire_bytes = False  # whether wire_bytes counts this scheme's gradient traffic
+    collective_checkpoint = False  # True: every rank holds only its shard, so loading is collective
+    _sync = True
+
+    def __init__(self, model: nn.Module, norm: GradNorm, tied_group: dist.ProcessGroup | None = None,
+                 loss_group: dist.ProcessGroup | None = None):
+        self.model, self.norm, self.tied_group = model, norm, tied_group
+        self.loss_group = loss_group  # ranks whose tokens one gradient is normalised over
+        self.wire_bytes = 0  # bytes this rank sent for the last step's gradients
+        self.overlap = None  # an OverlapMeter where reductions run on a communication thread
+        self.optimizer: torch.optim.Optimizer
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulation micro-steps: no communication, unless the scheme must reduce every micro-step."""
+        self._sync = self.reduces_every_micro_step
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """After the last backward: sum a tied embedding's two stage copies, then finish the reduction."""
+        if self.tied_group is not None:
+            weight = self.model.tok_embeddings.weight
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            dist.all_reduce(weight.grad, group=self.tied_group)
+        self._finish()
+
+    @abc.abstractmethod
+    def _finish(self) -> None: ...
+
+    @abc.abstractmethod
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Global L2 gradient norm (each value counted once over all ranks); scale to max_norm if above."""
+
+    def step(self, lr: float) -> None:
+        """One optimizer step at learning rate `lr` (every model state exists afterwards: measure here)."""
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+
+    def after_step(self) -> None:
+        """Drop gradients; bring updated weights where the next forward reads them."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def flush(self) -> None:
+        """Apply any deferred update now (evaluation, checkpoints and the end of training call this)."""
+
+    def describe(self) -> str:
+        return self.kind
+
+    @abc.abstractmethod
+    def model_state_tensors(self) -> tuple[list, list, list]:
+        """(parameters, gradients, optimizer states) tensors this rank holds, for byte counting."""
+
+    def expected_model_states(self, parameters: int) -> ModelStateBytes:
+        """The ZeRO paper's formula for this scheme, for `parameters` on this rank (before padding)."""
+        from fivefold.plan.memory import zero_model_states
+
+        return zero_model_states(parameters, 0, 1, False)
+
+    @abc.abstractmethod
+    def state_dict(self, tp_rank: int | None) -> dict[str, torch.Tensor]:
+        """This rank's part of the checkpoint (DCP state dict; keys from ShardKey)."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict[str, torch.Tensor], tp_rank: int | None) -> None:
+        """Take the tensors DCP loaded into a `state_dict(...)`-shaped dict."""
+
+    @abc.abstractmethod
+    def load_pieces(self, pieces: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Take whole flat groups of this rank's model part: group key -> {kind: unpadded flat tensor}."""
+
+    def remove(self) -> None:
+        """Detach hooks and threads."""
+
+
+# ------------------------------------------------- whole tensors on every rank (DDP, PS worker, one process)
+def whole_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, tp_rank: int | None) -> dict[str, torch.Tensor]:
+    """Every flat group of the model whole: weights, AdamW moments (zero without an optimizer) and step."""
+    params = dict(model.named_parameters())
+    out = {}
+    for group in flat_group_layout(model):
+        members = [params[name] for name in group.names]
+        states = [optimizer.state.get(p, {}) if optimizer is not None else {} for p in members]
+        key = ShardKey(group.key, tp_rank)
+        out[key.tensor("model")] = flatten(members)
+        for moment in MOMENTS:
+            out[key.tensor(moment)] = flatten([s.get(moment, torch.zeros_like(p)) for s, p in zip(states, members)])
+        out[key.tensor("step")] = step_tensor(max((float(s["step"]) for s in states if "step" in s), default=0.0))
+    return out
+
+
+@torch.no_grad()
+def load_whole_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, pieces: dict[str, dict[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters())
+    for group in flat_group_layout(model):
+        piece = pieces[group.key]
+        moments = {m: unflatten(group, piece[m]) for m in MOMENTS}
+        for name, value in unflatten(group, piece["model"]).items():
+            param = params[name]
+            param.copy_(value)
+            optimizer.state[param] = {"step": step_tensor(piece["step"]),
+                                      **{m: moments[m][name].to(param.device, param.dtype).clone() for m in MOMENTS}}
+
+
+def pieces_of_state(model: nn.Module, state: dict[str, torch.Tensor], tp_rank: int | None) -> dict[str, dict[str, torch.Tensor]]:
+    """A whole-tensor state dict regrouped as group key -> {kind: tensor}."""
+    return {g.key: {kind: state[ShardKey(g.key, tp_rank).tensor(kind)] for kind in ("model", *MOMENTS, "step")}
+            for g in flat_group_layout(model)}
