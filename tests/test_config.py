@@ -4,6 +4,8 @@ import pytest
 
 from fivefold.config import config_from_dict, load_config, parse_overrides
 from fivefold.errors import ConfigError
+from fivefold.parallel.mesh import dims_for
+from fivefold.parallel.validate import check_config
 
 
 def write(tmp_path, text):
@@ -40,29 +42,52 @@ def test_preset_from_command_line():
         (["--train.seq_len", "4096"], r"train.seq_len = 4096 exceeds model.max_seq_len = 1024"),
         (["--logging.plot", "maybe"], r"logging.plot = 'maybe': expected bool"),
         (["--train.steps"], r"has no value"),
-        (["--parallel.cp_method", "rng"], r"parallel.cp_method = 'rng' is not one of ring, ulysses, 2d"),
-        (["--parallel.cp", "3"], r"parallel.cp = 3 \(ring\) cuts train.seq_len = 256 .*multiple of 2 x cp"),
-        (["--parallel.cp", "4", "--parallel.cp_method", "2d", "--parallel.cp_heads", "3"],
-         r"parallel.cp_heads = 3 must divide parallel.cp = 4"),
-        (["--parallel.cp", "16", "--parallel.cp_method", "ulysses"], r"query heads per tensor-parallel rank"),
+        (["--context_parallel.method", "rng"], r"context_parallel.method = 'rng' is not one of ring, ulysses, 2d"),
+        (["--context_parallel.degree", "3"], r"context_parallel.degree = 3 \(ring\) cuts train.seq_len = 256 .*multiple of 2 x cp"),
+        (["--context_parallel.degree", "4", "--context_parallel.method", "2d", "--context_parallel.heads", "3"],
+         r"context_parallel.heads = 3 must divide context_parallel.degree = 4"),
+        (["--context_parallel.degree", "16", "--context_parallel.method", "ulysses"], r"query heads per tensor-parallel rank"),
         (["steps=3"], r"overrides look like --section.key VALUE"),
-        (["--parallel.allreduce_algorithm", "rign"], r"parallel.allreduce_algorithm = 'rign' is not one of native, ring.*did you mean 'ring'"),
-        (["--parallel.compression", "int4"], r"parallel.compression = 'int4' is not one of none, int8"),
-        (["--parallel.compression", "int8", "--parallel.zero_stage", "1", "--parallel.dp_shard", "2"],
-         r"drive the DDP gradient buckets.*set zero_stage = 0"),
-        (["--parallel.compression_block", "100"], r"parallel.compression_block = 100: must be a positive multiple of 8"),
-        (["--parallel.topk_ratio", "0"], r"parallel.topk_ratio = 0.0: must be in \(0, 1\]"),
-        (["--parallel.comm_schedule", "priority"], r"clipping by the global norm \(train.max_grad_norm = 1.0\).*set train.max_grad_norm = 0"),
-        (["--parallel.comm_schedule", "priority", "--parallel.compression", "sign", "--train.max_grad_norm", "0"],
-         r"comm_schedule = priority re-orders DDP's dense bucket all-reduces"),
-        (["--parallel.dp_mode", "ps", "--parallel.tp", "2"], r"dp_mode = ps keeps whole models on the workers: set parallel.tp"),
-        (["--parallel.ps_sync", "bssp"], r"parallel.ps_sync = 'bssp' is not one of bsp, asp, ssp"),
-        (["--parallel.ps_staleness", "-1"], r"parallel.ps_staleness = -1: must be >= 0"),
+        (["--gradient_comm.allreduce_algorithm", "rign"], r"gradient_comm.allreduce_algorithm = 'rign' is not one of native, ring.*did you mean 'ring'"),
+        (["--gradient_comm.compression", "int4"], r"gradient_comm.compression = 'int4' is not one of none, int8"),
+        (["--gradient_comm.compression", "int8", "--data_parallel.zero_stage", "1", "--data_parallel.shard", "2"],
+         r"drive DDP's gradient buckets.*set zero_stage = 0"),
+        (["--gradient_comm.compression_block", "100"], r"gradient_comm.compression_block = 100: must be a positive multiple of 8"),
+        (["--gradient_comm.topk_ratio", "0"], r"gradient_comm.topk_ratio = 0.0: must be in \(0, 1\]"),
+        (["--gradient_comm.schedule", "priority"], r"clipping by the global norm \(train.max_grad_norm = 1.0\).*set train.max_grad_norm = 0"),
+        (["--gradient_comm.schedule", "priority", "--gradient_comm.compression", "sign", "--train.max_grad_norm", "0"],
+         r"gradient_comm.schedule = priority re-orders DDP's dense bucket all-reduces"),
+        (["--data_parallel.mode", "ps", "--tensor_parallel.degree", "2"], r"data_parallel.mode = ps keeps whole models on the workers: set tensor_parallel.degree"),
+        (["--data_parallel.mode", "ps", "--parameter_server.sync", "bssp"], r"parameter_server.sync = 'bssp' is not one of bsp, asp, ssp"),
+        # keys of the flat [parallel] section of earlier versions name their new place
+        (["--parallel.tp", "2"], r"parallel.tp in command-line overrides was renamed: use tensor_parallel.degree"),
+        (["--parallel.comm_schedule", "priority"], r"was renamed: use gradient_comm.schedule"),
+        (["--parallel.nonsense", "1"], r"the \[parallel\] settings now live in .*\[tensor_parallel\]"),
+        # a key in the wrong section suggests the section that has it
+        (["--train.lr", "0.1"], r"unknown key train.lr .*did you mean 'optim.lr'\?"),
+        (["--optim.steps", "3"], r"did you mean 'train.steps'\?"),
+        # a setting the mode would ignore is an error, never silence
+        (["--gradient_comm.bucket_mb", "5", "--data_parallel.zero_stage", "2", "--data_parallel.shard", "2"],
+         r"gradient_comm.bucket_mb drive DDP's gradient buckets"),
+        (["--data_parallel.mode", "ps", "--gradient_comm.reduce_dtype", "bf16"], r"gradient_comm.reduce_dtype shape DDP's"),
+        (["--parameter_server.servers", "2"], r"parameter_server.servers only apply with data_parallel.mode = ps"),
+        (["--gradient_comm.slice_mb", "0.5"], r"slice_mb sizes the priority schedule's slices"),
+        (["--gradient_comm.bucket_mb", "nan"], r"gradient_comm.bucket_mb = nan: must be positive"),
+        (["--train.recompute", "some"], r"train.recompute = 'some' is not one of none, full, selective"),
+        (["--parameter_server.staleness", "-1"], r"parameter_server.staleness = -1: must be >= 0"),
     ],
 )
 def test_bad_input_names_the_setting(args, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, args)
+        check_config(load_config(None, args))
+
+
+def test_configs_saved_with_the_flat_parallel_section_still_load():
+    """Checkpoints written before the split keep working: their [parallel] keys are translated."""
+    saved = {"parallel": {"tp": 2, "sequence_parallel": True, "comm_schedule": "fifo", "recompute": "full", "dp_shard": 1}}
+    config = config_from_dict(saved)
+    assert config.tensor_parallel.degree == 2 and config.tensor_parallel.sequence_parallel
+    assert config.train.recompute == "full" and config.gradient_comm.schedule == "fifo"
 
 
 def test_bad_toml(tmp_path):
@@ -104,7 +129,7 @@ def test_configuration_reference_is_current():
 
 
 def test_parameter_servers_leave_workers():
-    config = load_config(None, ["--parallel.dp_mode", "ps", "--parallel.ps_servers", "2"])
-    assert config.parallel.dims(5).dp == 3
-    with pytest.raises(ConfigError, match="parallel.ps_servers = 2 leaves no worker among 2 ranks"):
-        config.parallel.dims(2)
+    config = load_config(None, ["--data_parallel.mode", "ps", "--parameter_server.servers", "2"])
+    assert dims_for(config, 5).dp == 3
+    with pytest.raises(ConfigError, match="parameter_server.servers = 2 leaves no worker among 2 ranks"):
+        dims_for(config, 2)

@@ -75,7 +75,7 @@ def test_explicit_split_and_its_errors():
 
 
 def test_too_many_stages_is_an_error_naming_the_settings():
-    with pytest.raises(ConfigError, match="parallel.pp x parallel.pp_virtual.*model.n_layers = 2"):
+    with pytest.raises(ConfigError, match="pipeline_parallel.degree x pipeline_parallel.virtual.*model.n_layers = 2"):
         plan_stages(micro_model(), 32, 4)
 
 
@@ -111,34 +111,36 @@ def test_stages_run_the_same_function_as_the_model():
 
 
 def test_pipeline_settings_are_checked_before_any_work(tmp_path):
-    def load(*overrides):
-        return load_config(None, ["--model.n_layers", "4", *overrides])
+    from fivefold.parallel.validate import check_config
 
-    with pytest.raises(ConfigError, match="pp_virtual >= 2"):
-        load("--parallel.pp", "2", "--parallel.pp_schedule", "interleaved")
+    def load(*overrides):
+        return check_config(load_config(None, ["--model.n_layers", "4", *overrides]))
+
+    with pytest.raises(ConfigError, match="pipeline_parallel.virtual >= 2"):
+        load("--pipeline_parallel.degree", "2", "--pipeline_parallel.schedule", "interleaved")
     with pytest.raises(ConfigError, match="multiple of pp"):
-        load("--parallel.pp", "2", "--parallel.pp_schedule", "interleaved", "--parallel.pp_virtual", "2",
+        load("--pipeline_parallel.degree", "2", "--pipeline_parallel.schedule", "interleaved", "--pipeline_parallel.virtual", "2",
              "--train.grad_accum_steps", "3")
     with pytest.raises(ConfigError, match="ZeRO-2/3"):
-        load("--parallel.pp", "2", "--parallel.zero_stage", "2", "--parallel.dp_shard", "2")
-    with pytest.raises(ConfigError, match="set parallel.pp > 1"):
-        load("--parallel.pp_virtual", "2")
+        load("--pipeline_parallel.degree", "2", "--data_parallel.zero_stage", "2", "--data_parallel.shard", "2")
+    with pytest.raises(ConfigError, match="set pipeline_parallel.degree > 1"):
+        load("--pipeline_parallel.virtual", "2")
     with pytest.raises(ConfigError, match="model.n_layers = 4"):
-        load("--parallel.pp", "8")
+        load("--pipeline_parallel.degree", "8")
     with pytest.raises(ConfigError, match="expected int"):
-        load("--parallel.pp", "2", "--parallel.pp_layers_per_stage", "2,x")
-    assert load("--parallel.pp", "2", "--parallel.pp_layers_per_stage", "1,3").parallel.pp_layers_per_stage == [1, 3]
+        load("--pipeline_parallel.degree", "2", "--pipeline_parallel.layers_per_stage", "2,x")
+    assert load("--pipeline_parallel.degree", "2", "--pipeline_parallel.layers_per_stage", "1,3").pipeline_parallel.layers_per_stage == [1, 3]
 
 
 def test_the_run_config_drives_the_split():
-    """parallel.pp_layers_per_stage and parallel.pp_balance reach the split the trainer uses (check_pipeline)."""
+    """pipeline_parallel.layers_per_stage and pipeline_parallel.balance reach the split the trainer uses (check_pipeline)."""
     from fivefold.parallel.pipeline.stages import check_pipeline
 
     def split(*overrides):
-        config = load_config(None, ["--model.n_layers", "4", "--model.vocab_size", "4096", "--parallel.pp", "2",
+        config = load_config(None, ["--model.n_layers", "4", "--model.vocab_size", "4096", "--pipeline_parallel.degree", "2",
                                     *overrides])
-        return check_pipeline(config.model, config.parallel, config.train.seq_len, config.train.grad_accum_steps)
+        return check_pipeline(config.model, config.pipeline_parallel, config.train.seq_len, config.train.grad_accum_steps)
 
-    assert split("--parallel.pp_layers_per_stage", "1,3") == [[0], [1, 2, 3]]
+    assert split("--pipeline_parallel.layers_per_stage", "1,3") == [[0], [1, 2, 3]]
     # a 4096-token vocabulary: by parameters embedding and head weigh the same, by FLOPs only the head counts
-    assert split("--parallel.pp_balance", "params") != split("--parallel.pp_balance", "flops")
+    assert split("--pipeline_parallel.balance", "params") != split("--pipeline_parallel.balance", "flops")

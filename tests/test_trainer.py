@@ -9,6 +9,7 @@ import torch
 
 from fivefold.config import OptimConfig
 from fivefold.plan.flops import flops_per_token
+from fivefold.train.memory import saved_activation_bytes
 from fivefold.train.metrics import lookup_gpu_peak_tflops, peak_tflops
 from fivefold.optim import lr_at
 from fivefold.train.trainer import IGNORE_INDEX, Trainer
@@ -136,12 +137,21 @@ def test_peak_flops_table_and_sources():
     assert measured > 0 and "measured" in source
 
 
+def _saved_bytes(trainer) -> int:
+    """Bytes autograd keeps for backward during one training forward of the trainer's model."""
+    inputs, labels, _ = trainer.micro_batches(0)[0]
+    return saved_activation_bytes(lambda: trainer.model(inputs), exclude=list(trainer.model.parameters()))
+
+
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_recompute_gives_the_same_training(job, tmp_path, mode):
-    """Recomputation only changes what is kept for backward, not the result."""
+def test_recompute_gives_the_same_training_and_keeps_less(job, tmp_path, mode):
+    """Recomputation changes what is kept for backward (fewer bytes: a no-op would fail), not the result."""
     job.checkpoint = dataclasses.replace(job.checkpoint, every=0)
-    reference = Trainer(job).fit()
-    again = dataclasses.replace(job, train=dataclasses.replace(job.train, output_dir=str(tmp_path / mode)),
-                                parallel=dataclasses.replace(job.parallel, recompute=mode))
-    result = Trainer(again).fit()
-    assert result.losses == pytest.approx(reference.losses, rel=1e-6)
+    plain = Trainer(job)
+    again = dataclasses.replace(job, train=dataclasses.replace(job.train, output_dir=str(tmp_path / mode), recompute=mode))
+    recomputed = Trainer(again)
+    kept, plain_kept = _saved_bytes(recomputed), _saved_bytes(plain)
+    assert kept < plain_kept, f"{mode} recompute keeps {kept} B, no recompute {plain_kept} B"
+    if mode == "full":  # each block keeps only its input
+        assert kept < plain_kept / 3
+    assert recomputed.fit().losses == pytest.approx(plain.fit().losses, rel=1e-6)

@@ -22,6 +22,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     import os
 
     from fivefold.config import load_config
+    from fivefold.parallel.mesh import dims_for
+    from fivefold.parallel.validate import check_config
     from fivefold.train.roles import run
 
     if args.resume is not None:
@@ -30,7 +32,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
         from fivefold.train.launch import launch
 
-        config.parallel.dims(args.nproc_per_node)  # fail here, before starting any rank
+        check_config(config)  # fail here, before starting any rank
+        dims_for(config, args.nproc_per_node)
         forwarded = ([f"--config={args.config}"] if args.config else []) + overrides
         return launch(args.nproc_per_node, forwarded)
     run(config)

@@ -20,13 +20,13 @@ MODES = ("none", "selective", "full")
 
 
 def _measure(tp: int, sp: bool, recompute: str, mesh=None) -> int:
-    from fivefold.config import ParallelConfig
+    from fivefold.config import TensorParallelConfig
     from fivefold.parallel.mesh import Mesh
     from fivefold.parallel.parallelize import apply_model_parallel
     from fivefold.train.memory import saved_activation_bytes
 
     model = materialize(build_model(MODEL), "cpu", seed=0)
-    apply_model_parallel(model, mesh or Mesh.single(), ParallelConfig(tp=tp, sequence_parallel=sp, recompute=recompute))
+    apply_model_parallel(model, mesh or Mesh.single(), TensorParallelConfig(tp, sp), recompute=recompute)
     block = model.layers["0"]
     seq = SEQ // tp if sp else SEQ
     x = torch.randn(BATCH, seq, MODEL.dim).requires_grad_()

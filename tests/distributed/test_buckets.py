@@ -1,4 +1,4 @@
-"""DDP buckets: size from parallel.bucket_mb, reverse registration order, every parameter exactly once."""
+"""DDP buckets: size from gradient_comm.bucket_mb, reverse registration order, every parameter exactly once."""
 
 import torch
 from torch import nn
@@ -26,6 +26,6 @@ def _bucket_counts(rank, world_size, configs):
 
 
 def test_bucket_mb_reaches_the_trainer(job, tmp_path):
-    configs = [with_changes(job, parallel={"bucket_mb": mb}, train={"output_dir": str(tmp_path / str(mb))}) for mb in (25.0, 0.01)]
+    configs = [with_changes(job, gradient_comm={"bucket_mb": mb}, train={"output_dir": str(tmp_path / str(mb))}) for mb in (25.0, 0.01)]
     counts = run_distributed(_bucket_counts, 2, configs)[0]
     assert counts[0] == 1 and counts[1] > 5

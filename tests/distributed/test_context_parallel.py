@@ -80,7 +80,7 @@ def test_shards_cover_the_sequence_once_and_balance_causal_work():
 
 
 def test_each_method_has_its_own_grid_and_sharding():
-    """parallel.cp_method and parallel.cp_heads pick the (ring, heads) grid parallelize() builds."""
+    """context_parallel.method and context_parallel.heads pick the (ring, heads) grid parallelize() builds."""
     assert ContextParallelLayout.for_method("ring", 4, 2) == ContextParallelLayout(ring=4, heads=1)
     assert ContextParallelLayout.for_method("ulysses", 4, 2) == ContextParallelLayout(ring=1, heads=4)
     assert ContextParallelLayout.for_method("2d", 4, 2) == ContextParallelLayout(ring=2, heads=2)

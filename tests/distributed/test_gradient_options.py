@@ -38,7 +38,7 @@ def two_steps(job, tmp_path):
 
 
 def test_hand_written_algorithm_and_node_size_are_used(two_steps):
-    config = with_changes(two_steps, parallel={"allreduce_algorithm": "hierarchical", "node_size": 2, "bucket_mb": 0.05})
+    config = with_changes(two_steps, gradient_comm={"allreduce_algorithm": "hierarchical", "node_size": 2, "bucket_mb": 0.05})
     facts = run_distributed(_facts, 4, config)[0]
     assert facts["reducer"] == "AlgorithmReducer" and facts["node_size"] == 2
     assert facts["choices"] and set(facts["choices"].values()) == {"hierarchical"}
@@ -47,13 +47,13 @@ def test_hand_written_algorithm_and_node_size_are_used(two_steps):
 def test_codec_settings_reach_the_codec(two_steps):
     for codec, option, value, attribute in (("topk", "topk_ratio", 0.05, "ratio"), ("sign", "compression_block", 64, "block"),
                                             ("powersgd", "powersgd_rank", 3, "rank")):
-        facts = run_distributed(_facts, 2, with_changes(two_steps, parallel={"compression": codec, option: value}))[0]
+        facts = run_distributed(_facts, 2, with_changes(two_steps, gradient_comm={"compression": codec, option: value}))[0]
         assert facts[attribute] == value, codec
         assert 0 < facts["wire"] < facts["bytes"], codec  # fewer bytes than an fp32 all-reduce at p = 2 sends
 
 
 def test_priority_schedule_is_used(two_steps):
     config = with_changes(two_steps, train={"max_grad_norm": 0.0},
-                          parallel={"comm_schedule": "priority", "bucket_mb": 0.05, "slice_mb": 0.01})
+                          gradient_comm={"schedule": "priority", "bucket_mb": 0.05, "slice_mb": 0.01})
     facts = run_distributed(_facts, 2, config)[0]
     assert facts["ddp"] == "PriorityDataParallel" and facts["orders"] == 2 and facts["slices"] > 10

@@ -32,7 +32,7 @@ def test_train_with_two_ranks_through_torchrun(tmp_path, corpus_dir):
 
 
 def test_bad_parallel_config_fails_before_launch(tmp_path):
-    out = run_cli(["train", "--nproc-per-node", "2", "--parallel.dp_replicate", "3"], tmp_path, timeout=60)
+    out = run_cli(["train", "--nproc-per-node", "2", "--data_parallel.replicate", "3"], tmp_path, timeout=60)
     assert out.returncode == 2
     assert "dp_replicate 3" in out.stderr and "world size is 2" in out.stderr
 

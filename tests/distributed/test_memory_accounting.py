@@ -25,8 +25,8 @@ def _measure(rank, world_size, configs):
 def _configs(job, tmp_path, world_size):
     configs = []
     for stage, dtype, offload in VARIANTS:
-        parallel = {"zero_stage": stage, "dp_shard": world_size if stage else 1, "param_dtype": dtype, "offload": offload}
-        configs.append(with_changes(job, parallel=parallel, checkpoint={"enabled": False},
+        data_parallel = {"zero_stage": stage, "shard": world_size if stage else 1, "param_dtype": dtype, "offload": offload}
+        configs.append(with_changes(job, data_parallel=data_parallel, checkpoint={"enabled": False},
                                     train={"eval_every": 0, "output_dir": str(tmp_path / f"{stage}{dtype}{offload}")}))
     return configs
 

@@ -56,7 +56,7 @@ def test_executor_runs_the_schedule_and_writes_a_trace(job, tmp_path, schedule, 
     pp, m = 2, 4
     config = with_changes(job, model={"n_layers": 4}, train={"steps": 2, "log_every": 1, "micro_batch_size": 2,
                                                              "grad_accum_steps": m, "eval_every": 0},
-                          parallel={"pp": pp, "pp_schedule": schedule, "pp_virtual": virtual},
+                          pipeline_parallel={"degree": pp, "schedule": schedule, "virtual": virtual},
                           logging={"pipeline_trace": True}, checkpoint={"enabled": False})
     results = run_distributed(_traced_run, pp, config, timeout=120)
     shape = PipelineShape(pp, m, virtual)
@@ -97,7 +97,6 @@ def test_pipeline_evaluation_matches_one_process(job, pp, virtual, tied):
     config = with_changes(job, model={"n_layers": 4, "tie_embeddings": tied}, train={"eval_batches": 3})
     expected = Trainer(config).evaluate()
     pipelined = with_changes(config, train={"grad_accum_steps": 4},
-                             parallel={"pp": pp, "pp_virtual": virtual,
-                                       "pp_schedule": "interleaved" if virtual > 1 else "1f1b"})
+                             pipeline_parallel={"degree": pp, "virtual": virtual, "schedule": "interleaved" if virtual > 1 else "1f1b"})
     losses = run_distributed(_evaluate, pp, pipelined, timeout=120)
     assert all(loss == pytest.approx(expected, rel=1e-6) for loss in losses)

@@ -1,6 +1,6 @@
 """DDP whose buckets are summed by a hand-written all-reduce reproduces single-process training.
 
-Every algorithm of `parallel.allreduce_algorithm` at 4 ranks (hierarchical as 2 pretend nodes of
+Every algorithm of `gradient_comm.allreduce_algorithm` at 4 ranks (hierarchical as 2 pretend nodes of
 2), small buckets so several go through the communication thread while backward runs, with
 gradient accumulation (same tolerances as DDP); and `auto` at 3 ranks (not a power of two).
 """
@@ -15,7 +15,7 @@ ALGORITHMS = ["ring", "halving_doubling", "rabenseifner", "butterfly", "tree", "
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_hand_written_all_reduce_matches_single_process(base, reference, tmp_path, algorithm):
     run = with_changes(base, train={"micro_batch_size": 1, "grad_accum_steps": 2, "output_dir": str(tmp_path / algorithm)},
-                       parallel={"allreduce_algorithm": algorithm, "bucket_mb": 0.05, "node_size": 2})
+                       gradient_comm={"allreduce_algorithm": algorithm, "bucket_mb": 0.05, "node_size": 2})
     diffs = assert_parity(reference, train_distributed(run, 4))
     print(f"{algorithm} x4: {diffs}")
 
@@ -28,7 +28,7 @@ def test_auto_all_reduce_at_three_ranks_matches_native_ddp(job, tmp_path):
     DDP at 3 ranks; auto stays within 2e-7 of it.
     """
     base = with_changes(job, train={"micro_batch_size": 2, "steps": 3, "eval_every": 3, "output_dir": str(tmp_path / "native")},
-                        checkpoint={"every": 0}, parallel={"bucket_mb": 0.05})
+                        checkpoint={"every": 0}, gradient_comm={"bucket_mb": 0.05})
     native = train_distributed(base, 3)
-    auto = with_changes(base, train={"output_dir": str(tmp_path / "auto")}, parallel={"allreduce_algorithm": "auto"})
+    auto = with_changes(base, train={"output_dir": str(tmp_path / "auto")}, gradient_comm={"allreduce_algorithm": "auto"})
     assert_parity(native, train_distributed(auto, 3), param_atol=1e-6)

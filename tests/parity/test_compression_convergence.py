@@ -19,7 +19,7 @@ MOST_BYTES = {"int8": 0.3, "topk": 0.15, "sign": 0.05, "powersgd": 0.15}  # frac
 
 def _run(base, tmp_path, codec):
     run = with_changes(base, train={"output_dir": str(tmp_path / codec)},
-                       parallel={"compression": codec, "topk_ratio": 0.05, "powersgd_rank": 2})
+                       gradient_comm={"compression": codec, "topk_ratio": 0.05, "powersgd_rank": 2})
     losses, _ = train_distributed(run, 2)
     records = [json.loads(line) for line in (tmp_path / codec / "metrics.jsonl").read_text().splitlines()]
     val = [r["val_loss"] for r in records if "val_loss" in r][-1]

@@ -12,32 +12,33 @@ from parity.harness import CP_PARAM_ATOL, TP_PARAM_ATOL, assert_parity, train_di
 
 
 CASES = {
-    "ring-cp2": {"cp": 2, "cp_method": "ring"},
-    "ring-cp4-selective": {"cp": 4, "cp_method": "ring", "recompute": "selective"},
-    "ulysses-cp2-full": {"cp": 2, "cp_method": "ulysses", "recompute": "full"},
-    "ulysses-cp4": {"cp": 4, "cp_method": "ulysses"},
-    "2d-2x2": {"cp": 4, "cp_method": "2d", "cp_heads": 2},
+    "ring-cp2": ({"degree": 2, "method": "ring"}, "none"),
+    "ring-cp4-selective": ({"degree": 4, "method": "ring"}, "selective"),
+    "ulysses-cp2-full": ({"degree": 2, "method": "ulysses"}, "full"),
+    "ulysses-cp4": ({"degree": 4, "method": "ulysses"}, "none"),
+    "2d-2x2": ({"degree": 4, "method": "2d", "heads": 2}, "none"),
 }
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_context_parallel_matches_single_process(base, reference, tmp_path, name):
-    parallel = CASES[name]
-    config = with_changes(base, train={"output_dir": str(tmp_path / name)}, parallel=parallel)
-    diffs = assert_parity(reference, train_distributed(config, parallel["cp"]), param_atol=CP_PARAM_ATOL)
+    context, recompute = CASES[name]
+    config = with_changes(base, train={"output_dir": str(tmp_path / name), "recompute": recompute},
+                          context_parallel=context)
+    diffs = assert_parity(reference, train_distributed(config, context["degree"]), param_atol=CP_PARAM_ATOL)
     print(f"{name}: {diffs}")
 
 
 def test_dp2_x_cp2_with_zero3(base, reference, tmp_path):
     config = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "dp2cp2")},
-                          parallel={"cp": 2, "dp_shard": 2, "zero_stage": 3})
+                          context_parallel={"degree": 2}, data_parallel={"shard": 2, "zero_stage": 3})
     diffs = assert_parity(reference, train_distributed(config, 4), param_atol=CP_PARAM_ATOL)
     print(f"dp2 x cp2 ring zero3: {diffs}")
 
 
 def test_tp2_x_cp2_with_sequence_parallel(base, reference, tmp_path):
     config = with_changes(base, train={"output_dir": str(tmp_path / "tp2cp2")},
-                          parallel={"cp": 2, "cp_method": "ulysses", "tp": 2, "sequence_parallel": True})
+                          context_parallel={"degree": 2, "method": "ulysses"}, tensor_parallel={"degree": 2, "sequence_parallel": True})
     diffs = assert_parity(reference, train_distributed(config, 4), param_atol=TP_PARAM_ATOL)
     print(f"tp2 x cp2 ulysses sp: {diffs}")
 
@@ -46,6 +47,6 @@ def test_tp2_x_cp2_with_sequence_parallel(base, reference, tmp_path):
 def test_dp2_x_cp2_x_tp2_with_zero2(base, reference, tmp_path):
     """dp x cp x tp on 8 ranks: ring attention, sequence parallelism, ZeRO-2 sharded over dp_shard x cp."""
     config = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "dp2cp2tp2")},
-                          parallel={"cp": 2, "tp": 2, "dp_shard": 2, "zero_stage": 2, "sequence_parallel": True})
+                          context_parallel={"degree": 2}, tensor_parallel={"degree": 2, "sequence_parallel": True}, data_parallel={"shard": 2, "zero_stage": 2})
     diffs = assert_parity(reference, train_distributed(config, 8, timeout=240), param_atol=TP_PARAM_ATOL)
     print(f"dp2 x cp2 x tp2 ring zero2 sp: {diffs}")

@@ -17,13 +17,13 @@ def test_ddp_with_accumulation_and_small_buckets(base, tmp_path):
     """2 ranks x micro 2 x accum 2; 0.01 MiB buckets force many buckets launched in order."""
     reference = train_single(base)
     ddp = with_changes(base, train={"micro_batch_size": 2, "grad_accum_steps": 2, "output_dir": str(tmp_path / "acc")},
-                       parallel={"bucket_mb": 0.01})
+                       gradient_comm={"bucket_mb": 0.01})
     assert_parity(reference, train_distributed(ddp, 2))
 
 
 def test_bf16_gradient_reduction_is_close_but_not_exact(base, tmp_path):
     reference = train_single(base)
-    ddp = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "bf16")}, parallel={"reduce_dtype": "bf16"})
+    ddp = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "bf16")}, gradient_comm={"reduce_dtype": "bf16"})
     result = train_distributed(ddp, 2)
     assert_parity(reference, result, loss_rtol=1e-2, param_atol=1e-2)
     with pytest.raises(AssertionError):
@@ -35,7 +35,7 @@ def test_bf16_gradient_reduction_is_close_but_not_exact(base, tmp_path):
 def test_zero_matches_single_process(base, tmp_path, stage, world_size):
     reference = train_single(base)
     zero = with_changes(base, train={"micro_batch_size": 8 // world_size, "output_dir": str(tmp_path / f"z{stage}-{world_size}")},
-                        parallel={"dp_shard": world_size, "zero_stage": stage})
+                        data_parallel={"shard": world_size, "zero_stage": stage})
     diffs = assert_parity(reference, train_distributed(zero, world_size))
     print(f"ZeRO-{stage} x{world_size}: {diffs}")
 
@@ -43,7 +43,7 @@ def test_zero_matches_single_process(base, tmp_path, stage, world_size):
 def test_hybrid_dp_replicate_2_x_dp_shard_2_zero3_with_accumulation(base, tmp_path):
     reference = train_single(base)
     hybrid = with_changes(base, train={"micro_batch_size": 1, "grad_accum_steps": 2, "output_dir": str(tmp_path / "hsdp")},
-                          parallel={"dp_replicate": 2, "dp_shard": 2, "zero_stage": 3})
+                          data_parallel={"replicate": 2, "shard": 2, "zero_stage": 3})
     assert_parity(reference, train_distributed(hybrid, 4))
 
 
@@ -51,14 +51,14 @@ def test_hybrid_dp_replicate_2_x_dp_shard_2_zero3_with_accumulation(base, tmp_pa
 def test_zero_with_accumulation(base, tmp_path, stage):
     reference = train_single(base)
     zero = with_changes(base, train={"micro_batch_size": 2, "grad_accum_steps": 2, "output_dir": str(tmp_path / f"acc{stage}")},
-                        parallel={"dp_shard": 2, "zero_stage": stage})
+                        data_parallel={"shard": 2, "zero_stage": stage})
     assert_parity(reference, train_distributed(zero, 2))
 
 
 def test_zero3_cpu_offload(base, tmp_path):
     reference = train_single(base)
     zero = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "offload")},
-                        parallel={"dp_shard": 2, "zero_stage": 3, "offload": True})
+                        data_parallel={"shard": 2, "zero_stage": 3, "offload": True})
     assert_parity(reference, train_distributed(zero, 2))
 
 
@@ -66,7 +66,7 @@ def test_bf16_mixed_precision_zero2(base, tmp_path):
     """bf16 compute weights, fp32 masters: close to fp32 training (looser tolerance), not identical."""
     reference = train_single(base)
     zero = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "bf16")},
-                        parallel={"dp_shard": 2, "zero_stage": 2, "param_dtype": "bf16"})
+                        data_parallel={"shard": 2, "zero_stage": 2, "param_dtype": "bf16"})
     result = train_distributed(zero, 2)
     assert_parity(reference, result, loss_rtol=2e-2, param_atol=2e-2)
     with pytest.raises(AssertionError):
@@ -82,7 +82,7 @@ def test_convert_zero3_checkpoint_to_hugging_face(base, tmp_path):
     from fivefold.model.hf import load_hf
 
     config = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "z3")},
-                          parallel={"dp_shard": 2, "zero_stage": 3})
+                          data_parallel={"shard": 2, "zero_stage": 3})
     _, weights = train_distributed(config, 2)
     assert main(["convert", "--checkpoint", str(tmp_path / "z3"), "--to", str(tmp_path / "hf")]) == 0
     converted = load_hf(tmp_path / "hf").state_dict()

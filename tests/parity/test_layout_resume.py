@@ -16,8 +16,9 @@ def _train(config, world_size):
     return train_single(config) if world_size == 1 else train_distributed(config, world_size)
 
 
-def _world(parallel: dict) -> int:
-    return parallel.get("tp", 1) * parallel.get("pp", 1) * parallel.get("dp_shard", 1)
+def _world(sections: dict) -> int:
+    degree = {name: sections.get(name, {}).get("degree", 1) for name in ("tensor_parallel", "pipeline_parallel")}
+    return degree["tensor_parallel"] * degree["pipeline_parallel"] * sections.get("data_parallel", {}).get("shard", 1)
 
 
 def _save_then_resume(base, tmp_path, saved: dict, resumed: dict, train: dict | None = None,
@@ -25,10 +26,10 @@ def _save_then_resume(base, tmp_path, saved: dict, resumed: dict, train: dict | 
     """(uninterrupted losses and weights, resumed run's losses prefixed with the saved run's first two)."""
     train = train or {}
     resumed_train = resumed_train or train
-    first = with_changes(base, train={**train, "output_dir": str(tmp_path / "saved")}, parallel=saved,
+    first = with_changes(base, train={**train, "output_dir": str(tmp_path / "saved")}, **saved,
                          checkpoint={"every": 2, "keep_last": 2})
     straight = _train(first, _world(saved))
-    again = with_changes(base, train={**resumed_train, "output_dir": str(tmp_path / "resumed")}, parallel=resumed,
+    again = with_changes(base, train={**resumed_train, "output_dir": str(tmp_path / "resumed")}, **resumed,
                          checkpoint={"resume": str(tmp_path / "saved" / "step-000002")})
     losses, weights = _train(again, _world(resumed))
     return straight, (straight[0][:2] + losses, weights)
@@ -36,14 +37,16 @@ def _save_then_resume(base, tmp_path, saved: dict, resumed: dict, train: dict | 
 
 @pytest.mark.parametrize("saved,resumed", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
 def test_resume_at_another_tensor_parallel_degree(base, tmp_path, saved, resumed):
-    straight, result = _save_then_resume(base, tmp_path, {"tp": saved}, {"tp": resumed})
+    straight, result = _save_then_resume(base, tmp_path, {"tensor_parallel": {"degree": saved}},
+                                         {"tensor_parallel": {"degree": resumed}})
     diffs = assert_parity(straight, result, param_atol=TP_PARAM_ATOL)
     print(f"tp {saved} -> {resumed}: {diffs}")
 
 
 def test_resume_at_another_tensor_parallel_degree_under_zero(base, tmp_path):
     """tp 2 saved without ZeRO resumes at tp 1 with ZeRO-2 over 2 ranks: the pieces are cut, then sharded."""
-    straight, result = _save_then_resume(base, tmp_path, {"tp": 2}, {"dp_shard": 2, "zero_stage": 2},
+    straight, result = _save_then_resume(base, tmp_path, {"tensor_parallel": {"degree": 2}},
+                                         {"data_parallel": {"shard": 2, "zero_stage": 2}},
                                          resumed_train={"micro_batch_size": 4})
     diffs = assert_parity(straight, result, param_atol=TP_PARAM_ATOL)
     print(f"tp 2 -> ZeRO-2 x 2: {diffs}")
@@ -52,7 +55,8 @@ def test_resume_at_another_tensor_parallel_degree_under_zero(base, tmp_path):
 @pytest.mark.parametrize("saved,resumed", [(2, 1), (1, 2)], ids=["pp2-to-pp1", "pp1-to-pp2"])
 def test_resume_at_another_pipeline_degree(base, tmp_path, saved, resumed):
     """4 micro-batches of 2 per step, so every pipeline degree accumulates the same batches."""
-    straight, result = _save_then_resume(base, tmp_path, {"pp": saved}, {"pp": resumed},
+    straight, result = _save_then_resume(base, tmp_path, {"pipeline_parallel": {"degree": saved}},
+                                         {"pipeline_parallel": {"degree": resumed}},
                                          train={"micro_batch_size": 2, "grad_accum_steps": 4})
     diffs = assert_parity(straight, result, param_atol=PARAM_ATOL)
     print(f"pp {saved} -> {resumed}: {diffs}")

@@ -1,4 +1,4 @@
-"""Parameter-server data parallelism (parallel.dp_mode = ps).
+"""Parameter-server data parallelism (data_parallel.mode = ps).
 
 BSP must reproduce DDP (and so single-process training): the servers sum every worker's push,
 clip by the global norm and step once, which is DDP's update. SSP must never let a worker run
@@ -8,6 +8,7 @@ must still train the micro model (their gradients are stale, so not equal to DDP
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -37,17 +38,22 @@ def _run_ps(config, world_size):
 def test_bsp_matches_ddp(base, reference, tmp_path, servers):
     """2 workers (+ 1 or 2 servers) against single-process training, DDP's tolerances."""
     run = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / f"bsp{servers}")},
-                       parallel={"dp_mode": "ps", "ps_servers": servers, "ps_sync": "bsp"})
+                       data_parallel={"mode": "ps"}, parameter_server={"servers": servers, "sync": "bsp"})
     workers, _ = _run_ps(run, 2 + servers)
     assert workers[0]["losses"] == workers[1]["losses"]
-    diffs = assert_parity(reference, (workers[0]["losses"], _weights(Path(workers[0]["checkpoint"]))))
+    weights = _weights(Path(workers[0]["checkpoint"]))
+    diffs = assert_parity(reference, (workers[0]["losses"], weights))
     print(f"BSP, 2 workers, {servers} server(s): {diffs}")
+    # wire_bytes is counted from the pushed messages: every fp32 gradient once per step, whatever the servers
+    logged = [json.loads(line) for line in (tmp_path / f"bsp{servers}" / "metrics.jsonl").read_text().splitlines()]
+    pushed = {r["wire_bytes"] for r in logged if "wire_bytes" in r}
+    assert pushed == {4 * sum(w.numel() for w in weights.values())}
 
 
 def test_bsp_matches_ddp_at_the_same_layout(base, tmp_path):
     ddp = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "ddp")})
     reference = train_distributed(ddp, 2)
-    run = with_changes(ddp, train={"output_dir": str(tmp_path / "bsp")}, parallel={"dp_mode": "ps"})
+    run = with_changes(ddp, train={"output_dir": str(tmp_path / "bsp")}, data_parallel={"mode": "ps"})
     workers, _ = _run_ps(run, 3)
     assert_parity(reference, (workers[0]["losses"], _weights(Path(workers[0]["checkpoint"]))))
 
@@ -55,8 +61,7 @@ def test_bsp_matches_ddp_at_the_same_layout(base, tmp_path):
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_ssp_never_exceeds_its_staleness_bound(job, tmp_path, staleness):
     run = with_changes(job, train={"micro_batch_size": 2, "steps": 12, "eval_every": 12, "output_dir": str(tmp_path / "ssp")},
-                       checkpoint={"every": 0}, parallel={"dp_mode": "ps", "ps_servers": 2, "ps_sync": "ssp",
-                                                          "ps_staleness": staleness})
+                       checkpoint={"every": 0}, data_parallel={"mode": "ps"}, parameter_server={"servers": 2, "sync": "ssp", "staleness": staleness})
     workers, servers = _run_ps(run, 5)  # 3 workers, 2 servers
     answered = 0
     for server in servers:
@@ -74,7 +79,7 @@ def test_asynchronous_modes_converge(job, tmp_path, sync):
     base = with_changes(job, train={"micro_batch_size": 4, "steps": 30, "eval_every": 30, "output_dir": str(tmp_path / "ddp")},
                         checkpoint={"every": 0})
     ddp = run_distributed(_ps_rank, 2, base)[0]
-    run = with_changes(base, train={"output_dir": str(tmp_path / sync)}, parallel={"dp_mode": "ps", "ps_sync": sync})
+    run = with_changes(base, train={"output_dir": str(tmp_path / sync)}, data_parallel={"mode": "ps"}, parameter_server={"sync": sync})
     workers, _ = _run_ps(run, 3)
     print(f"{sync}: validation {workers[0]['val']:.3f} vs DDP {ddp['val']:.3f}")
     assert workers[0]["losses"][-1] < workers[0]["losses"][0] - 1.0

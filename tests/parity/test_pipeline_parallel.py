@@ -28,9 +28,10 @@ def deep_reference(deep):
     return train_single(deep)
 
 
-def _pipelined(config, tmp_path, name, microbatches, **parallel):
+def _pipelined(config, tmp_path, name, microbatches, pp, schedule="1f1b", virtual=1, **sections):
     return with_changes(config, train={"micro_batch_size": 8 // microbatches, "grad_accum_steps": microbatches,
-                                       "output_dir": str(tmp_path / name)}, parallel=parallel)
+                                       "output_dir": str(tmp_path / name)},
+                        pipeline_parallel={"degree": pp, "schedule": schedule, "virtual": virtual}, **sections)
 
 
 @pytest.mark.parametrize("pp,schedule,virtual", [
@@ -38,7 +39,7 @@ def _pipelined(config, tmp_path, name, microbatches, **parallel):
     (4, "gpipe", 1), (4, "1f1b", 1), (4, "interleaved", 2), (4, "zb-h1", 1),
 ])
 def test_pipeline_matches_single_process(deep, deep_reference, tmp_path, pp, schedule, virtual):
-    config = _pipelined(deep, tmp_path, f"pp{pp}-{schedule}", 4, pp=pp, pp_schedule=schedule, pp_virtual=virtual)
+    config = _pipelined(deep, tmp_path, f"pp{pp}-{schedule}", 4, pp=pp, schedule=schedule, virtual=virtual)
     diffs = assert_parity(deep_reference, train_distributed(config, pp))
     print(f"pp {pp} {schedule} v{virtual}: {diffs}")
 
@@ -51,42 +52,44 @@ def tied(deep, tmp_path):
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_tied_embeddings_across_first_and_last_stage(tied, tmp_path, schedule):
     """The last stage's copy of the embedding (the head) and the first stage's get the summed gradient."""
-    config = _pipelined(tied, tmp_path, f"tied-{schedule}", 4, pp=2, pp_schedule=schedule)
+    config = _pipelined(tied, tmp_path, f"tied-{schedule}", 4, pp=2, schedule=schedule)
     diffs = assert_parity(train_single(tied), train_distributed(config, 2))
     print(f"pp 2 {schedule} tied: {diffs}")
 
 
 def test_pp2_x_dp2_with_zero1_and_tied_embeddings(tied, tmp_path):
     config = with_changes(tied, train={"micro_batch_size": 2, "grad_accum_steps": 2, "output_dir": str(tmp_path / "pp-dp")},
-                          parallel={"pp": 2, "dp_shard": 2, "zero_stage": 1, "pp_schedule": "1f1b"})
+                          pipeline_parallel={"degree": 2, "schedule": "1f1b"}, data_parallel={"shard": 2, "zero_stage": 1})
     diffs = assert_parity(train_single(tied), train_distributed(config, 4))
     print(f"pp2 x dp2 zero1 tied: {diffs}")
 
 
 def test_pp2_x_dp2_ddp_interleaved(deep, deep_reference, tmp_path):
     config = with_changes(deep, train={"micro_batch_size": 2, "grad_accum_steps": 2, "output_dir": str(tmp_path / "pp-ddp")},
-                          parallel={"pp": 2, "pp_schedule": "interleaved", "pp_virtual": 2})
+                          pipeline_parallel={"degree": 2, "schedule": "interleaved", "virtual": 2})
     diffs = assert_parity(deep_reference, train_distributed(config, 4))
     print(f"pp2 x dp2 ddp interleaved: {diffs}")
 
 
 def test_pp2_x_tp2_sequence_parallel_zero_bubble(deep, deep_reference, tmp_path):
-    config = _pipelined(deep, tmp_path, "pp-tp", 4, pp=2, tp=2, sequence_parallel=True, pp_schedule="zb-h1")
+    config = _pipelined(deep, tmp_path, "pp-tp", 4, pp=2, schedule="zb-h1",
+                        tensor_parallel={"degree": 2, "sequence_parallel": True})
     diffs = assert_parity(deep_reference, train_distributed(config, 4), param_atol=TP_PARAM_ATOL)
     print(f"pp2 x tp2 sp zb-h1: {diffs}")
 
 
 def test_pp2_x_cp2_ring(deep, deep_reference, tmp_path):
-    config = _pipelined(deep, tmp_path, "pp-cp", 4, pp=2, cp=2, pp_schedule="1f1b")
+    config = _pipelined(deep, tmp_path, "pp-cp", 4, pp=2, schedule="1f1b", context_parallel={"degree": 2})
     diffs = assert_parity(deep_reference, train_distributed(config, 4), param_atol=CP_PARAM_ATOL)
     print(f"pp2 x cp2 ring: {diffs}")
 
 
 @pytest.mark.slow
 def test_pp2_x_tp2_x_dp2_eight_ranks(deep, deep_reference, tmp_path):
-    config = with_changes(deep, train={"micro_batch_size": 2, "grad_accum_steps": 2, "output_dir": str(tmp_path / "pp-tp-dp")},
-                          parallel={"pp": 2, "tp": 2, "dp_shard": 2, "zero_stage": 1, "pp_schedule": "1f1b",
-                                    "recompute": "selective"})
+    config = with_changes(deep, train={"micro_batch_size": 2, "grad_accum_steps": 2, "output_dir": str(tmp_path / "pp-tp-dp"),
+                                       "recompute": "selective"},
+                          pipeline_parallel={"degree": 2, "schedule": "1f1b"}, tensor_parallel={"degree": 2},
+                          data_parallel={"shard": 2, "zero_stage": 1})
     diffs = assert_parity(deep_reference, train_distributed(config, 8, timeout=300), param_atol=TP_PARAM_ATOL)
     print(f"pp2 x tp2 x dp2 zero1 selective: {diffs}")
 
@@ -99,17 +102,17 @@ def test_pipeline_resume_is_exact_and_reshards_to_other_depths(tied, tmp_path):
     """
     from parity.test_resharding import _assert_resume_is_exact
 
-    config = with_changes(_pipelined(tied, tmp_path, "straight", 4, pp=2, pp_schedule="zb-h1"),
+    config = with_changes(_pipelined(tied, tmp_path, "straight", 4, pp=2, schedule="zb-h1"),
                           checkpoint={"every": 2, "keep_last": 2})
     _, straight = _assert_resume_is_exact(config, tmp_path)
     midpoint = tmp_path / "straight" / "step-000002"
 
-    def resume(name, world_size, **parallel):
-        resumed = with_changes(tied, train={"output_dir": str(tmp_path / name)}, parallel=parallel,
+    def resume(name, world_size, **pipeline_parallel):
+        resumed = with_changes(tied, train={"output_dir": str(tmp_path / name)}, pipeline_parallel=pipeline_parallel,
                                checkpoint={"resume": str(midpoint)})
         losses, weights = train_single(resumed) if world_size == 1 else train_distributed(resumed, world_size)
         return straight[0][:2] + losses, weights
 
-    for result in (resume("pp4", 4, pp=4, pp_schedule="1f1b"), resume("one", 1)):
+    for result in (resume("pp4", 4, degree=4, schedule="1f1b"), resume("one", 1)):
         diffs = assert_parity(straight, result)
         print(f"pipeline checkpoint resharded: {diffs}")

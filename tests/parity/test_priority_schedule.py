@@ -1,4 +1,4 @@
-"""Priority communication scheduling (parallel.comm_schedule = priority) keeps DDP's exact update.
+"""Priority communication scheduling (gradient_comm.schedule = priority) keeps DDP's exact update.
 
 Slices are reduced in a negotiated order and each module is updated just before its next forward,
 but every parameter still gets the sum of all ranks' gradients and one AdamW step per step: the
@@ -22,8 +22,7 @@ def test_priority_schedule_matches_single_process(base, tmp_path, algorithm):
     unclipped = with_changes(base, train={"max_grad_norm": 0.0})
     reference = train_single(unclipped)
     run = with_changes(unclipped, train={"micro_batch_size": 2, "grad_accum_steps": 2, "output_dir": str(tmp_path / algorithm)},
-                       parallel={"comm_schedule": "priority", "allreduce_algorithm": algorithm,
-                                 "bucket_mb": 0.05, "slice_mb": 0.01})
+                       gradient_comm={"schedule": "priority", "allreduce_algorithm": algorithm, "bucket_mb": 0.05, "slice_mb": 0.01})
     diffs = assert_parity(reference, train_distributed(run, 2))
     print(f"priority {algorithm}: {diffs}")
 

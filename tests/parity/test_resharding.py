@@ -51,7 +51,7 @@ def test_zero_resume_is_exact(base, tmp_path, stage, param_dtype):
     With bf16 compute weights the fp32 masters are restored from the checkpoint, not from the bf16 copy.
     """
     config = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "straight")},
-                          parallel={"dp_shard": 2, "zero_stage": stage, "param_dtype": param_dtype})
+                          data_parallel={"shard": 2, "zero_stage": stage, "param_dtype": param_dtype})
     folder, _ = _assert_resume_is_exact(config, tmp_path)
     state = folder / "state"
     assert {p.name for p in state.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}  # one file per rank
@@ -60,19 +60,19 @@ def test_zero_resume_is_exact(base, tmp_path, stage, param_dtype):
 def test_reshard_zero3_x4_to_zero2_x2_single_process_and_ddp(base, tmp_path):
     """Save at dp_shard = 4 (ZeRO-3), resume at dp_shard = 2 (ZeRO-2), in one process, and under DDP x 2."""
     saved = with_changes(base, train={"micro_batch_size": 2, "output_dir": str(tmp_path / "x4")},
-                         parallel={"dp_shard": 4, "zero_stage": 3}, checkpoint={"every": 2, "keep_last": 2})
+                         data_parallel={"shard": 4, "zero_stage": 3}, checkpoint={"every": 2, "keep_last": 2})
     straight = train_distributed(saved, 4)
     midpoint = tmp_path / "x4" / "step-000002"
     shards = sorted(p.name for p in (midpoint / "state").glob("*.distcp"))
     assert shards == [f"__{r}_0.distcp" for r in range(4)]
 
-    def resume(name, world_size, **parallel):
+    def resume(name, world_size, **data_parallel):
         config = with_changes(base, train={"micro_batch_size": 8 // world_size, "output_dir": str(tmp_path / name)},
-                              parallel=parallel, checkpoint={"resume": str(midpoint)})
+                              data_parallel=data_parallel, checkpoint={"resume": str(midpoint)})
         losses, weights = train_single(config) if world_size == 1 else train_distributed(config, world_size)
         return straight[0][:2] + losses, weights  # the first two steps are the saved run's
 
-    for result in (resume("x2", 2, dp_shard=2, zero_stage=2), resume("x1", 1), resume("ddp", 2)):
+    for result in (resume("x2", 2, shard=2, zero_stage=2), resume("x1", 1), resume("ddp", 2)):
         diffs = assert_parity(straight, result)
         print(f"resharded: {diffs}")
 
@@ -81,7 +81,7 @@ def test_tensor_parallel_resume_is_exact(base, tmp_path):
     """tp 2 (with SP): save at step 2, resume: the uninterrupted run bit for bit (other tp degrees:
     test_layout_resume.py)."""
     config = with_changes(base, train={"output_dir": str(tmp_path / "straight")},
-                          parallel={"tp": 2, "sequence_parallel": True})
+                          tensor_parallel={"degree": 2, "sequence_parallel": True})
     _assert_resume_is_exact(config, tmp_path)
 
 
@@ -90,7 +90,7 @@ def test_context_parallel_zero3_resume_is_exact_and_resumes_in_one_process(base,
     from parity.harness import CP_PARAM_ATOL
 
     config = with_changes(base, train={"output_dir": str(tmp_path / "straight")},
-                          parallel={"cp": 2, "zero_stage": 3}, checkpoint={"every": 2, "keep_last": 2})
+                          context_parallel={"degree": 2}, data_parallel={"zero_stage": 3}, checkpoint={"every": 2, "keep_last": 2})
     folder, straight = _assert_resume_is_exact(config, tmp_path)
     assert {p.name for p in (folder / "state").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
     single = with_changes(base, train={"output_dir": str(tmp_path / "one")},

@@ -13,21 +13,20 @@ from parity.harness import TP_PARAM_ATOL, assert_parity, train_distributed, with
 @pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)])
 def test_tensor_parallel_matches_single_process(base, reference, tmp_path, tp, sp):
     config = with_changes(base, train={"output_dir": str(tmp_path / f"tp{tp}{sp}")},
-                          parallel={"tp": tp, "sequence_parallel": sp})
+                          tensor_parallel={"degree": tp, "sequence_parallel": sp})
     diffs = assert_parity(reference, train_distributed(config, tp), param_atol=TP_PARAM_ATOL)
     print(f"tp {tp} sp {sp}: {diffs}")
 
 
 def test_dp2_x_tp2_with_zero3_and_full_recompute(base, reference, tmp_path):
-    config = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "dp2tp2")},
-                          parallel={"tp": 2, "dp_shard": 2, "zero_stage": 3, "sequence_parallel": True,
-                                    "recompute": "full"})
+    config = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "dp2tp2"), "recompute": "full"},
+                          tensor_parallel={"degree": 2, "sequence_parallel": True}, data_parallel={"shard": 2, "zero_stage": 3})
     diffs = assert_parity(reference, train_distributed(config, 4), param_atol=TP_PARAM_ATOL)
     print(f"dp2 x tp2 zero3 sp full recompute: {diffs}")
 
 
 def test_dp2_x_tp2_ddp(base, reference, tmp_path):
-    config = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "ddp-tp")},
-                          parallel={"tp": 2, "recompute": "selective"})
+    config = with_changes(base, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "ddp-tp"), "recompute": "selective"},
+                          tensor_parallel={"degree": 2})
     diffs = assert_parity(reference, train_distributed(config, 4), param_atol=TP_PARAM_ATOL)
     print(f"dp2 x tp2 ddp selective recompute: {diffs}")

@@ -17,6 +17,7 @@ from fivefold.comm.recursive import butterfly_all_reduce, halving_doubling_all_r
 from fivefold.comm.ring import ring_all_reduce
 from fivefold.comm.tree import double_tree_all_reduce, tree_all_reduce
 from fivefold.comm.two_level import hierarchical_all_reduce, torus_all_reduce
+from fivefold.errors import ConfigError
 
 ALL_REDUCE = {
     "ring": ring_all_reduce,
@@ -48,7 +49,7 @@ def default_node_size(ranks: Ranks) -> int:
 def all_reduce(tensor: torch.Tensor, algorithm: str, ranks: Ranks | None = None, node_size: int = 0) -> torch.Tensor:
     """Sum `tensor` (contiguous, any shape) over `ranks` in place with the named algorithm."""
     if algorithm not in ALL_REDUCE:
-        raise ValueError(f"all-reduce algorithm {algorithm!r} is not one of {', '.join(ALL_REDUCE)}")
+        raise ConfigError(f"gradient_comm.allreduce_algorithm = {algorithm!r} is not one of {', '.join(ALL_REDUCE)}")
     if not tensor.is_contiguous():
         raise ValueError("the hand-written collectives work in place on contiguous tensors")
     ranks = ranks or Ranks.world()

@@ -12,9 +12,10 @@ one communication thread (`CommThread`), buckets in launch order: backward goes 
 while the thread communicates, as the backend's threads do for its own collectives. The traffic
 goes on the data-parallel process group, never shared with the main thread's collectives.
 
-`wire_bytes(numel, element_size)` is what one rank sends for one bucket, counted as the
-bandwidth-optimal algorithms send: 2(p-1)/p n for an all-reduce of n bytes, (p-1) c for an
-all-gather of c bytes per rank. Training logs the sum per step.
+`wire_bytes(index, bucket)` is what the busiest rank sends for one bucket: for a hand-written
+algorithm the cost model's own count for it (`cost.traffic`, which tests/distributed hold equal to
+the bytes counted at the point-to-point layer), for the backend's all-reduce the bandwidth-optimal
+2(p-1)/p n of a ring (its real algorithm is the backend's choice). Training logs the sum per step.
 """
 
 from __future__ import annotations
@@ -26,16 +27,12 @@ import torch
 import torch.distributed as dist
 
 from fivefold.comm import ALL_REDUCE, all_reduce, default_node_size
-from fivefold.comm.cost import Cluster, best_all_reduce
+from fivefold.comm.compression import build_codec
+from fivefold.comm.cost import Cluster, all_reduce_bytes, best_all_reduce, traffic
 from fivefold.comm.p2p import Ranks
 from fivefold.errors import ConfigError
 
 ALGORITHMS = ("native", *ALL_REDUCE, "auto")
-
-
-def all_reduce_bytes(nbytes: int, p: int) -> int:
-    """Bytes one rank sends in a bandwidth-optimal all-reduce of nbytes."""
-    return 2 * (p - 1) * nbytes // p
 
 
 class BucketLike(Protocol):
@@ -85,11 +82,11 @@ class AlgorithmReducer:
 
     def __init__(self, group: dist.ProcessGroup, algorithm: str, node_size: int = 0, cluster: Cluster | None = None):
         if algorithm not in ALL_REDUCE and algorithm != "auto":
-            raise ValueError(f"all-reduce algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+            raise ConfigError(f"gradient_comm.allreduce_algorithm = {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
         self.ranks = Ranks.of_group(group)
         self.node_size = node_size or default_node_size(self.ranks)
         if self.ranks.size % self.node_size:
-            raise ConfigError(f"parallel.node_size = {node_size} does not divide the {self.ranks.size} data-parallel "
+            raise ConfigError(f"gradient_comm.node_size = {node_size} does not divide the {self.ranks.size} data-parallel "
                               "ranks: use a divisor, or 0 for the launcher's ranks per node")
         self.algorithm = algorithm
         if algorithm == "auto" and cluster is None:
@@ -114,7 +111,11 @@ class AlgorithmReducer:
         all_reduce(tensor, self.choose(tensor.numel() * tensor.element_size()), self.ranks, self.node_size)
 
     def wire_bytes(self, index: int, bucket: BucketLike) -> int:
-        return all_reduce_bytes(bucket.buffer.numel() * bucket.buffer.element_size(), self.ranks.size)
+        """The busiest rank's bytes for this bucket under the algorithm that reduced it (the cost model's count)."""
+        buffer = bucket.buffer
+        nbytes = buffer.numel() * buffer.element_size()
+        algorithm = self.choices.get(index) or self.choose(nbytes)
+        return int(traffic("all_reduce", algorithm, nbytes, self.ranks.size, self.node_size, buffer.element_size())[1])
 
     def describe(self) -> str:
         if self.algorithm != "auto":
@@ -138,10 +139,8 @@ class CommThread:
 
 def build_reducer(group: dist.ProcessGroup, algorithm: str, compression: str = "none", node_size: int = 0,
                   **codec_options) -> NativeReducer | AlgorithmReducer:
-    """The reducer for `parallel.allreduce_algorithm` and `parallel.compression`."""
+    """The reducer for `gradient_comm.allreduce_algorithm` and `gradient_comm.compression`."""
     dense = NativeReducer(group) if algorithm == "native" else AlgorithmReducer(group, algorithm, node_size)
     if compression == "none":
         return dense
-    from fivefold.comm.compression import build_codec
-
     return build_codec(compression, group, dense, **codec_options)

@@ -6,7 +6,7 @@ Ranks form a grid of `inner` consecutive ranks (a node, or a torus row) by p / i
     2. all-reduce chunk l across the rows, among the ranks at position l (one per row)
     3. all-gather inside each row (ring)
 
-    hierarchical   rows are nodes of `node_size` ranks (`parallel.node_size` on one machine,
+    hierarchical   rows are nodes of `node_size` ranks (`gradient_comm.node_size` on one machine,
                    LOCAL_WORLD_SIZE under torchrun); the inter-node phase uses a chosen
                    algorithm (Rabenseifner by default), and only n / node_size bytes per rank
                    cross the slow links (Jia et al. 2018; NCCL's and Horovod's hierarchical mode).
@@ -28,13 +28,14 @@ import torch
 from fivefold.comm.p2p import Ranks
 from fivefold.comm.recursive import rabenseifner_all_reduce
 from fivefold.comm.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from fivefold.errors import ConfigError
 
 
 def _grid(ranks: Ranks, inner: int) -> tuple[Ranks, Ranks]:
     """(this rank's row, this rank's column) of the grid with rows of `inner` consecutive ranks."""
     p, i = ranks.size, ranks.index
     if inner < 1 or p % inner:
-        raise ValueError(f"a row (node) of {inner} ranks must divide the {p} ranks")
+        raise ConfigError(f"a node of {inner} ranks (gradient_comm.node_size) must divide the {p} ranks: use a divisor")
     row, position = divmod(i, inner)
     row_ranks = ranks.subset(ranks.members[row * inner:(row + 1) * inner])
     column_ranks = ranks.subset(tuple(ranks.members[r * inner + position] for r in range(p // inner)))

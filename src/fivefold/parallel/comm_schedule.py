@@ -35,6 +35,9 @@ from fivefold.optim import set_lr
 from fivefold.parallel.data_parallel import DataParallel, DDPSync
 
 
+SCHEDULES = ("fifo", "priority")  # gradient_comm.schedule: FIFO is DataParallel's own order
+
+
 @dataclass(frozen=True)
 class Slice:
     bucket: int

@@ -85,25 +85,25 @@ class ContextParallelLayout:
 def check_context_parallel(config: ModelConfig, cp: int, method: str, cp_heads: int, tp: int, seq_len: int) -> None:
     """Raise ConfigError, naming the setting, when the sequence or heads cannot be split this way."""
     if method not in CP_METHODS:
-        raise ConfigError(f"parallel.cp_method = {method!r} is not one of {', '.join(CP_METHODS)}")
+        raise ConfigError(f"context_parallel.method = {method!r} is not one of {', '.join(CP_METHODS)}")
     if cp < 1:
-        raise ConfigError(f"parallel.cp = {cp}: must be a positive integer")
+        raise ConfigError(f"context_parallel.degree = {cp}: must be a positive integer")
     if cp == 1:
         return
     if method == "2d" and (cp_heads < 1 or cp % cp_heads):
-        raise ConfigError(f"parallel.cp_heads = {cp_heads} must divide parallel.cp = {cp} "
+        raise ConfigError(f"context_parallel.heads = {cp_heads} must divide context_parallel.degree = {cp} "
                           "(2d attention runs cp_heads-way Ulysses inside cp / cp_heads-way ring)")
     layout = ContextParallelLayout.for_method(method, cp, cp_heads)
     if layout.ring > 1 and seq_len % (2 * cp):
-        raise ConfigError(f"parallel.cp = {cp} ({method}) cuts train.seq_len = {seq_len} into 2 x cp = {2 * cp} "
+        raise ConfigError(f"context_parallel.degree = {cp} ({method}) cuts train.seq_len = {seq_len} into 2 x cp = {2 * cp} "
                           "load-balanced chunks: make seq_len a multiple of 2 x cp")
     if seq_len % cp:
-        raise ConfigError(f"parallel.cp = {cp} must divide train.seq_len = {seq_len}")
+        raise ConfigError(f"context_parallel.degree = {cp} must divide train.seq_len = {seq_len}")
     local_heads = config.n_heads // tp
     if layout.heads > 1 and local_heads % layout.heads:
         raise ConfigError(f"{method} attention splits the {local_heads} query heads per tensor-parallel rank "
                           f"(model.n_heads {config.n_heads} / tp {tp}) over {layout.heads} ranks: "
-                          "choose a head-parallel degree (parallel.cp, or parallel.cp_heads for 2d) that divides them")
+                          "choose a head-parallel degree (context_parallel.degree, or context_parallel.heads for 2d) that divides them")
 
 
 # ----------------------------------------------------------------------------- groups
@@ -337,7 +337,8 @@ class ContextParallelAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int = 0) -> torch.Tensor:
         if past:
-            raise RuntimeError("context-parallel attention runs training and evaluation passes, not cached decoding")
+            raise ConfigError("context-parallel attention runs training and evaluation passes, not cached decoding: "
+                              "generate in one process (fivefold generate --checkpoint)")
         layout, groups = self.groups.layout, self.groups
         if layout.heads > 1:
             repeats = _kv_repeats(q.shape[1], k.shape[1], layout.heads)

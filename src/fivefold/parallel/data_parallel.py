@@ -16,8 +16,8 @@ Per step each rank sends and receives about 2(p-1)/p x (gradient bytes in reduce
 ring all-reduce; `reduce_dtype=bf16` halves that for fp32 gradients at the cost of precision.
 
 How a bucket is summed is a reducer (comm/reducers.py): the backend's all-reduce by default, a
-hand-written algorithm (`parallel.allreduce_algorithm`), or a compression codec
-(`parallel.compression`, comm/compression.py). Reducers other than the backend's run on one
+hand-written algorithm (`gradient_comm.allreduce_algorithm`), or a compression codec
+(`gradient_comm.compression`, comm/compression.py). Reducers other than the backend's run on one
 communication thread, buckets in launch order, so they overlap backward the same way.
 """
 
@@ -149,7 +149,7 @@ class DataParallel(SkipOnAccumulation):
         self.overlap = OverlapMeter()  # measured when reductions run on the communication thread
         self.params = [p for p in model.parameters() if p.requires_grad]
         if len({p.dtype for p in self.params}) > 1 and reduce_dtype is None:
-            raise ConfigError("parameters of several dtypes need an explicit reduce_dtype (parallel.reduce_dtype)")
+            raise ConfigError("parameters of several dtypes need an explicit reduce_dtype (gradient_comm.reduce_dtype)")
         self.buckets = make_buckets(self.params, bucket_cap_mb, reduce_dtype)
         self._slot = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._next_launch = 0

@@ -190,6 +190,34 @@ def private_copy(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     return subgroup([list(ranks) for ranks in sorted(set(everyone))])
 
 
+def workers_of(config, world_size: int) -> int:
+    """Ranks that train: all of them, or all but the parameter servers (a JobConfig's data_parallel.mode)."""
+    if config.data_parallel.mode != "ps":
+        return world_size
+    servers = config.parameter_server.servers
+    if world_size <= servers:
+        raise ConfigError(f"parameter_server.servers = {servers} leaves no worker among {world_size} ranks: "
+                          "start more ranks or use fewer servers")
+    return world_size - servers
+
+
+def dims_for(config, world_size: int) -> ParallelDims:
+    """The ParallelDims of a JobConfig on `world_size` ranks (validated: the degrees multiply to the trainers)."""
+    trainers = workers_of(config, world_size)
+    dp, tp, cp, pp = config.data_parallel, config.tensor_parallel.degree, config.context_parallel.degree, config.pipeline_parallel.degree
+    others = pp * dp.shard * cp * tp
+    replicate = trainers // others if dp.replicate == -1 else dp.replicate
+    return ParallelDims(dp_replicate=max(replicate, 1), dp_shard=dp.shard, cp=cp, tp=tp, pp=pp, world_size=trainers)
+
+
+def mesh_for(config, world_size: int, device_type: str) -> Mesh:
+    """A run's mesh (collective): the parallel grid over every rank, or the workers' and servers' groups."""
+    if config.data_parallel.mode == "ps":
+        workers_of(config, world_size)  # enough ranks for workers and servers, or a clear error
+        return Mesh.for_parameter_server(world_size, config.parameter_server.servers)
+    return build_mesh(dims_for(config, world_size), device_type)
+
+
 def build_mesh(dims: ParallelDims, device_type: str) -> Mesh:
     """Build the mesh (needs an initialised process group when dims.world_size > 1; every rank calls it)."""
     if dims.world_size == 1:

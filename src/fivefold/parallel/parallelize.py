@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.comm.reducers import build_reducer
-from fivefold.config import JobConfig, ParallelConfig
+from fivefold.config import ContextParallelConfig, JobConfig, TensorParallelConfig
 from fivefold.model import Transformer, materialize
 from fivefold.optim import build_adamw, build_optimizer
 from fivefold.parallel.checkpoint_layout import CheckpointLayout, local_layout
@@ -113,20 +113,21 @@ class Parallelized:
     dp_rank: int  # which slice of each global batch this rank takes
 
 
-def apply_model_parallel(model: Transformer, mesh: Mesh, par: ParallelConfig,
+def apply_model_parallel(model: Transformer, mesh: Mesh, tensor: TensorParallelConfig = TensorParallelConfig(),
+                         context: ContextParallelConfig = ContextParallelConfig(), recompute: str = "none",
                          stages: list[PipelineStage] | None = None) -> ModelParallel:
     """Tensor/sequence parallelism, context parallelism and recomputation on a materialised model, in place."""
     folds = {"vocab_size": model.config.vocab_size, "pp_group": mesh.group("pp")}
     tp_group = mesh.group("tp")
     if tp_group is not None:
-        apply_tensor_parallel(model, tp_group, par.sequence_parallel)
-        folds.update(tp_group=tp_group, tp_rank=dist.get_rank(tp_group), tp=par.tp)
-    if par.cp > 1:
-        layout = ContextParallelLayout.for_method(par.cp_method, par.cp, par.cp_heads)
+        apply_tensor_parallel(model, tp_group, tensor.sequence_parallel)
+        folds.update(tp_group=tp_group, tp_rank=dist.get_rank(tp_group), tp=tensor.degree)
+    if context.degree > 1:
+        layout = ContextParallelLayout.for_method(context.method, context.degree, context.heads)
         groups = build_context_parallel_groups(mesh, layout)
         apply_context_parallel(model, groups)
         folds.update(cp_layout=layout, cp_rank=groups.cp_rank)
-    apply_recompute(model, par.recompute)
+    apply_recompute(model, recompute)
     if stages is not None and holds_tied_copy(model, stages):
         folds["duplicates"] = frozenset({id(model.tok_embeddings.weight)})
     return ModelParallel(**folds)
@@ -135,31 +136,31 @@ def apply_model_parallel(model: Transformer, mesh: Mesh, par: ParallelConfig,
 def apply_data_parallel(model: Transformer, mesh: Mesh, config: JobConfig, norm: GradNorm,
                         tied_group: dist.ProcessGroup | None = None) -> GradientSync:
     """The gradient sync for this run: a parameter-server worker, ZeRO, or DDP (FIFO or priority)."""
-    par, loss_group = config.parallel, mesh.group("dp_cp")
-    if par.dp_mode == "ps":
+    dp, comm, loss_group = config.data_parallel, config.gradient_comm, mesh.group("dp_cp")
+    if dp.mode == "ps":
         sizes = [p.numel() for p in model.parameters() if p.requires_grad]
-        layout = ServerLayout.balance(sizes, mesh.dims.world_size, par.ps_servers)
-        return ParameterServerSync(model, ServerClient(model, layout), par.ps_sync, mesh.group("workers"))
-    reduce_dtype = DTYPES[par.reduce_dtype]
-    if par.zero_stage > 0:
-        zero = ZeroDataParallel(model, mesh.group("dp_shard_cp"), mesh.group("dp_replicate"), par.zero_stage,
-                                DTYPES[par.param_dtype], reduce_dtype, par.offload, norm_groups=norm.groups,
+        layout = ServerLayout.balance(sizes, mesh.dims.world_size, config.parameter_server.servers)
+        return ParameterServerSync(model, ServerClient(model, layout), config.parameter_server.sync, mesh.group("workers"))
+    reduce_dtype = DTYPES[comm.reduce_dtype]
+    if dp.zero_stage > 0:
+        zero = ZeroDataParallel(model, mesh.group("dp_shard_cp"), mesh.group("dp_replicate"), dp.zero_stage,
+                                DTYPES[dp.param_dtype], reduce_dtype, dp.offload, norm_groups=norm.groups,
                                 norm_weight=norm.weight)
         optimizer = build_adamw(zero.master_parameters(True), zero.master_parameters(False), config.optim)
         device_mesh = mesh.device_mesh["dp_replicate", "dp_shard_cp"]
         return ZeroSync(zero, optimizer, norm, device_mesh, tied_group, loss_group)
     ddp = None
-    priority = par.comm_schedule == "priority"
+    priority = comm.schedule == "priority"
     if loss_group is not None:
         # the priority schedule's thread outlives the step: it gets a group of its own
         group = mesh.private_copy(loss_group) if priority else loss_group
-        reducer = build_reducer(group, par.allreduce_algorithm, par.compression, par.node_size,
-                                block=par.compression_block, topk_ratio=par.topk_ratio,
-                                powersgd_rank=par.powersgd_rank, seed=config.train.seed)
+        reducer = build_reducer(group, comm.allreduce_algorithm, comm.compression, comm.node_size,
+                                block=comm.compression_block, topk_ratio=comm.topk_ratio,
+                                powersgd_rank=comm.powersgd_rank, seed=config.train.seed)
         if priority:
-            ddp = PriorityDataParallel(model, group, par.bucket_mb, reduce_dtype, reducer, par.slice_mb)
+            ddp = PriorityDataParallel(model, group, comm.bucket_mb, reduce_dtype, reducer, comm.slice_mb)
         else:
-            ddp = DataParallel(model, loss_group, par.bucket_mb, reduce_dtype, reducer)
+            ddp = DataParallel(model, loss_group, comm.bucket_mb, reduce_dtype, reducer)
     sync_type = PrioritySync if priority and ddp is not None else DDPSync
     return sync_type(model, build_optimizer(model, config.optim), ddp, norm, tied_group, loss_group)
 
@@ -170,14 +171,14 @@ def build_step(model: Transformer, folds: ModelParallel, sync: GradientSync, mes
     dp_rank, dp = mesh.local_rank("dp"), mesh.dims.dp
     if stages is None:
         return SingleStageStep(model, folds.loss_sum, sync, autocast, dp_rank, dp, mesh.group("dp_cp"))
-    t, par = config.train, config.parallel
-    shape = PipelineShape(par.pp, t.grad_accum_steps, par.pp_virtual)
-    seq = t.seq_len // par.cp // (par.tp if par.sequence_parallel else 1)
+    t, pipe, tensor = config.train, config.pipeline_parallel, config.tensor_parallel
+    shape = PipelineShape(pipe.degree, t.grad_accum_steps, pipe.virtual)
+    seq = t.seq_len // config.context_parallel.degree // (tensor.degree if tensor.sequence_parallel else 1)
     dtype = next(model.parameters()).dtype  # the residual stream's dtype (autocast leaves it)
-    executor = PipelineExecutor(model, stages, shape, par.pp_schedule, mesh.group("pp"), folds.loss_sum,
+    executor = PipelineExecutor(model, stages, shape, pipe.schedule, mesh.group("pp"), folds.loss_sum,
                                 (t.micro_batch_size, seq, model.config.dim), dtype, next(model.parameters()).device,
                                 autocast)
-    return PipelineStep(executor, par.pp_schedule, sync, mesh.group("pp"), dp_rank, dp, mesh.group("dp_cp"))
+    return PipelineStep(executor, pipe.schedule, sync, mesh.group("pp"), dp_rank, dp, mesh.group("dp_cp"))
 
 
 def gather_layout(local: CheckpointLayout, mesh: Mesh) -> CheckpointLayout:
@@ -195,17 +196,17 @@ def gather_layout(local: CheckpointLayout, mesh: Mesh) -> CheckpointLayout:
 def parallelize(model: Transformer, mesh: Mesh, config: JobConfig, device: torch.device,
                 autocast: Callable) -> Parallelized:
     """Cut, materialise and parallelize a meta-device model; every rank calls this (it is collective)."""
-    par, t = config.parallel, config.train
+    pipe, t = config.pipeline_parallel, config.train
     split, stages = None, None
-    if par.pp > 1:  # keep only this rank's stages, before any memory is allocated
-        split = check_pipeline(model.config, par, t.seq_len, t.grad_accum_steps)
-        stages = stages_of_rank(split, par.pp, mesh.local_rank("pp"))
+    if pipe.degree > 1:  # keep only this rank's stages, before any memory is allocated
+        split = check_pipeline(model.config, pipe, t.seq_len, t.grad_accum_steps)
+        stages = stages_of_rank(split, pipe.degree, mesh.local_rank("pp"))
         cut_model(model, stages)
     model = materialize(model, device, seed=t.seed)
-    folds = apply_model_parallel(model, mesh, par, stages)
+    folds = apply_model_parallel(model, mesh, config.tensor_parallel, config.context_parallel, t.recompute, stages)
     tied_group = None  # first and last pipeline stage, which both hold a tied embedding
     if stages is not None and model.config.tie_embeddings:
-        tied_group = mesh.subgroup(tied_embedding_rows(mesh.rank_table("pp"), (len(split) - 1) % par.pp))
+        tied_group = mesh.subgroup(tied_embedding_rows(mesh.rank_table("pp"), (len(split) - 1) % pipe.degree))
     local = local_layout(model, folds.checkpoint_tp_rank)  # before ZeRO empties the parameters
     parameters = sum(p.numel() for p in model.parameters())
     sync = apply_data_parallel(model, mesh, config, folds.grad_norm(), tied_group)

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fivefold.errors import ConfigError
+
 RECOMPUTE_MODES = ("none", "full", "selective")
 
 
@@ -37,7 +39,7 @@ def _checkpointed(fn):
 def apply_recompute(model: nn.Module, mode: str) -> None:
     """Wrap every block (full) or every attention core (selective) of the model in a checkpoint."""
     if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute mode {mode!r}: use one of {RECOMPUTE_MODES}")
+        raise ConfigError(f"train.recompute = {mode!r} is not one of {', '.join(RECOMPUTE_MODES)}")
     if mode == "none":
         return
     for block in model.layers.values():

@@ -291,18 +291,18 @@ def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool,
     """Raise ConfigError, naming the setting, when the model cannot be split tp ways."""
     if tp == 1:
         if sequence_parallel:
-            raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
+            raise ConfigError("tensor_parallel.sequence_parallel needs tensor_parallel.degree > 1")
         return
     if config.n_heads % tp:
-        raise ConfigError(f"parallel.tp = {tp} must divide model.n_heads = {config.n_heads}")
+        raise ConfigError(f"tensor_parallel.degree = {tp} must divide model.n_heads = {config.n_heads}")
     kv = config.kv_heads
     if kv % tp and tp % kv:
-        raise ConfigError(f"parallel.tp = {tp} and model.n_kv_heads = {kv}: one must divide the other "
+        raise ConfigError(f"tensor_parallel.degree = {tp} and model.n_kv_heads = {kv}: one must divide the other "
                           "(kv heads are split when tp <= n_kv_heads, replicated when tp is a multiple)")
     if config.ffn_hidden_dim % tp:
-        raise ConfigError(f"parallel.tp = {tp} must divide the MLP width {config.ffn_hidden_dim} (model.ffn_hidden_dim)")
+        raise ConfigError(f"tensor_parallel.degree = {tp} must divide the MLP width {config.ffn_hidden_dim} (model.ffn_hidden_dim)")
     if sequence_parallel and seq_len % tp:
-        raise ConfigError(f"parallel.sequence_parallel splits train.seq_len = {seq_len} in parallel.tp = {tp}: "
+        raise ConfigError(f"tensor_parallel.sequence_parallel splits train.seq_len = {seq_len} in tensor_parallel.degree = {tp}: "
                           "make seq_len a multiple of tp")
 
 

@@ -98,7 +98,7 @@ class ZeroDataParallel(SkipOnAccumulation):
         norm_weight: Callable[[nn.Parameter], float] | None = None,
     ):
         if stage not in (1, 2, 3):
-            raise ConfigError(f"parallel.zero_stage = {stage}: ZeRO stages are 1, 2 or 3")
+            raise ConfigError(f"data_parallel.zero_stage = {stage}: ZeRO stages are 1, 2 or 3")
         self.model, self.stage = model, stage
         self.reduces_every_micro_step = stage >= 2  # stage 1 keeps whole gradients and reduces once
         self.shard_group, self.replicate_group = shard_group, replicate_group

@@ -32,16 +32,16 @@ from fivefold.errors import CheckpointError, ConfigError
 from fivefold.model import ModelConfig, build_model
 from fivefold.model.generate import generate
 from fivefold.optim import lr_at
-from fivefold.parallel.mesh import Mesh
+from fivefold.parallel.mesh import Mesh, mesh_for
 from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.step import target_tokens
+from fivefold.parallel.validate import check_config
 from fivefold.parallel.tensor_parallel import IGNORE_INDEX  # noqa: F401 - re-exported for tests and users
 from fivefold.plan.flops import count_parameters, flops_per_token
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.distributed import all_reduce_sum, init_distributed, local_device
 from fivefold.train.metrics import MetricsLogger, peak_tflops, plot_losses, read_metrics
 from fivefold.train.reporting import Reporter
-from fivefold.train.roles import build_mesh_for
 from fivefold.train.train_state import capture_training_state, restore_training_state
 
 
@@ -90,12 +90,12 @@ def prepare_data_once(config: JobConfig, world_size: int, is_rank0: bool) -> Pre
 
 class Trainer:
     def __init__(self, config: JobConfig, data: PreparedData | None = None, mesh: Mesh | None = None):
-        self.config = config
+        self.config = check_config(config)
         t = config.train
         self.env = init_distributed(resolve_device(t.device))
         self.is_rank0 = self.env.is_rank0
         self.device = local_device(resolve_device(t.device), self.env)
-        self.mesh = mesh or build_mesh_for(config, self.env.world_size, self.device)
+        self.mesh = mesh or mesh_for(config, self.env.world_size, self.device.type)
         self.dims = self.mesh.dims
         self.output_dir = Path(t.output_dir)
         self.data = data or prepare_data_once(config, self.env.world_size, self.is_rank0)

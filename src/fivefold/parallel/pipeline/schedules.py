@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from functools import lru_cache
+from fivefold.errors import ConfigError
 
 
 class Op(str, enum.Enum):
@@ -72,7 +73,7 @@ class PipelineShape:
     def __post_init__(self) -> None:
         for name in ("ranks", "microbatches", "virtual"):
             if getattr(self, name) < 1:
-                raise ValueError(f"pipeline {name} = {getattr(self, name)}: must be a positive integer")
+                raise ConfigError(f"pipeline {name} = {getattr(self, name)}: must be a positive integer")
 
     @property
     def stages(self) -> int:
@@ -81,22 +82,19 @@ class PipelineShape:
     def rank_of(self, stage: int) -> int:
         return stage % self.ranks
 
-    def stages_of(self, rank: int) -> list[int]:
-        return [rank + chunk * self.ranks for chunk in range(self.virtual)]
-
 
 def check_schedule(name: str, shape: PipelineShape) -> None:
     """Raise ValueError, naming the setting, when `name` cannot run on `shape`."""
     if name not in SCHEDULES:
-        raise ValueError(f"pipeline schedule {name!r} is not one of {', '.join(SCHEDULES)}")
+        raise ConfigError(f"pipeline_parallel.schedule = {name!r} is not one of {', '.join(SCHEDULES)}")
     if name == "interleaved":
         if shape.virtual < 2:
-            raise ValueError("the interleaved schedule needs at least 2 virtual stages per rank (parallel.pp_virtual >= 2)")
+            raise ConfigError("the interleaved schedule needs at least 2 virtual stages per rank (pipeline_parallel.virtual >= 2)")
         if shape.microbatches % shape.ranks:
-            raise ValueError(f"the interleaved schedule takes micro-batches {shape.ranks} at a time: "
+            raise ConfigError(f"the interleaved schedule takes micro-batches {shape.ranks} at a time: "
                              f"make the micro-batch count ({shape.microbatches}) a multiple of pp ({shape.ranks})")
     elif shape.virtual != 1:
-        raise ValueError(f"schedule {name} runs one stage per rank: set the virtual stages to 1 or use interleaved")
+        raise ConfigError(f"pipeline_parallel.schedule = {name} runs one stage per rank: set pipeline_parallel.virtual = 1 or use interleaved")
 
 
 # ----------------------------------------------------------------------------- compute orders

@@ -10,7 +10,7 @@ block, of the embedding and of the head measured by either
     params:  parameters held: a block's, V h for the embedding and for an untied head
              (balances memory rather than time).
 
-`parallel.pp_layers_per_stage` overrides the split. Every block lands on exactly one stage;
+`pipeline_parallel.layers_per_stage` overrides the split. Every block lands on exactly one stage;
 a split that cannot place the blocks (too few blocks, counts that do not add up) is an error
 naming the settings, never a silently dropped layer.
 
@@ -47,7 +47,7 @@ class StageCosts:
 
 def stage_costs(config: ModelConfig, seq_len: int, balance: str = "flops") -> StageCosts:
     if balance not in BALANCE_BY:
-        raise ConfigError(f"parallel.pp_balance = {balance!r} is not one of {', '.join(BALANCE_BY)}")
+        raise ConfigError(f"pipeline_parallel.balance = {balance!r} is not one of {', '.join(BALANCE_BY)}")
     count = count_parameters(config)
     layers = config.n_layers
     block_params = (count.attention + count.mlp) / layers + 2 * config.dim
@@ -70,8 +70,8 @@ def split_layers(costs: StageCosts, stages: int) -> list[list[int]]:
     n = len(costs.blocks)
     if stages > n:
         raise ConfigError(
-            f"{stages} pipeline stages (parallel.pp x parallel.pp_virtual) but model.n_layers = {n}: every stage "
-            "needs at least one block; lower parallel.pp or parallel.pp_virtual, or give the model more layers"
+            f"{stages} pipeline stages (pipeline_parallel.degree x pipeline_parallel.virtual) but model.n_layers = {n}: every stage "
+            "needs at least one block; lower pipeline_parallel.degree or pipeline_parallel.virtual, or give the model more layers"
         )
     prefix = [0.0]
     for c in costs.blocks:
@@ -104,21 +104,21 @@ def split_layers(costs: StageCosts, stages: int) -> list[list[int]]:
 
 
 def explicit_split(layers_per_stage: list[int], n_layers: int, stages: int) -> list[list[int]]:
-    """The split `parallel.pp_layers_per_stage` asks for, checked."""
+    """The split `pipeline_parallel.layers_per_stage` asks for, checked."""
     if len(layers_per_stage) != stages:
         raise ConfigError(
-            f"parallel.pp_layers_per_stage has {len(layers_per_stage)} entries but there are {stages} stages "
-            "(parallel.pp x parallel.pp_virtual): give one block count per stage"
+            f"pipeline_parallel.layers_per_stage has {len(layers_per_stage)} entries but there are {stages} stages "
+            "(pipeline_parallel.degree x pipeline_parallel.virtual): give one block count per stage"
         )
     if sum(layers_per_stage) != n_layers or any(c < 0 for c in layers_per_stage):
         raise ConfigError(
-            f"parallel.pp_layers_per_stage = {layers_per_stage} places {sum(layers_per_stage)} blocks but "
+            f"pipeline_parallel.layers_per_stage = {layers_per_stage} places {sum(layers_per_stage)} blocks but "
             f"model.n_layers = {n_layers}: the counts must be >= 0 and add up to the number of layers"
         )
     middle_empty = [s for s, c in enumerate(layers_per_stage) if c == 0 and 0 < s < stages - 1]
     if middle_empty:
         raise ConfigError(
-            f"parallel.pp_layers_per_stage leaves stage(s) {middle_empty} with no block: only the first stage "
+            f"pipeline_parallel.layers_per_stage leaves stage(s) {middle_empty} with no block: only the first stage "
             "(embedding) and the last (head) may hold none"
         )
     out, start = [], 0
@@ -136,17 +136,17 @@ def plan_stages(config: ModelConfig, seq_len: int, stages: int, layers_per_stage
     return split_layers(stage_costs(config, seq_len, balance), stages)
 
 
-def check_pipeline(config: ModelConfig, parallel, seq_len: int, microbatches: int) -> list[list[int]]:
+def check_pipeline(config: ModelConfig, pipeline_parallel, seq_len: int, microbatches: int) -> list[list[int]]:
     """Validate the pipeline settings of a run before any work; return the stage split."""
     from fivefold.parallel.pipeline.schedules import PipelineShape, check_schedule
 
-    shape = PipelineShape(parallel.pp, microbatches, parallel.pp_virtual)
+    shape = PipelineShape(pipeline_parallel.degree, microbatches, pipeline_parallel.virtual)
     try:
-        check_schedule(parallel.pp_schedule, shape)
-    except ValueError as exc:
-        raise ConfigError(f"parallel.pp_schedule = {parallel.pp_schedule}: {exc} "
+        check_schedule(pipeline_parallel.schedule, shape)
+    except ConfigError as exc:
+        raise ConfigError(f"pipeline_parallel.schedule = {pipeline_parallel.schedule}: {exc} "
                           "(the micro-batch count is train.grad_accum_steps)") from exc
-    return plan_stages(config, seq_len, shape.stages, parallel.pp_layers_per_stage, parallel.pp_balance)
+    return plan_stages(config, seq_len, shape.stages, pipeline_parallel.layers_per_stage, pipeline_parallel.balance)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,411 @@
+"""The run configuration's schema: one dataclass per section, each field documented under it.
+
+One `JobConfig` drives everything: the trainer, the benchmarks, and later the planner and the
+simulator read the same objects. The parallel settings are grouped by fold, so a reader sees
+which knob belongs to which method:
+
+    [data_parallel]      replicas, ZeRO shards and stage, mixed precision, offload, ddp or ps
+    [tensor_parallel]    degree, sequence parallelism
+    [context_parallel]   degree, attention method (ring, Ulysses, 2D), head-parallel degree
+    [pipeline_parallel]  degree, schedule, virtual stages, stage split
+    [gradient_comm]      DDP buckets, reduce dtype, all-reduce algorithm, compression, scheduling
+    [parameter_server]   servers, consistency model, staleness bound
+
+`validate()` checks what each value can be on its own and how sections constrain each other.
+Which names a fold accepts (all-reduce algorithms, codecs, schedules, attention methods, ...) is
+written once, beside the fold, and checked there (`fivefold.parallel.validate.check_config`), so
+this package imports nothing from parallel/, comm/ or train/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from fivefold.errors import ConfigError
+from fivefold.model.config import ModelConfig
+from fivefold.model.presets import get_preset
+
+DTYPES = ("fp32", "bf16")
+
+
+def did_you_mean(word: str, options: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_choice(key: str, value: str, choices: Iterable[str]) -> None:
+    """A ConfigError naming the key, the choices and the closest one, unless value is among them."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ConfigError(f"{key} = {value!r} is not one of {', '.join(choices)}{did_you_mean(str(value), choices)}")
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) < 1:
+            raise ConfigError(f"{section}.{name} = {getattr(obj, name)}: must be a positive integer")
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"
+    """`stdlib` (the running interpreter's standard library source, the embedded default corpus)
+    or a path to a .txt/.jsonl file or a folder of them (comma-separate several paths)."""
+    tokenizer: str = "byte"
+    """`byte` (256 byte values + end-of-text), `bpe` (trained locally on the train split) or a
+    path to a saved `tokenizer.json`."""
+    bpe_vocab_size: int = 4096
+    """Vocabulary size when training a BPE tokenizer."""
+    val_fraction: float = 0.05
+    """Fraction of files (chosen by a hash of their path) held out for validation."""
+    jsonl_field: str = "text"
+    """Field of each .jsonl record that holds the text."""
+    cache_dir: str = ".cache/fivefold"
+    """Where pre-tokenised token files and trained tokenizers are cached."""
+
+    def validate(self) -> None:
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction = {self.val_fraction}: must lie strictly between 0 and 1")
+        if self.bpe_vocab_size < 257:
+            raise ConfigError(f"data.bpe_vocab_size = {self.bpe_vocab_size}: must be at least 257 (all bytes + end-of-text)")
+        if not self.source:
+            raise ConfigError("data.source is empty: use `stdlib` or a path to your text")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    """Optimizer steps to run."""
+    seq_len: int = 256
+    """Tokens per sample."""
+    micro_batch_size: int = 16
+    """Samples per forward/backward pass."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step (global batch = micro x accum x dp)."""
+    seed: int = 1234
+    """Seed for weight init and the data sampler."""
+    dtype: str = "fp32"
+    """Compute dtype: `fp32`, or `bf16` (autocast; parameters and optimizer stay fp32)."""
+    device: str = "auto"
+    """`auto` (cuda if available, else cpu), `cpu` or `cuda`."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    eval_every: int = 50
+    """Evaluate the validation loss every N steps (and at the end); 0 disables."""
+    eval_batches: int = 8
+    """Micro-batches in one validation pass (fixed windows, identical every time)."""
+    log_every: int = 10
+    """Write metrics every N steps."""
+    peak_tflops: float = 0.0
+    """Peak TFLOP/s for MFU; 0 = look up the device table (GPU) or measure a matmul (CPU)."""
+    output_dir: str = "runs/default"
+    """Folder for checkpoints, metrics.jsonl, TensorBoard events and the loss plot."""
+    recompute: str = "none"
+    """Activation recomputation: `none`, `full` (each block's forward again in backward) or `selective` (attention core only)."""
+
+    def validate(self) -> None:
+        for name in ("steps", "seq_len", "micro_batch_size", "grad_accum_steps", "eval_batches", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} = {getattr(self, name)}: must be a positive integer")
+        if self.eval_every < 0:
+            raise ConfigError(f"train.eval_every = {self.eval_every}: must be >= 0 (0 disables evaluation)")
+        if self.max_grad_norm < 0:
+            raise ConfigError(f"train.max_grad_norm = {self.max_grad_norm}: must be >= 0 (0 disables clipping)")
+        check_choice("train.dtype", self.dtype, ("fp32", "bf16"))
+        check_choice("train.device", self.device, ("auto", "cpu", "cuda"))
+
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak (cosine and linear schedules)."""
+    warmup_steps: int = 20
+    """Linear warmup from 0 to the peak over this many steps."""
+    schedule: str = "cosine"
+    """Decay after warmup: `cosine`, `linear` or `constant`."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not norms)."""
+    beta1: float = 0.9
+    """Adam first-moment decay."""
+    beta2: float = 0.95
+    """Adam second-moment decay."""
+    eps: float = 1e-8
+    """Adam denominator epsilon."""
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"optim.lr = {self.lr}: must be positive")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"optim.min_lr_ratio = {self.min_lr_ratio}: must lie in [0, 1]")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps = {self.warmup_steps}: must be >= 0")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"optim.{name} = {getattr(self, name)}: must lie in [0, 1)")
+        check_choice("optim.schedule", self.schedule, ("cosine", "linear", "constant"))
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100
+    """Save a checkpoint every N steps (and at the end); 0 saves only at the end."""
+    keep_last: int = 3
+    """Keep the newest K checkpoints, delete older ones."""
+    resume: str = "none"
+    """`none`, `auto` (newest complete checkpoint in train.output_dir, if any) or a checkpoint folder."""
+    enabled: bool = True
+    """Write checkpoints at all."""
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"checkpoint.every = {self.every}: must be >= 0")
+        if self.keep_last < 1:
+            raise ConfigError(f"checkpoint.keep_last = {self.keep_last}: must be >= 1")
+
+
+@dataclass
+class LoggingConfig:
+    progress: bool = True
+    """Show a progress bar (rank 0 only)."""
+    tensorboard: bool = True
+    """Write TensorBoard events to <output_dir>/tensorboard."""
+    plot: bool = True
+    """Write <output_dir>/loss.png at the end."""
+    sample_prompt: str = "def "
+    """Prompt for the sample generated at the end of training; empty disables it."""
+    sample_tokens: int = 200
+    """Tokens generated for that sample."""
+    pipeline_trace: bool = False
+    """With pipeline_parallel.degree > 1: write a Chrome trace of the last step's measured compute and communication per stage (<output_dir>/pipeline_trace.json)."""
+
+    def validate(self) -> None:
+        if self.sample_tokens < 0:
+            raise ConfigError(f"logging.sample_tokens = {self.sample_tokens}: must be >= 0")
+
+
+@dataclass
+class DataParallelConfig:
+    replicate: int = -1
+    """Data-parallel replicas, each holding the whole model or a whole set of shards; -1 takes the ranks the other degrees leave."""
+    shard: int = 1
+    """Ranks the model states are sharded over with ZeRO (needs zero_stage >= 1); dp = replicate x shard."""
+    zero_stage: int = 0
+    """0: DDP (nothing sharded); 1: optimizer states; 2: + gradients; 3: + parameters (ZeRO)."""
+    param_dtype: str = "fp32"
+    """Compute weights with ZeRO: `fp32`, or `bf16` with fp32 master shards (mixed precision)."""
+    offload: bool = False
+    """ZeRO-Offload: keep fp32 masters and optimizer states on the CPU and run the step there."""
+    mode: str = "ddp"
+    """Data parallelism by all-reduce (`ddp`, with ZeRO when zero_stage > 0) or by parameter servers (`ps`: see [parameter_server])."""
+
+    def validate(self) -> None:
+        if self.replicate == 0 or self.replicate < -1:
+            raise ConfigError(f"data_parallel.replicate = {self.replicate}: use a positive degree or -1 (all ranks)")
+        _positive("data_parallel", self, "shard")
+        check_choice("data_parallel.param_dtype", self.param_dtype, DTYPES)
+        check_choice("data_parallel.mode", self.mode, ("ddp", "ps"))
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"data_parallel.zero_stage = {self.zero_stage}: use 0 (DDP), 1, 2 or 3")
+        if self.zero_stage == 0 and self.shard > 1:
+            raise ConfigError(f"data_parallel.shard = {self.shard} shards model states with ZeRO: set data_parallel.zero_stage to 1, 2 or 3")
+        if self.zero_stage == 0 and (self.param_dtype != "fp32" or self.offload):
+            raise ConfigError("data_parallel.param_dtype = bf16 and data_parallel.offload need ZeRO: set data_parallel.zero_stage >= 1")
+
+
+@dataclass
+class TensorParallelConfig:
+    degree: int = 1
+    """Tensor-parallel degree (Megatron): attention heads, MLP width and vocabulary split over this many ranks."""
+    sequence_parallel: bool = False
+    """With degree > 1: norms and residuals run on 1/degree of the sequence (all-gather / reduce-scatter instead of all-reduce)."""
+
+    def validate(self) -> None:
+        _positive("tensor_parallel", self, "degree")
+
+
+@dataclass
+class ContextParallelConfig:
+    degree: int = 1
+    """Context-parallel degree: each sequence is split over this many ranks (load-balanced causal chunks)."""
+    method: str = "ring"
+    """Context-parallel attention: `ring` (K/V blocks passed around a ring), `ulysses` (all-to-all to heads) or `2d` (both)."""
+    heads: int = 2
+    """With method = 2d: the head-parallel (Ulysses) degree; the ring takes degree / heads ranks."""
+
+    def validate(self) -> None:
+        _positive("context_parallel", self, "degree", "heads")
+
+
+@dataclass
+class PipelineParallelConfig:
+    degree: int = 1
+    """Pipeline-parallel degree: the layers are split by depth over this many ranks; train.grad_accum_steps micro-batches flow through them."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: `gpipe`, `1f1b`, `interleaved` (needs virtual >= 2) or `zb-h1` (zero bubble)."""
+    virtual: int = 1
+    """Virtual stages per pipeline rank (the interleaved schedule): degree x virtual stages in all."""
+    layers_per_stage: list[int] = field(default_factory=list)
+    """Blocks per stage, e.g. `3,4,4,3`, overriding the balanced split; empty = balance by `balance`."""
+    balance: str = "flops"
+    """Cost the stage split balances: `flops` (training FLOPs, head included) or `params` (parameters, embedding included)."""
+
+    def validate(self) -> None:
+        _positive("pipeline_parallel", self, "degree", "virtual")
+        if self.degree == 1 and (self.virtual > 1 or self.layers_per_stage):
+            raise ConfigError("pipeline_parallel.virtual and pipeline_parallel.layers_per_stage split a pipeline: "
+                              "set pipeline_parallel.degree > 1")
+
+
+@dataclass
+class GradientCommConfig:
+    bucket_mb: float = 25.0
+    """DDP gradient bucket size in MiB: smaller starts communication earlier, larger sends fewer messages."""
+    reduce_dtype: str = "fp32"
+    """Dtype gradients are reduced in (DDP and ZeRO): `fp32`, or `bf16` (half the bytes on the wire, less precise)."""
+    allreduce_algorithm: str = "native"
+    """How DDP buckets are summed: `native` (the backend's), a hand-written `ring`, `halving_doubling`, `rabenseifner`, `butterfly`, `tree`, `double_tree`, `hierarchical`, `torus`, or `auto` (the cost model's fastest per bucket, links measured at start)."""
+    node_size: int = 0
+    """Ranks per node for `hierarchical` and `auto`: 0 takes LOCAL_WORLD_SIZE; set it to split one machine into pretend nodes."""
+    schedule: str = "fifo"
+    """Order of DDP gradient communication: `fifo` (buckets as backward fills them) or `priority` (slices in next-forward order, each module's update deferred to its next forward; needs train.max_grad_norm = 0)."""
+    slice_mb: float = 1.0
+    """With schedule = priority: size of the slices buckets are cut into, in MiB."""
+    compression: str = "none"
+    """DDP gradient compression: `none`, `int8` (block quantised), `sign` (1 bit + scale, error feedback), `topk` (error feedback) or `powersgd` (low rank, error feedback)."""
+    compression_block: int = 256
+    """Values per scale for `int8` and `sign` (a multiple of 8)."""
+    topk_ratio: float = 0.01
+    """Fraction of each bucket's values `topk` sends."""
+    powersgd_rank: int = 4
+    """Rank r of the `powersgd` approximation of each weight matrix."""
+
+    def validate(self) -> None:
+        for name in ("bucket_mb", "slice_mb"):
+            if not getattr(self, name) > 0:  # also refuses nan
+                raise ConfigError(f"gradient_comm.{name} = {getattr(self, name)}: must be positive")
+        check_choice("gradient_comm.reduce_dtype", self.reduce_dtype, DTYPES)
+        if self.node_size < 0:
+            raise ConfigError(f"gradient_comm.node_size = {self.node_size}: use 0 (LOCAL_WORLD_SIZE) or a positive rank count")
+        if self.compression_block < 8 or self.compression_block % 8:
+            raise ConfigError(f"gradient_comm.compression_block = {self.compression_block}: must be a positive multiple of 8")
+        if not 0 < self.topk_ratio <= 1:
+            raise ConfigError(f"gradient_comm.topk_ratio = {self.topk_ratio}: must be in (0, 1]")
+        _positive("gradient_comm", self, "powersgd_rank")
+
+
+@dataclass
+class ParameterServerConfig:
+    servers: int = 1
+    """With data_parallel.mode = ps: server ranks (the last ones) holding parameter shards and their optimizer."""
+    sync: str = "bsp"
+    """With data_parallel.mode = ps: `bsp` (synchronous, equals DDP), `asp` (asynchronous) or `ssp` (stale synchronous, bounded by staleness)."""
+    staleness: int = 2
+    """With sync = ssp: the most steps a worker may run ahead of the slowest."""
+
+    def validate(self) -> None:
+        _positive("parameter_server", self, "servers")
+        if self.staleness < 0:
+            raise ConfigError(f"parameter_server.staleness = {self.staleness}: must be >= 0")
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=lambda: get_preset("tiny"))
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
+    pipeline_parallel: PipelineParallelConfig = field(default_factory=PipelineParallelConfig)
+    gradient_comm: GradientCommConfig = field(default_factory=GradientCommConfig)
+    parameter_server: ParameterServerConfig = field(default_factory=ParameterServerConfig)
+
+    def validate(self) -> "JobConfig":
+        """Each section on its own, then the rules that tie sections together (fold name lists: parallel.validate)."""
+        for section in SECTIONS:
+            validate = getattr(getattr(self, section), "validate", None)
+            if validate is not None:
+                validate()
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"train.seq_len = {self.train.seq_len} exceeds model.max_seq_len = {self.model.max_seq_len}: "
+                "lower train.seq_len or raise model.max_seq_len"
+            )
+        self._validate_data_parallel()
+        self._validate_gradient_comm()
+        self._validate_parameter_server()
+        return self
+
+    def _validate_data_parallel(self) -> None:
+        dp = self.data_parallel
+        if dp.zero_stage > 0 and dp.shard * self.context_parallel.degree < 2:
+            raise ConfigError(f"data_parallel.zero_stage = {dp.zero_stage} needs data_parallel.shard x "
+                              "context_parallel.degree >= 2 ranks to shard over: raise data_parallel.shard")
+        if self.pipeline_parallel.degree > 1 and dp.zero_stage > 1:
+            raise ConfigError(
+                f"data_parallel.zero_stage = {dp.zero_stage} with pipeline_parallel.degree = {self.pipeline_parallel.degree}: "
+                "ZeRO-2/3 reduce-scatter (and ZeRO-3 regathers) per micro-batch backward, which the pipeline interleaves; "
+                "use zero_stage 0 or 1 with pipelining (as DeepSpeed's pipeline engine does)"
+            )
+
+    def _validate_gradient_comm(self) -> None:
+        """Settings that a mode would ignore are errors, never silence."""
+        comm, defaults, dp = self.gradient_comm, GradientCommConfig(), self.data_parallel
+        changed = [f.name for f in dataclasses.fields(comm) if getattr(comm, f.name) != getattr(defaults, f.name)]
+        ddp_only = [n for n in changed if n != "reduce_dtype"]
+        if dp.mode == "ps" and changed:
+            raise ConfigError(f"{', '.join('gradient_comm.' + n for n in changed)} shape DDP's gradient all-reduce; with "
+                              "data_parallel.mode = ps workers push whole fp32 gradients to the servers: leave them at "
+                              "their defaults")
+        if dp.zero_stage > 0 and ddp_only:
+            raise ConfigError(f"{', '.join('gradient_comm.' + n for n in ddp_only)} drive DDP's gradient buckets; with "
+                              f"data_parallel.zero_stage = {dp.zero_stage} gradients are reduce-scattered by ZeRO per flat "
+                              "group: set zero_stage = 0 or leave them at their defaults")
+        if comm.slice_mb != defaults.slice_mb and comm.schedule != "priority":
+            raise ConfigError("gradient_comm.slice_mb sizes the priority schedule's slices: set gradient_comm.schedule = "
+                              "priority or leave slice_mb at its default")
+        if comm.schedule == "priority":
+            if self.pipeline_parallel.degree > 1 or comm.compression != "none":
+                raise ConfigError("gradient_comm.schedule = priority re-orders DDP's dense bucket all-reduces: it needs "
+                                  "pipeline_parallel.degree 1 and gradient_comm.compression none")
+            if self.train.max_grad_norm > 0:
+                raise ConfigError(
+                    f"gradient_comm.schedule = priority updates each module as soon as its own gradients arrive; clipping "
+                    f"by the global norm (train.max_grad_norm = {self.train.max_grad_norm}) needs all of them first: "
+                    "set train.max_grad_norm = 0 or use schedule = fifo"
+                )
+
+    def _validate_parameter_server(self) -> None:
+        ps, defaults = self.parameter_server, ParameterServerConfig()
+        if self.data_parallel.mode != "ps":
+            changed = [f.name for f in dataclasses.fields(ps) if getattr(ps, f.name) != getattr(defaults, f.name)]
+            if changed:
+                raise ConfigError(f"{', '.join('parameter_server.' + n for n in changed)} only apply with "
+                                  "data_parallel.mode = ps: set the mode or remove them")
+            return
+        others = {"tensor_parallel.degree": self.tensor_parallel.degree, "context_parallel.degree": self.context_parallel.degree,
+                  "pipeline_parallel.degree": self.pipeline_parallel.degree, "data_parallel.shard": self.data_parallel.shard,
+                  "data_parallel.zero_stage": self.data_parallel.zero_stage + 1}
+        used = [name for name, value in others.items() if value != 1]
+        if used:
+            raise ConfigError(f"data_parallel.mode = ps keeps whole models on the workers: set {', '.join(used)} to its "
+                              "default (degrees and shard 1, zero_stage 0)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(JobConfig))

@@ -1,0 +1,37 @@
+"""Check a run's configuration against what each fold accepts, before any work starts.
+
+The config package checks values on their own and the rules tying sections together; the names a
+fold accepts and what a model must satisfy to be split its way live beside the fold and are
+checked from here: the all-reduce algorithms and codecs (comm/), the gradient schedules, the
+parameter server's consistency models, recomputation modes, context-parallel attention methods
+and their divisibility, tensor-parallel divisibility, and the pipeline schedule and stage split.
+`fivefold train`, `Trainer` and `roles.run` call `check_config` first.
+"""
+
+from __future__ import annotations
+
+from fivefold.comm.compression import CODECS
+from fivefold.comm.reducers import ALGORITHMS
+from fivefold.config import JobConfig, check_choice
+from fivefold.parallel.comm_schedule import SCHEDULES as COMM_SCHEDULES
+from fivefold.parallel.context_parallel import check_context_parallel
+from fivefold.parallel.parameter_server import SYNC_MODES
+from fivefold.parallel.pipeline.stages import check_pipeline
+from fivefold.parallel.recompute import RECOMPUTE_MODES
+from fivefold.parallel.tensor_parallel import check_tensor_parallel
+
+
+def check_config(config: JobConfig) -> JobConfig:
+    """Raise ConfigError naming the setting and the fix; returns the config for chaining."""
+    comm, cp, tp, t = config.gradient_comm, config.context_parallel, config.tensor_parallel, config.train
+    check_choice("gradient_comm.allreduce_algorithm", comm.allreduce_algorithm, ALGORITHMS)
+    check_choice("gradient_comm.compression", comm.compression, CODECS)
+    check_choice("gradient_comm.schedule", comm.schedule, COMM_SCHEDULES)
+    check_choice("parameter_server.sync", config.parameter_server.sync, SYNC_MODES)
+    check_choice("train.recompute", t.recompute, RECOMPUTE_MODES)
+    check_context_parallel(config.model, cp.degree, cp.method, cp.heads, tp.degree, t.seq_len)
+    # Tensor (and sequence) parallelism sees each context-parallel rank's part of the sequence.
+    check_tensor_parallel(config.model, tp.degree, tp.sequence_parallel, t.seq_len // cp.degree)
+    if config.pipeline_parallel.degree > 1:
+        check_pipeline(config.model, config.pipeline_parallel, t.seq_len, t.grad_accum_steps)
+    return config
