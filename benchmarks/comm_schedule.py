@@ -19,7 +19,7 @@ import json
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ranks import benchmark_arguments, benchmark_model, run_variants, spawn
+from ranks import benchmark_arguments, benchmark_model, loss_rel_diff, run_variants, spawn
 
 VARIANTS = ("ours-fifo", "ours-priority", "torch-ddp")
 
@@ -64,7 +64,7 @@ def _build(variant: str, config, args, world_size: int):
             else:
                 optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return sync.overlap if sync is not None else None
+        return sync.overlap if sync is not None else None, (float(loss) * labels.numel(), labels.numel())
 
     return step
 
@@ -72,13 +72,14 @@ def _build(variant: str, config, args, world_size: int):
 def _rank(rank: int, world_size: int, args) -> dict:
     config = benchmark_model(args)
     steps = {v: _build(v, config, args, world_size) for v in VARIANTS}
-    times, last = run_variants(steps, config.vocab_size, args, seed=rank)
+    times, last, losses = run_variants(steps, config.vocab_size, args, seed=rank)
+    agreement = loss_rel_diff(losses, [("ours-fifo", "torch-ddp"), ("ours-priority", "torch-ddp")])
     out = {}
     for v in VARIANTS:
         meter = last[v]
         hidden = torch.tensor(meter.hidden_fraction() if meter is not None else float("nan"))
         dist.all_reduce(hidden)  # mean over ranks
-        out[v] = {"step_ms": times[v], "hidden": float(hidden) / world_size}
+        out[v] = {"step_ms": times[v], "hidden": float(hidden) / world_size, "loss_rel_diff": agreement}
     return out
 
 
@@ -103,7 +104,8 @@ def main() -> None:
     print(f"step time vs torch-ddp: {ratios}")
     print(f"RESULT name=comm_schedule fifo_hidden={results['ours-fifo']['hidden']:.3f} "
           f"priority_hidden={results['ours-priority']['hidden']:.3f} "
-          f"fifo_vs_torch={results['ours-fifo']['step_ms'] / peer:.3f} priority_vs_torch={results['ours-priority']['step_ms'] / peer:.3f}")
+          f"fifo_vs_torch={results['ours-fifo']['step_ms'] / peer:.3f} priority_vs_torch={results['ours-priority']['step_ms'] / peer:.3f} "
+          f"loss_rel_diff={results['torch-ddp']['loss_rel_diff']:.3e}")
 
 
 if __name__ == "__main__":

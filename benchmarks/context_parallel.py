@@ -19,14 +19,14 @@ from __future__ import annotations
 import copy
 import json
 
-from ranks import benchmark_arguments, benchmark_model, run_variants, spawn
+from ranks import benchmark_arguments, benchmark_model, loss_rel_diff, run_variants, spawn
 
 METHODS = ("none", "ring", "ulysses", "2d")
 PEER = "ring"
 
 
 def _build(method: str, config, world_size: int, cp_heads: int):
-    from fivefold.config import ParallelConfig
+    from fivefold.config import ContextParallelConfig
     from fivefold.model import build_model, materialize
     from fivefold.parallel.mesh import Mesh, ParallelDims, build_mesh
     from fivefold.parallel.parallelize import apply_model_parallel
@@ -34,10 +34,10 @@ def _build(method: str, config, world_size: int, cp_heads: int):
 
     model = materialize(build_model(config), "cpu", seed=0)
     if method == "none":
-        plan = apply_model_parallel(model, Mesh.single(), ParallelConfig())
+        plan = apply_model_parallel(model, Mesh.single())
     else:
         mesh = build_mesh(ParallelDims(cp=world_size, world_size=world_size), "cpu")
-        plan = apply_model_parallel(model, mesh, ParallelConfig(cp=world_size, cp_method=method, cp_heads=cp_heads))
+        plan = apply_model_parallel(model, mesh, context=ContextParallelConfig(world_size, method, cp_heads))
     params = list(model.parameters())
 
     def step(inputs, labels):
@@ -48,7 +48,7 @@ def _build(method: str, config, world_size: int, cp_heads: int):
         losses[0].backward()
         for p in params:
             p.grad = None
-        return saved
+        return saved, (float(losses[0]) * labels.numel(), labels.numel())
 
     return step
 
@@ -62,8 +62,10 @@ def _rank(rank: int, world_size: int, args) -> dict:
     for seq_len in seq_lens:
         shape = copy.copy(args)
         shape.seq_len = seq_len
-        times, saved = run_variants(steps, config.vocab_size, shape, seed=seq_len)
-        rows[seq_len] = {m: {"step_ms": times[m], "saved_mib": saved[m] / 2**20} for m in METHODS}
+        times, saved, losses = run_variants(steps, config.vocab_size, shape, seed=seq_len)
+        agreement = loss_rel_diff(losses, [(m, PEER) for m in METHODS if m != PEER])
+        rows[seq_len] = {m: {"step_ms": times[m], "saved_mib": saved[m] / 2**20, "loss_rel_diff": agreement}
+                         for m in METHODS}
     return rows
 
 
@@ -90,7 +92,9 @@ def main() -> None:
             print(f"{seq_len:>6} {method:<8} {row['step_ms']:>13.1f} {row['saved_mib']:>17.2f} {t:>11.2f}x {m:>12.2f}x")
             if method != PEER:
                 result.append(f"{method}_vs_ring_time_s{seq_len}={t:.3f}")
-    print("RESULT name=context_parallel " + " ".join(result))
+    agreement = max(rows[PEER]["loss_rel_diff"] for rows in table.values())
+    print(f"losses, every method vs {PEER}: largest relative difference {agreement:.1e}")
+    print("RESULT name=context_parallel " + " ".join(result) + f" loss_rel_diff={agreement:.3e}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import json
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ranks import benchmark_arguments, benchmark_model, run_variants, spawn
+from ranks import benchmark_arguments, benchmark_model, loss_rel_diff, run_variants, spawn
 
 VARIANTS = ("ours-ddp", "torch-ddp", "ours-zero3", "fsdp2")
 PEERS = {"ours-ddp": "torch-ddp", "ours-zero3": "fsdp2"}
@@ -92,7 +92,7 @@ def _build(variant: str, config, group, world_size: int):
             params = list(model.parameters())
             memory = _storage_bytes([*params, *(p.grad for p in params), *_optimizer_tensors(optimizer)])
         optimizer.zero_grad(set_to_none=True)
-        return memory
+        return memory, (float(loss) * labels.numel(), labels.numel())
 
     return step
 
@@ -100,8 +100,9 @@ def _build(variant: str, config, group, world_size: int):
 def _rank(rank: int, world_size: int, args) -> dict:
     config = benchmark_model(args)
     steps = {v: _build(v, config, dist.group.WORLD, world_size) for v in VARIANTS}
-    times, memory = run_variants(steps, config.vocab_size, args, seed=rank)  # each rank its own batch
-    return {v: {"step_ms": times[v], "model_state_mib": memory[v] / 2**20} for v in VARIANTS}
+    times, memory, losses = run_variants(steps, config.vocab_size, args, seed=rank)  # each rank its own batch
+    return {"rows": {v: {"step_ms": times[v], "model_state_mib": memory[v] / 2**20} for v in VARIANTS},
+            "loss_rel_diff": loss_rel_diff(losses, list(PEERS.items()))}
 
 
 def main() -> None:
@@ -109,7 +110,9 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
 
-    results = {w: spawn(_rank, w, args, args.timeout) for w in args.world_sizes}
+    measured = {w: spawn(_rank, w, args, args.timeout) for w in args.world_sizes}
+    results = {w: m["rows"] for w, m in measured.items()}
+    agreement = max(m["loss_rel_diff"] for m in measured.values())
     if args.json:
         print(json.dumps({"config": vars(args), "results": results}, indent=2))
     print(f"{args.preset}, per-rank batch {args.batch} x {args.seq_len}, gloo on CPU, median of {args.rounds} rounds")
@@ -123,7 +126,8 @@ def main() -> None:
             mem_ratio = rows[ours]["model_state_mib"] / rows[peer]["model_state_mib"]
             print(f"{world:>5} {ours} / {peer}: step time x{time_ratio:.2f}, memory x{mem_ratio:.2f}")
             ratios.append(f"{ours}_vs_{peer}_x{world}_time={time_ratio:.3f} {ours}_vs_{peer}_x{world}_mem={mem_ratio:.3f}")
-    print("RESULT name=data_parallel " + " ".join(ratios))
+    print(f"first-step losses, ours vs peers: largest relative difference {agreement:.1e}")
+    print("RESULT name=data_parallel " + " ".join(ratios) + f" loss_rel_diff={agreement:.3e}")
 
 
 if __name__ == "__main__":

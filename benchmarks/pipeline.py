@@ -125,8 +125,10 @@ def _rank(rank: int, world_size: int, args) -> dict:
     results = {}
     for schedule in args.schedules.split(","):
         steps, memory, executor = _build(schedule, config, args, rank, world_size, total_tokens)
-        wrapped = {name: (lambda tokens, step=step: step(tokens[:, :-1], tokens[:, 1:])) for name, step in steps.items()}
-        times, last = timed_rounds(wrapped, make_batch, args.warmup, args.rounds)
+        # the losses are compared below, on one more batch, after the whole pipeline summed them
+        wrapped = {name: (lambda tokens, step=step: (step(tokens[:, :-1], tokens[:, 1:]), (0.0, 1)))
+                   for name, step in steps.items()}
+        times, last, _ = timed_rounds(wrapped, make_batch, args.warmup, args.rounds)
         tokens = make_batch()
         losses = {name: torch.tensor(step(tokens[:, :-1], tokens[:, 1:])) for name, step in steps.items()}
         events: list = [None] * world_size
@@ -175,7 +177,8 @@ def main() -> None:
         result += [f"{key}_time={r['ms']['ours'] / r['ms']['peer']:.3f}",
                    f"{key}_mem={r['peak_saved_mib']['ours'] / r['peak_saved_mib']['peer']:.3f}",
                    f"{key}_bubble={r['bubble']:.3f}"]
-    print("RESULT name=pipeline " + " ".join(result))
+    agreement = max(r["loss_rel_diff"] for r in results.values())
+    print("RESULT name=pipeline " + " ".join(result) + f" loss_rel_diff={agreement:.3e}")
 
 
 if __name__ == "__main__":

@@ -48,23 +48,40 @@ def spawn(target: Callable[[int, int, Any], Any], world_size: int, args: Any, ti
 
 
 def timed_rounds(steps: dict[str, Callable[[torch.Tensor], Any]], make_batch: Callable[[], torch.Tensor],
-                 warmup: int, rounds: int) -> tuple[dict[str, float], dict[str, Any]]:
-    """Median step time in ms per variant (max over ranks), and each variant's last return value."""
+                 warmup: int, rounds: int) -> tuple[dict[str, float], dict[str, Any], dict[str, float]]:
+    """Median step time in ms per variant (max over ranks), each variant's last value, and its first loss.
+
+    A step returns `(value, (loss_sum, tokens))`: the loss it computed, as this rank's sum over its
+    tokens. The first round runs every variant on the same weights and batch, so their losses must
+    agree: the third result is each variant's loss over all ranks (sum / tokens) in that round.
+    """
     names = list(steps)
     times: dict[str, list[float]] = {name: [] for name in names}
     last: dict[str, Any] = {}
+    first: dict[str, tuple[float, float]] = {}
     for round_index in range(warmup + rounds):
         shift = round_index % len(names)
         batch = make_batch()
         for name in names[shift:] + names[:shift]:
             dist.barrier()
             start = time.perf_counter()
-            last[name] = steps[name](batch)
+            last[name], loss = steps[name](batch)
             elapsed = torch.tensor(time.perf_counter() - start)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            first.setdefault(name, loss)
             if round_index >= warmup:
                 times[name].append(float(elapsed))
-    return {name: statistics.median(times[name]) * 1e3 for name in names}, last
+    losses = {}
+    for name in names:
+        total = torch.tensor([float(first[name][0]), float(first[name][1])], dtype=torch.float64)
+        dist.all_reduce(total)
+        losses[name] = float(total[0] / total[1])
+    return {name: statistics.median(times[name]) * 1e3 for name in names}, last, losses
+
+
+def loss_rel_diff(losses: dict[str, float], pairs: list[tuple[str, str]]) -> float:
+    """Largest relative difference between the losses of compared variants (ours, peer)."""
+    return max(abs(losses[ours] - losses[peer]) / abs(losses[peer]) for ours, peer in pairs)
 
 
 def benchmark_model(args: Any):

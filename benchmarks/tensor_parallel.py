@@ -20,7 +20,7 @@ import json
 
 import torch
 import torch.nn.functional as F
-from ranks import benchmark_arguments, benchmark_model, run_variants, spawn
+from ranks import benchmark_arguments, benchmark_model, loss_rel_diff, run_variants, spawn
 
 VARIANTS = ("ours-tp", "ours-tp-sp", "dtensor-tp")
 PEER = "dtensor-tp"
@@ -53,7 +53,7 @@ def _build(variant: str, config, world_size: int):
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
                                                    parallelize_module)
 
-    from fivefold.config import OptimConfig, ParallelConfig
+    from fivefold.config import OptimConfig, TensorParallelConfig
     from fivefold.model import build_model, materialize
     from fivefold.parallel.mesh import ParallelDims, build_mesh
     from fivefold.parallel.parallelize import apply_model_parallel
@@ -62,7 +62,7 @@ def _build(variant: str, config, world_size: int):
     model = materialize(build_model(config), "cpu", seed=0)
     if variant.startswith("ours"):
         mesh = build_mesh(ParallelDims(tp=world_size, world_size=world_size), "cpu")
-        plan = apply_model_parallel(model, mesh, ParallelConfig(tp=world_size, sequence_parallel=variant.endswith("sp")))
+        plan = apply_model_parallel(model, mesh, TensorParallelConfig(world_size, variant.endswith("sp")))
         loss_of = plan.loss_sum
         context = torch.enable_grad
     else:
@@ -90,7 +90,7 @@ def _build(variant: str, config, world_size: int):
             loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return saved
+        return saved, (float(loss), 1)  # every tensor-parallel rank holds the whole loss
 
     return step
 
@@ -98,8 +98,9 @@ def _build(variant: str, config, world_size: int):
 def _rank(rank: int, world_size: int, args) -> dict:
     config = benchmark_model(args)
     steps = {v: _build(v, config, world_size) for v in VARIANTS}
-    times, saved = run_variants(steps, config.vocab_size, args, seed=0)  # every TP rank sees the same batch
-    return {v: {"step_ms": times[v], "saved_mib": saved[v] / 2**20} for v in VARIANTS}
+    times, saved, losses = run_variants(steps, config.vocab_size, args, seed=0)  # every TP rank sees the same batch
+    agreement = loss_rel_diff(losses, [(v, PEER) for v in VARIANTS if v != PEER])
+    return {v: {"step_ms": times[v], "saved_mib": saved[v] / 2**20, "loss_rel_diff": agreement} for v in VARIANTS}
 
 
 def main() -> None:
@@ -120,7 +121,9 @@ def main() -> None:
         m = rows[ours]["saved_mib"] / rows[PEER]["saved_mib"]
         print(f"{ours} / {PEER}: step time x{t:.2f}, saved activations x{m:.2f}")
         ratios.append(f"{ours}_vs_{PEER}_time={t:.3f} {ours}_vs_{PEER}_saved={m:.3f}")
-    print("RESULT name=tensor_parallel " + " ".join(ratios))
+    agreement = rows[PEER]["loss_rel_diff"]
+    print(f"first-step losses, ours vs {PEER}: largest relative difference {agreement:.1e}")
+    print("RESULT name=tensor_parallel " + " ".join(ratios) + f" loss_rel_diff={agreement:.3e}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Benchmarks run and report (no timing assertions: performance is measured, not asserted)."""
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,8 @@ import pytest
 ROOT = Path(__file__).parent.parent
 
 
+LOSS_RTOL = 1e-4
+TEXT_FIELDS = {"name", "preset", "dtype", "device"}
 SMALL = ["--layers", "1", "--batch", "1", "--seq-len", "16", "--rounds", "1", "--warmup", "0"]
 
 
@@ -29,3 +32,8 @@ def test_benchmark_runs_and_prints_result(script, extra, expected):
     name = script.removesuffix(".py")
     result = [line for line in out.splitlines() if line.startswith(f"RESULT name={name}")]
     assert len(result) == 1 and expected in result[0]
+    fields = dict(item.split("=", 1) for item in result[0].split()[1:])
+    numbers = {key: float(value) for key, value in fields.items() if key not in TEXT_FIELDS}
+    assert numbers and all(math.isfinite(v) and v >= 0 for v in numbers.values()), fields
+    # the compared runs computed the same loss on the same weights and batch (summation order aside)
+    assert numbers["loss_rel_diff"] <= LOSS_RTOL, fields

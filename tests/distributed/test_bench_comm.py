@@ -26,7 +26,7 @@ def test_bench_comm_table_and_json(tmp_path, world_size):
                           "--min-bytes=1K", "--max-bytes=4K", "--iters=3", "--warmup=1", f"--json={out}"],
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "busbw(GB/s)" in run.stdout and "meas/pred" in run.stdout
+    assert "busbw(GB/s)" in run.stdout and "meas/pred" in run.stdout and "sent(B)" in run.stdout
     report = json.loads(out.read_text())
     assert report["world_size"] == world_size and report["backend"] == "gloo"
     seen = {(r["collective"], r["algorithm"]) for r in report["rows"]}
@@ -39,3 +39,9 @@ def test_bench_comm_table_and_json(tmp_path, world_size):
         if row["predicted_us"]:
             assert row["predicted_us"] > 0
             assert row["measured_over_predicted"] == pytest.approx(row["time_us"] / row["predicted_us"])
+    # the cost model's bytes against the bytes the busiest rank really sent (counted at isend)
+    checked = [r for r in report["rows"] if r["predicted_bytes"] is not None]
+    assert {(r["collective"], r["algorithm"]) for r in checked} >= {("all_reduce", a) for a in
+                                                                     ("ring", "halving_doubling", "rabenseifner", "tree")}
+    for row in checked:
+        assert row["sent_bytes"] == pytest.approx(row["predicted_bytes"]), (row["collective"], row["algorithm"], row["size"])

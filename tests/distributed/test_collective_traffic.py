@@ -58,7 +58,8 @@ def _count(rank: int, world_size: int, cases) -> list[tuple[int, int]]:
     return counts
 
 
-CASES = [("all_reduce", a, 0) for a in ("ring", "halving_doubling", "rabenseifner", "butterfly", "torus")] + [
+CASES = [("all_reduce", a, 0) for a in ("ring", "halving_doubling", "rabenseifner", "butterfly", "torus", "tree",
+                                        "double_tree")] + [
     ("all_reduce", "hierarchical", 2),
     ("reduce_scatter", "ring", 0), ("all_gather", "ring", 0), ("reduce_scatter", "recursive", 0),
     ("all_gather", "recursive", 0), ("broadcast", "binomial", 0), ("all_to_all", "pairwise", 0),
@@ -76,3 +77,42 @@ def test_busiest_rank_sends_what_the_formulas_count(world_size):
         sent = max(counts[index][1] for counts in per_rank)
         expected = traffic(collective, algorithm, N * 4, world_size, node_size)
         assert (messages, sent) == (expected[0], pytest.approx(expected[1])), (collective, algorithm, world_size)
+
+
+def _reducer_bytes(rank: int, world_size: int, algorithms) -> list[tuple[int, int]]:
+    """(bytes this rank sent, the reducer's wire_bytes) for one DDP bucket per algorithm."""
+    from torch import nn
+
+    from fivefold.comm.reducers import AlgorithmReducer
+    from fivefold.parallel.data_parallel import make_buckets
+
+    sent = []
+    original = c10d.isend
+
+    def counting_isend(tensor, *args, **kwargs):
+        sent.append(tensor.numel() * tensor.element_size())
+        return original(tensor, *args, **kwargs)
+
+    out = []
+    for algorithm in algorithms:
+        reducer = AlgorithmReducer(dist.group.WORLD, algorithm, node_size=2)
+        bucket = make_buckets([nn.Parameter(torch.ones(N)), nn.Parameter(torch.ones(N // 2))], 25.0, None)[0]
+        dist.barrier()
+        c10d.isend = dist.isend = counting_isend
+        try:
+            sent.clear()
+            reducer.reduce(0, bucket)
+        finally:
+            c10d.isend = dist.isend = original
+        out.append((sum(sent), reducer.wire_bytes(0, bucket)))
+    return out
+
+
+def test_ddp_wire_bytes_are_the_bytes_the_algorithm_sends():
+    """The wire_bytes training logs per bucket equal the busiest rank's bytes counted at isend, per algorithm."""
+    algorithms = ("ring", "halving_doubling", "rabenseifner", "tree", "double_tree", "butterfly", "hierarchical")
+    per_rank = run_distributed(_reducer_bytes, 4, algorithms)
+    for index, algorithm in enumerate(algorithms):
+        busiest = max(counts[index][0] for counts in per_rank)
+        reported = {counts[index][1] for counts in per_rank}
+        assert reported == {busiest}, (algorithm, busiest, reported)

@@ -41,7 +41,8 @@ def _same_everywhere(t: torch.Tensor) -> bool:
 
 def _check(rank: int, world_size: int, name: str) -> dict:
     from fivefold.comm.compression import build_codec
-    from fivefold.comm.reducers import NativeReducer, all_reduce_bytes
+    from fivefold.comm.cost import all_reduce_bytes
+    from fivefold.comm.reducers import NativeReducer
 
     group = dist.group.WORLD
     codec = build_codec(name, group, NativeReducer(group), block=64, topk_ratio=0.05, powersgd_rank=2)

@@ -14,6 +14,7 @@ Run under torchrun (`fivefold bench comm --nproc-per-node 4` starts it); gloo on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -24,10 +25,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from fivefold.comm import ALL_REDUCE, all_reduce, default_node_size
 from fivefold.comm.alltoall import pairwise_all_to_all
-from fivefold.comm.cost import predict_collective
+from fivefold.comm.cost import predict_collective, traffic
 from fivefold.comm.measure import measure_cluster
 from fivefold.comm.p2p import Ranks
 from fivefold.comm.recursive import recursive_all_gather, recursive_reduce_scatter
@@ -64,6 +66,8 @@ class Row:
     algbw_gbs: float
     busbw_gbs: float
     predicted_us: float | None
+    sent_bytes: int | None = None  # bytes the busiest rank sent in one call, counted at isend
+    predicted_bytes: float | None = None  # the cost model's count for the busiest rank (cost.traffic)
 
     @property
     def ratio(self) -> float | None:
@@ -91,6 +95,34 @@ def operation(collective: str, algorithm: str, x: torch.Tensor, ranks: Ranks, no
                 "chain": lambda: chain_broadcast(x, ranks)}[algorithm]
     out = torch.empty_like(x)
     return {"native": lambda: dist.all_to_all_single(out, x), "pairwise": lambda: pairwise_all_to_all(out, x, ranks)}[algorithm]
+
+
+@contextlib.contextmanager
+def counting_sends(sent: list[int]):
+    """Record the bytes of every point-to-point send (the hand-written collectives' `send` and
+    `batch_isend_irecv` both go through torch.distributed's isend)."""
+    original = c10d.isend
+
+    def isend(tensor, *args, **kwargs):
+        sent.append(tensor.numel() * tensor.element_size())
+        return original(tensor, *args, **kwargs)
+
+    c10d.isend = dist.isend = isend
+    try:
+        yield
+    finally:
+        c10d.isend = dist.isend = original
+
+
+def busiest_sent_bytes(fn) -> int:
+    """Bytes the busiest rank sends in one call of fn (collective)."""
+    sent: list[int] = []
+    dist.barrier()
+    with counting_sends(sent):
+        fn()
+    total = torch.tensor([sum(sent)], dtype=torch.int64)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    return int(total)
 
 
 def time_call(fn, iterations: int, warmup: int, device: torch.device) -> float:
@@ -134,14 +166,20 @@ def run(args: argparse.Namespace) -> dict:
                 count = max(p, size // 4 // p * p)  # float32 elements, a multiple of p
                 x = torch.zeros(count, dtype=torch.float32, device=device)
                 iterations = max(2, min(args.iters, math.ceil(args.bytes_per_row / (count * 4))))
-                seconds = time_call(operation(collective, algorithm, x, ranks, node_size), iterations, args.warmup, device)
+                call = operation(collective, algorithm, x, ranks, node_size)
+                seconds = time_call(call, iterations, args.warmup, device)
                 nbytes = count * 4
                 algbw = nbytes / seconds / 1e9
-                predicted = None
+                predicted, sent, predicted_bytes = None, None, None
                 if algorithm != "native":
                     predicted = predict_collective(collective, algorithm, nbytes, p, cluster) * 1e6
+                    sent = busiest_sent_bytes(call)
+                    try:
+                        predicted_bytes = traffic(collective, algorithm, nbytes, p, node_size)[1]
+                    except ValueError:  # no closed-form count for this algorithm at this p (e.g. chain)
+                        predicted_bytes = None
                 rows.append(Row(collective, algorithm, nbytes, count, "float32", seconds * 1e6, algbw,
-                                algbw * bus_factor(collective, p), predicted))
+                                algbw * bus_factor(collective, p), predicted, sent, predicted_bytes))
     return {"world_size": p, "backend": dist.get_backend(), "device": device.type, "node_size": node_size,
             "links": {"intra": asdict(cluster.intra), "inter": asdict(cluster.inter)},
             "rows": [asdict(r) | {"measured_over_predicted": r.ratio} for r in rows]}
@@ -156,13 +194,16 @@ def format_table(report: dict) -> str:
         f"inter alpha {inter['alpha'] * 1e6:.1f} us, {1 / max(inter['beta'], 1e-30) / 1e9:.2f} GB/s; "
         f"reduction {1 / max(intra['gamma'], 1e-30) / 1e9:.2f} GB/s",
         f"# {'collective':<15}{'algorithm':<17}{'size(B)':>10}{'count':>10}{'type':>8}{'time(us)':>12}"
-        f"{'algbw(GB/s)':>13}{'busbw(GB/s)':>13}{'pred(us)':>11}{'meas/pred':>10}",
+        f"{'algbw(GB/s)':>13}{'busbw(GB/s)':>13}{'pred(us)':>11}{'meas/pred':>10}{'sent(B)':>10}{'pred(B)':>10}",
     ]
     for r in report["rows"]:
         predicted = f"{r['predicted_us']:>11.1f}" if r["predicted_us"] else f"{'-':>11}"
         ratio = f"{r['measured_over_predicted']:>10.2f}" if r["measured_over_predicted"] else f"{'-':>10}"
+        sent = f"{r['sent_bytes']:>10}" if r["sent_bytes"] is not None else f"{'-':>10}"
+        predicted_bytes = f"{r['predicted_bytes']:>10.0f}" if r["predicted_bytes"] is not None else f"{'-':>10}"
         lines.append(f"  {r['collective']:<15}{r['algorithm']:<17}{r['size']:>10}{r['count']:>10}{r['dtype']:>8}"
-                     f"{r['time_us']:>12.1f}{r['algbw_gbs']:>13.3f}{r['busbw_gbs']:>13.3f}{predicted}{ratio}")
+                     f"{r['time_us']:>12.1f}{r['algbw_gbs']:>13.3f}{r['busbw_gbs']:>13.3f}{predicted}{ratio}"
+                     f"{sent}{predicted_bytes}")
     return "\n".join(lines)
 
 

@@ -36,8 +36,9 @@ import torch.distributed as dist
 
 from fivefold.comm.alltoall import pairwise_all_to_all
 from fivefold.comm.p2p import Ranks
-from fivefold.comm.reducers import all_reduce_bytes
+from fivefold.comm.cost import all_reduce_bytes
 from fivefold.comm.ring import ring_all_gather
+from fivefold.errors import ConfigError
 
 CODECS = ("none", "int8", "sign", "topk", "powersgd")
 
@@ -95,7 +96,7 @@ class _TwoPhaseCodec(_Codec, abc.ABC):
     def __init__(self, group: dist.ProcessGroup, block: int = 256):
         super().__init__(group)
         if block < 8 or block % 8:
-            raise ValueError(f"compression block {block}: must be a positive multiple of 8")
+            raise ConfigError(f"gradient_comm.compression_block = {block}: must be a positive multiple of 8")
         self.block = block
 
     @abc.abstractmethod
@@ -171,7 +172,7 @@ class TopKCodec(_Codec):
     def __init__(self, group: dist.ProcessGroup, ratio: float = 0.01):
         super().__init__(group)
         if not 0 < ratio <= 1:
-            raise ValueError(f"top-k ratio {ratio}: must be in (0, 1]")
+            raise ConfigError(f"gradient_comm.topk_ratio = {ratio}: must be in (0, 1]")
         self.ratio = ratio
 
     def k(self, numel: int) -> int:
@@ -205,7 +206,7 @@ class PowerSGDCodec(_Codec):
     def __init__(self, group: dist.ProcessGroup, dense, rank: int = 4, seed: int = 0):
         super().__init__(group)
         if rank < 1:
-            raise ValueError(f"PowerSGD rank {rank}: must be >= 1")
+            raise ConfigError(f"gradient_comm.powersgd_rank = {rank}: must be >= 1")
         self.dense, self.rank, self.seed = dense, rank, seed
         self.q: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -290,4 +291,4 @@ def build_codec(name: str, group: dist.ProcessGroup, dense, block: int = 256, to
         return TopKCodec(group, topk_ratio)
     if name == "powersgd":
         return PowerSGDCodec(group, dense, powersgd_rank, seed)
-    raise ValueError(f"compression {name!r} is not one of {', '.join(CODECS)}")
+    raise ConfigError(f"gradient_comm.compression = {name!r} is not one of {', '.join(CODECS)}")

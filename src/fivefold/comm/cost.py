@@ -44,6 +44,12 @@ class Cluster:
         return self.intra if p <= self.node_size else self.inter
 
 
+
+def all_reduce_bytes(nbytes: int, p: int) -> int:
+    """Bytes one rank sends in a bandwidth-optimal all-reduce of nbytes."""
+    return 2 * (p - 1) * nbytes // p
+
+
 def _folded(p: int) -> tuple[int, bool]:
     power = 1 << (p.bit_length() - 1)
     return power, power != p
@@ -191,10 +197,39 @@ def predict_collective(collective: str, algorithm: str, n: float, p: int, cluste
     raise ValueError(f"no cost formula for collective {collective!r}")
 
 
-def traffic(collective: str, algorithm: str, n: int, p: int, node_size: int = 0) -> tuple[int, float]:
+def _tree_links(p: int, position: int) -> int:
+    """Messages a heap-ordered binary tree's node sends per chunk of an all-reduce: up to its parent, down to its children."""
+    return int(position > 0) + sum(1 for child in (2 * position + 1, 2 * position + 2) if child < p)
+
+
+def _tree_traffic(n: float, p: int, double: bool, element_bytes: int) -> tuple[int, float]:
+    """Pipelined (double) binary tree all-reduce: per rank, each chunk goes up once and down to each child.
+
+    The double tree runs the first half of the vector on the tree and the second on its mirror
+    (rank p-1-q at position q), so interior nodes of one are leaves of the other (NCCL's double tree).
+    """
+    elements = int(n // element_bytes)
+    halves = [(0, elements // 2, False), (elements // 2, elements, True)] if double else [(0, elements, False)]
+    busiest = (0.0, 0)
+    for rank in range(p):
+        sent, messages = 0.0, 0
+        for lo, hi, mirrored in halves:
+            if hi <= lo:
+                continue
+            links = _tree_links(p, p - 1 - rank if mirrored else rank)
+            sent += links * (hi - lo) * element_bytes
+            messages += links * math.ceil((hi - lo) / DEFAULT_CHUNK_ELEMENTS)
+        busiest = max(busiest, (sent, messages))
+    return busiest[1], busiest[0]
+
+
+def traffic(collective: str, algorithm: str, n: int, p: int, node_size: int = 0,
+            element_bytes: int = 4) -> tuple[int, float]:
     """(messages, bytes) the busiest rank sends, as the formulas count them (n divisible by p)."""
     if p == 1:
         return 0, 0.0
+    if collective == "all_reduce" and algorithm in ("tree", "double_tree"):
+        return _tree_traffic(n, p, algorithm == "double_tree", element_bytes)
     power, folded = _folded(p)
     steps = _log2(power)
     if collective == "all_reduce":
