@@ -1,6 +1,9 @@
-"""User-facing exception families.
+"""User-facing exception families, all under one base.
 
-One type per family of failure, each message naming the setting at fault and the fix.
+Every failure fivefold raises on purpose is a `FivefoldError`: `ConfigError` for settings
+(also a ValueError), `DataError` for corpora and tokenizers, `CheckpointError` for checkpoint
+files, `ScheduleError` (parallel/pipeline/simulate.py) for instruction streams that cannot run.
+Each message names the setting or file at fault and the fix; the CLI prints it without a traceback.
 """
 
 

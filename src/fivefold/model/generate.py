@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from fivefold.model.llama import KVCache, Transformer
+from fivefold.errors import ConfigError
 
 
 @torch.no_grad()
@@ -27,7 +28,7 @@ def generate(
     Stops at `eos_id` (not returned) or when the sequence reaches the model's max_seq_len.
     """
     if not prompt:
-        raise ValueError("generate needs a non-empty prompt")
+        raise ConfigError("generate needs a non-empty prompt: pass --prompt TEXT")
     device = next(model.parameters()).device
     limit = min(len(prompt) + max_new_tokens, model.config.max_seq_len)
     tokens = torch.tensor([prompt[-model.config.max_seq_len :]], device=device)

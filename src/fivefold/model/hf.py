@@ -59,7 +59,7 @@ def fivefold_to_hf_name(name: str) -> str:
     for hf, ours in _LAYER_MAP.items():
         if ours == inner:
             return f"model.layers.{parts[1]}.{hf}.{leaf}"
-    raise ValueError(f"fivefold tensor {name!r} has no Hugging Face counterpart")
+    raise CheckpointError(f"fivefold tensor {name!r} has no Hugging Face counterpart: this model cannot be exported to the HF Llama format")
 
 
 def _rope_theta(hf: dict) -> float:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.model.config import ModelConfig
+from fivefold.errors import ConfigError
 
 # Residual-branch output projections get the GPT-2 / GPT-NeoX depth-scaled init.
 _RESIDUAL_OUTPUTS = ("attention.wo.weight", "feed_forward.w2.weight")
@@ -78,7 +79,8 @@ class KVCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         start, end = self.lengths[layer], self.lengths[layer] + k.shape[2]
         if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} positions; asked for {end}")
+            raise ConfigError(f"the KV cache holds model.max_seq_len = {self.max_len} positions; generation asked for {end}: "
+                              "generate fewer tokens or use a shorter prompt")
         self.keys[layer][:, :, start:end] = k
         self.values[layer][:, :, start:end] = v
         self.lengths[layer] = end
@@ -158,7 +160,7 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         if config.vocab_size < 1:
-            raise ValueError("ModelConfig.vocab_size must be set (0 means: take it from the tokenizer first)")
+            raise ConfigError("model.vocab_size must be set (0 means: take it from the tokenizer first)")
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         # A dict keyed by layer index keeps parameter names stable when layers are removed (pipeline stages).

@@ -20,10 +20,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from fivefold.parallel.pipeline.schedules import COMPUTE, Instruction, Op
+from fivefold.errors import FivefoldError
 
 
-class ScheduleError(RuntimeError):
-    pass
+class ScheduleError(FivefoldError, RuntimeError):
+    """An instruction stream that cannot run: a send without its receive, a pass before its input."""
 
 
 @dataclass(frozen=True)
