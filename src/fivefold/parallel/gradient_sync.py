@@ -72,12 +72,10 @@ def step_tensor(value: float) -> torch.Tensor:
 class GradientSync(abc.ABC):
     """One data-parallel scheme, attached to this rank's model part."""
 
-    reduces_every_micro_step = False  # ZeRO-2/3 reduce-scatter each micro-step to keep only shards
     gathers_in_forward = False  # ZeRO-3: every rank must run each forward (evaluation, generation)
     kind = "sync"
     reports_wire_bytes = False  # whether wire_bytes counts this scheme's gradient traffic
     collective_checkpoint = False  # True: every rank holds only its shard, so loading is collective
-    _sync = True
 
     def __init__(self, model: nn.Module, norm: GradNorm, tied_group: dist.ProcessGroup | None = None,
                  loss_group: dist.ProcessGroup | None = None):
@@ -87,14 +85,9 @@ class GradientSync(abc.ABC):
         self.overlap = None  # an OverlapMeter where reductions run on a communication thread
         self.optimizer: torch.optim.Optimizer
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulation micro-steps: no communication, unless the scheme must reduce every micro-step."""
-        self._sync = self.reduces_every_micro_step
-        try:
-            yield
-        finally:
-            self._sync = True
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Accumulation micro-steps: no communication (schemes with backward hooks gate them here)."""
+        return contextlib.nullcontext()
 
     @torch.no_grad()
     def finish(self) -> None:

@@ -356,7 +356,6 @@ class ZeroSync(GradientSync):
                  tied_group: dist.ProcessGroup | None = None, loss_group: dist.ProcessGroup | None = None):
         super().__init__(zero.model, norm, tied_group, loss_group)
         self.zero, self.optimizer, self.device_mesh = zero, optimizer, device_mesh
-        self.reduces_every_micro_step = zero.stage >= 2
         self.gathers_in_forward = zero.stage == 3
 
     def no_sync(self):
