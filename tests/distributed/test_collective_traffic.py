@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from distributed.spawn import run_distributed
 
@@ -26,13 +25,9 @@ def _count(rank: int, world_size: int, cases) -> list[tuple[int, int]]:
     from fivefold.comm.ring import ring_all_gather, ring_reduce_scatter
     from fivefold.comm.tree import binomial_broadcast
 
-    sent = []
-    original = c10d.isend
+    from fivefold.comm.bench import counting_sends
 
-    def counting_isend(tensor, *args, **kwargs):
-        sent.append(tensor.numel() * tensor.element_size())
-        return original(tensor, *args, **kwargs)
-
+    sent: list[int] = []
     ranks = Ranks.world()
     run = {
         ("reduce_scatter", "ring"): ring_reduce_scatter, ("reduce_scatter", "recursive"): recursive_reduce_scatter,
@@ -43,17 +38,14 @@ def _count(rank: int, world_size: int, cases) -> list[tuple[int, int]]:
     for collective, algorithm, node_size in cases:
         x = torch.ones(N, dtype=torch.float32)
         dist.barrier()
-        c10d.isend = dist.isend = counting_isend
-        try:
-            sent.clear()
+        sent.clear()
+        with counting_sends(sent):
             if collective == "all_reduce":
                 all_reduce(x, algorithm, ranks, node_size)
             elif collective == "all_to_all":
                 pairwise_all_to_all(torch.empty_like(x), x, ranks)
             else:
                 run[(collective, algorithm)](x, ranks)
-        finally:
-            c10d.isend = dist.isend = original
         counts.append((len(sent), sum(sent)))
     return counts
 
@@ -83,27 +75,19 @@ def _reducer_bytes(rank: int, world_size: int, algorithms) -> list[tuple[int, in
     """(bytes this rank sent, the reducer's wire_bytes) for one DDP bucket per algorithm."""
     from torch import nn
 
+    from fivefold.comm.bench import counting_sends
     from fivefold.comm.reducers import AlgorithmReducer
     from fivefold.parallel.data_parallel import make_buckets
 
-    sent = []
-    original = c10d.isend
-
-    def counting_isend(tensor, *args, **kwargs):
-        sent.append(tensor.numel() * tensor.element_size())
-        return original(tensor, *args, **kwargs)
-
+    sent: list[int] = []
     out = []
     for algorithm in algorithms:
         reducer = AlgorithmReducer(dist.group.WORLD, algorithm, node_size=2)
         bucket = make_buckets([nn.Parameter(torch.ones(N)), nn.Parameter(torch.ones(N // 2))], 25.0, None)[0]
         dist.barrier()
-        c10d.isend = dist.isend = counting_isend
-        try:
-            sent.clear()
+        sent.clear()
+        with counting_sends(sent):
             reducer.reduce(0, bucket)
-        finally:
-            c10d.isend = dist.isend = original
         out.append((sum(sent), reducer.wire_bytes(0, bucket)))
     return out
 

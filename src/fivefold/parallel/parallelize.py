@@ -144,8 +144,7 @@ def apply_data_parallel(model: Transformer, mesh: Mesh, config: JobConfig, norm:
     reduce_dtype = DTYPES[comm.reduce_dtype]
     if dp.zero_stage > 0:
         zero = ZeroDataParallel(model, mesh.group("dp_shard_cp"), mesh.group("dp_replicate"), dp.zero_stage,
-                                DTYPES[dp.param_dtype], reduce_dtype, dp.offload, norm_groups=norm.groups,
-                                norm_weight=norm.weight)
+                                DTYPES[dp.param_dtype], reduce_dtype, dp.offload, norm=norm)
         optimizer = build_adamw(zero.master_parameters(True), zero.master_parameters(False), config.optim)
         device_mesh = mesh.device_mesh["dp_replicate", "dp_shard_cp"]
         return ZeroSync(zero, optimizer, norm, device_mesh, tied_group, loss_group)

@@ -30,7 +30,6 @@ the replicas.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,7 +43,7 @@ from fivefold.parallel.checkpoint_layout import MOMENTS, ShardKey
 from fivefold.parallel.collectives import all_gather_flat, reduce_scatter_flat
 from fivefold.parallel.data_parallel import SkipOnAccumulation, broadcast_module
 from fivefold.parallel.flat_groups import GroupLayout, flat_group_layout, units
-from fivefold.parallel.gradient_sync import GradientSync, GradNorm, step_tensor
+from fivefold.parallel.gradient_sync import GradientSync, GradNorm, clip_, step_tensor
 from fivefold.plan.memory import ModelStateBytes, zero_model_states
 
 
@@ -94,8 +93,7 @@ class ZeroDataParallel(SkipOnAccumulation):
         param_dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype = torch.float32,
         offload: bool = False,
-        norm_groups: tuple[dist.ProcessGroup, ...] = (),
-        norm_weight: Callable[[nn.Parameter], float] | None = None,
+        norm: GradNorm = GradNorm(),
     ):
         if stage not in (1, 2, 3):
             raise ConfigError(f"data_parallel.zero_stage = {stage}: ZeRO stages are 1, 2 or 3")
@@ -110,7 +108,7 @@ class ZeroDataParallel(SkipOnAccumulation):
         self.offload = offload
         # Other ranks holding other parts of the model (tensor-parallel pieces, pipeline stages) and
         # the weight each parameter's squares get (1 / copies), for the global gradient norm.
-        self.norm_groups, self._norm_weight = tuple(norm_groups), norm_weight
+        self.norm = norm
         self._broadcast_parameters()
         self.units = [block for _, block in units(model)]
         self.groups = self._build_groups()
@@ -162,11 +160,11 @@ class ZeroDataParallel(SkipOnAccumulation):
 
     def _norm_weights(self, g: FlatGroup) -> torch.Tensor | None:
         """Per-element weight of this rank's shard in the norm, so values held by several ranks count once."""
-        if self._norm_weight is None:
+        if self.norm.weight is None:
             return None
         full = torch.zeros(g.padded_numel, dtype=torch.float64, device=self.device)
         for param, shape, offset in zip(g.params, g.shapes, g.offsets):
-            full[offset : offset + shape.numel()] = self._norm_weight(param)
+            full[offset : offset + shape.numel()] = self.norm.weight(param)
         return full[self.rank * g.shard_numel : (self.rank + 1) * g.shard_numel].clone()
 
     def master_parameters(self, decay: bool) -> list[nn.Parameter]:
@@ -288,15 +286,8 @@ class ZeroDataParallel(SkipOnAccumulation):
         """Global L2 norm of the gradient from the shards; scale the shards if it exceeds max_norm."""
         local = sum(float(g.grad_shard.double().pow(2).sum() if g.norm_weights is None
                           else (g.grad_shard.double().pow(2) * g.norm_weights).sum()) for g in self.groups)
-        total = torch.tensor(local, dtype=torch.float64, device=self.device)
-        dist.all_reduce(total, group=self.shard_group)
-        for group in self.norm_groups:  # the other tensor-parallel pieces and pipeline stages
-            dist.all_reduce(total, group=group)
-        norm = float(total.sqrt())
-        if norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
-            for g in self.groups:
-                g.grad_shard.mul_(scale)
+        norm = self.norm.total(local, self.device, extra=(self.shard_group,))  # shards, then the model's parts
+        clip_([g.grad_shard for g in self.groups], norm, max_norm)
         return norm
 
     def prepare_step(self) -> None:
