@@ -2,6 +2,11 @@
 
 A rank that raises fails the test with that rank's traceback; a run that does not finish
 within `timeout` seconds is killed and fails, so a hang costs seconds, not the CI budget.
+
+Ranks are forked from a forkserver that imported torch and fivefold once for the whole session:
+a fresh interpreter spends about 5 s importing them on the 2-core CI machine, several times the
+work of a test's few training steps. A forked rank starts with no process group and no state of
+its own beyond those imports, like a spawned one.
 """
 
 from __future__ import annotations
@@ -39,13 +44,24 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             dist.destroy_process_group()
 
 
+_CONTEXT = None
+
+
+def _context():
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = mp.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "fivefold.train.roles", "distributed.spawn"])
+    return _CONTEXT
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
     """fn(rank, world_size, *args) in each rank; returns the results ordered by rank.
 
     Results cross a process boundary: return plain Python values or paths, not tensors
     (shared-memory tensors die with the rank that made them).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True) for r in range(world_size)]
