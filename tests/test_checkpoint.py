@@ -1,4 +1,4 @@
-"""Checkpoints: exact resume, atomic writes, retention, mismatch errors."""
+"""Checkpoints: exact resume, atomic writes, retention by write order, mismatch errors."""
 
 import dataclasses
 import json
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fivefold.errors import CheckpointError
-from fivefold.train.checkpoint import latest_checkpoint, list_checkpoints, load_layout, resolve_resume
-from fivefold.train.train_state import read_consolidated_weights
+from fivefold.train.checkpoint import latest_checkpoint, list_checkpoints, read_weights
+from fivefold.train.resume import plan_start
 from fivefold.train.trainer import Trainer
 
 
@@ -45,10 +45,30 @@ def test_retention_and_atomicity(job):
     broken.mkdir()
     (broken / "model.safetensors").write_bytes(b"partial")
     assert latest_checkpoint(out).name == "step-000006"
-    with pytest.raises(CheckpointError, match="incomplete"):
-        resolve_resume(str(broken), out)
+    explicit = dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, resume=str(broken)))
+    assert "no meta.json" in plan_start(explicit, out).error
     run.save()
-    assert not (out / ".tmp-step-000007-12345").exists()
+    assert not (out / ".tmp-step-000007-12345").exists() and not broken.exists()  # incomplete folders removed
+
+
+def test_pruning_keeps_the_most_recently_written_of_this_run(job):
+    """A checkpoint written after higher-numbered ones (a rollback) survives; another run's are never touched."""
+    job.checkpoint = dataclasses.replace(job.checkpoint, every=2, keep_last=2)
+    run = Trainer(job)
+    run.fit()  # step-000004, step-000006
+    out = run.output_dir
+    foreign = out / "step-000099"
+    (out / "step-000006").rename(foreign)  # pretend another run wrote this one
+    meta = json.loads((foreign / "meta.json").read_text())
+    meta["run_id"] = "another-run"
+    (foreign / "meta.json").write_text(json.dumps(meta))
+    run.state.step = 2  # as after a rollback: a lower step, written last
+    run.save()
+    run.checkpoints.wait()
+    assert sorted(p.name for p in list_checkpoints(out)) == ["step-000002", "step-000004", "step-000099"]
+    run.state.step = 3
+    run.save()
+    assert sorted(p.name for p in list_checkpoints(out)) == ["step-000002", "step-000003", "step-000099"]
 
 
 def test_checkpoint_files(job):
@@ -58,7 +78,11 @@ def test_checkpoint_files(job):
     assert {"state", "layout.json", "rng.pt", "trainer.json", "config.json", "meta.json", "tokenizer.txt"} <= names
     assert (folder / "state" / ".metadata").is_file() and list((folder / "state").glob("*.distcp"))
     torch.load(folder / "rng.pt", weights_only=True)
-    assert json.loads((folder / "trainer.json").read_text())["step"] == 6
+    trainer_state = json.loads((folder / "trainer.json").read_text())
+    assert trainer_state["step"] == 6 and trainer_state["global_batch"] == 4 and trainer_state["data_parallel"] == 1
+    manifest = json.loads((folder / "meta.json").read_text())
+    listed = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} - {"meta.json"}
+    assert set(manifest["files"]) == listed and manifest["format"] == 3 and manifest["hash"] == "xxh3-128"
     layout = json.loads((folder / "layout.json").read_text())
     assert list(layout)[0] == "layers.0/decay" and list(layout)[-3:] == ["tok_embeddings/decay", "norm/no_decay", "output/decay"]
 
@@ -68,7 +92,7 @@ def test_weights_read_back_without_the_trainer(job):
     job.checkpoint = dataclasses.replace(job.checkpoint, every=0)
     trainer = Trainer(job)
     folder = trainer.fit().checkpoint
-    weights = read_consolidated_weights(folder, load_layout(folder))
+    weights = read_weights(folder)
     expected = dict(trainer.model.named_parameters())
     assert set(weights) == set(expected)
     for name, tensor in weights.items():
@@ -84,7 +108,9 @@ def test_resume_with_another_model_is_refused(job):
 
 
 def test_resume_none_and_missing_folder(job, tmp_path):
-    assert resolve_resume("none", tmp_path) is None
-    assert resolve_resume("auto", tmp_path / "empty") is None
-    with pytest.raises(CheckpointError, match="no such folder"):
-        resolve_resume(str(tmp_path / "nope"), tmp_path)
+    assert plan_start(job, tmp_path / "empty").resume_from is None
+    auto = dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, resume="auto"))
+    plan = plan_start(auto, tmp_path / "empty")
+    assert plan.resume_from is None and "starting fresh" in plan.notes[0]
+    missing = dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, resume=str(tmp_path / "nope")))
+    assert "no such folder" in plan_start(missing, tmp_path).error

@@ -72,7 +72,7 @@ def test_preset_from_command_line():
         (["--data_parallel.mode", "ps", "--gradient_comm.reduce_dtype", "bf16"], r"gradient_comm.reduce_dtype shape DDP's"),
         (["--parameter_server.servers", "2"], r"parameter_server.servers only apply with data_parallel.mode = ps"),
         (["--gradient_comm.slice_mb", "0.5"], r"slice_mb sizes the priority schedule's slices"),
-        (["--gradient_comm.bucket_mb", "nan"], r"gradient_comm.bucket_mb = nan: must be positive"),
+        (["--gradient_comm.bucket_mb", "nan"], r"gradient_comm.bucket_mb = nan: must be a finite number"),
         (["--train.recompute", "some"], r"train.recompute = 'some' is not one of none, full, selective"),
         (["--parameter_server.staleness", "-1"], r"parameter_server.staleness = -1: must be >= 0"),
     ],

@@ -133,8 +133,18 @@ def test_peak_flops_table_and_sources():
     assert lookup_gpu_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
     assert lookup_gpu_peak_tflops("Some Future Chip") is None
     assert peak_tflops(torch.device("cpu"), 2.5) == (2.5, "train.peak_tflops")
-    measured, source = peak_tflops(torch.device("cpu"))
-    assert measured > 0 and "measured" in source
+    unknown, source = peak_tflops(torch.device("cpu"))
+    assert unknown is None and "train.peak_tflops" in source  # no invented CPU peak: MFU is not reported
+
+
+def test_without_a_known_peak_mfu_is_not_reported_but_achieved_tflops_are(job):
+    """MFU was once above 100% with a peak measured under load; without a known peak there is no MFU."""
+    job.train = dataclasses.replace(job.train, peak_tflops=0.0)
+    result = Trainer(job).fit()
+    train = [r for r in map(json.loads, result.metrics_path.read_text().splitlines()) if "loss" in r]
+    assert all("mfu" not in r and r["tflops"] > 0 for r in train)
+    flops = flops_per_token(dataclasses.replace(job.model, vocab_size=257), job.train.seq_len)
+    assert train[0]["tflops"] == pytest.approx(flops * train[0]["tokens_per_s"] / 1e12)
 
 
 def _saved_bytes(trainer) -> int:

@@ -1,13 +1,21 @@
 """The `fivefold` command line: thin parsing, then calls into the library.
 
-    fivefold train [--config FILE.toml] [--nproc-per-node N] [--resume auto|none|DIR] [--section.key VALUE ...]
+    fivefold train [--config FILE.toml] [--nproc-per-node N] [--max-restarts N] [--resume auto|none|DIR]
+                   [--overwrite] [--section.key VALUE ...]
     fivefold generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
     fivefold info --model PRESET [--seq-len S]
     fivefold convert --checkpoint DIR --to HF_DIR [--dtype fp32|bf16]
+    fivefold verify PATH                  a checkpoint, every checkpoint of a run folder, or an export
+    fivefold diagnose RUN_DIR             why a run ended: the failure class, the culprit and the evidence
     fivefold config [--config FILE.toml] [--section.key VALUE ...] | --reference
     fivefold plot-schedule --pp P --microbatches M --schedule gpipe|1f1b|interleaved|zb-h1 [--virtual V] [--output F.png]
     fivefold plot-schedule --trace RUN/pipeline_trace.json [--output F.png]
     fivefold bench comm [--nproc-per-node N] [--collectives all_reduce,...] [--min-bytes 1K] [--max-bytes 16M] [--json F]
+
+Bad input ends with one line `fivefold: error: ...` naming the setting or file and the fix, and
+the exit code of its family (errors.py); an unexpected error with one line too, unless --debug
+asks for the traceback. This module imports no torch until a command needs it, so
+`fivefold --help` is instant.
 """
 
 from __future__ import annotations
@@ -15,52 +23,69 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fivefold.errors import FivefoldError
+from fivefold.errors import EXIT_FAULT, EXIT_INTERNAL, ConfigError, FivefoldError
+
+TRAIN_EPILOG = """\
+Any config key can be set on the command line, after the options above:
+  --section.key VALUE  or  --section.key=VALUE
+  e.g. --train.steps 500 --optim.lr 1e-3 --tensor_parallel.degree 2 --checkpoint.async_save true
+The command line wins over --config, which wins over the defaults. Every key, its default and its
+meaning: `fivefold config --reference` (docs/configuration.md); the resolved config of a command
+line: `fivefold config --config FILE [overrides]`.
+
+Reliability (docs/reliability.md): checkpoints are verified on load; --resume auto takes the newest
+that verifies; non-finite steps are skipped and rolled back ([guard]); a hung rank is named within
+two heartbeats ([watchdog]); --max-restarts N restarts failed workers from the newest checkpoint;
+`fivefold diagnose RUN_DIR` explains how a run ended.
+"""
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     import os
 
     from fivefold.config import load_config
-    from fivefold.parallel.mesh import dims_for
-    from fivefold.parallel.validate import check_config
-    from fivefold.train.roles import run
 
     if args.resume is not None:
         overrides = [*overrides, "--checkpoint.resume", args.resume]
+    if args.overwrite:
+        overrides = [*overrides, "--checkpoint.overwrite", "true"]
     config = load_config(args.config, overrides)
-    if args.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
-        from fivefold.train.launch import launch
+    if args.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node = {args.nproc_per_node}: must be a positive number of ranks")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts = {args.max_restarts}: must be >= 0")
+    if (args.nproc_per_node > 1 or args.max_restarts > 0) and "WORLD_SIZE" not in os.environ:
+        from fivefold.train.launch import check_before_launch, launch
 
-        check_config(config)  # fail here, before starting any rank
-        dims_for(config, args.nproc_per_node)
-        forwarded = ([f"--config={args.config}"] if args.config else []) + overrides
-        return launch(args.nproc_per_node, forwarded)
+        check_before_launch(config, args.nproc_per_node)  # fail here, before starting any rank
+        forwarded = ([f"--config={args.config}"] if args.config else []) + overrides + (["--debug"] if args.debug else [])
+        return launch(args.nproc_per_node, forwarded, max_restarts=args.max_restarts,
+                      output_dir=config.train.output_dir, debug=args.debug)
+    from fivefold.train.roles import run
+
     run(config)
     return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     import torch
 
     from fivefold.config import config_from_dict
     from fivefold.data.tokenizer import load_tokenizer_from
     from fivefold.model import build_model, materialize
     from fivefold.model.generate import generate
-    from fivefold.train.checkpoint import latest_checkpoint, load_config_dict, load_model_weights
-    from fivefold.train.trainer import resolve_device
+    from fivefold.train.checkpoint import checkpoint_folder, load_config_dict, load_model_weights, open_checkpoint
+    from fivefold.train.setup import resolve_device
 
-    folder = Path(args.checkpoint)
-    if not (folder / "meta.json").is_file():
-        folder = latest_checkpoint(folder) or folder  # a run folder: take its newest checkpoint
-    config = config_from_dict(load_config_dict(folder))
+    folder = checkpoint_folder(args.checkpoint)  # a run folder: its newest checkpoint
+    manifest = open_checkpoint(folder)
+    config = config_from_dict(load_config_dict(manifest))
     device = resolve_device(args.device)
     model = materialize(build_model(config.model), device, seed=None)
     load_model_weights(folder, model)
     model.eval()
     tokenizer = load_tokenizer_from(folder)
+    print(f"fivefold: generating from {folder} (step {manifest.body.get('step')}, verified)", file=sys.stderr)
     generator = torch.Generator().manual_seed(args.seed)
     ids = generate(model, tokenizer.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k,
                    eos_id=tokenizer.eos_id, use_cache=not args.no_cache, generator=generator)
@@ -105,26 +130,36 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     import torch
 
     from fivefold.config import config_from_dict
     from fivefold.data.tokenizer import load_tokenizer_from
     from fivefold.model import build_model, materialize
     from fivefold.model.hf import save_hf
-    from fivefold.train.checkpoint import latest_checkpoint, load_config_dict, load_model_weights
+    from fivefold.train.checkpoint import checkpoint_folder, load_config_dict, load_model_weights
 
-    folder = Path(args.checkpoint)
-    if not (folder / "meta.json").is_file():
-        folder = latest_checkpoint(folder) or folder
+    folder = checkpoint_folder(args.checkpoint)
     config = config_from_dict(load_config_dict(folder))
     model = materialize(build_model(config.model), "cpu", seed=None)
     load_model_weights(folder, model)  # consolidated weights: any training world size, any ZeRO stage
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    out = save_hf(model, args.to, dtype)
-    load_tokenizer_from(folder).save(out)
-    print(f"wrote a Hugging Face Llama folder to {out} ({args.dtype}) from {folder}")
+    out = save_hf(model, args.to, dtype, tokenizer=load_tokenizer_from(folder))
+    print(f"wrote a Hugging Face Llama folder to {out} ({args.dtype}) from {folder}, with a checksummed manifest")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from fivefold.reliability.verify import format_reports, verify_path
+
+    reports = verify_path(args.path)
+    print(format_reports(reports))
+    return 0 if reports and all(r.ok for r in reports) else 2
+
+
+def _diagnose(args: argparse.Namespace) -> int:
+    from fivefold.reliability.diagnose import diagnose, format_diagnosis
+
+    print(format_diagnosis(diagnose(args.run_dir)))
     return 0
 
 
@@ -134,30 +169,33 @@ def _config(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.reference:
         print(describe_config(), end="")
     else:
-        print(load_config(args.config, overrides).to_json())
+        from fivefold.parallel.validate import check_config
+
+        print(check_config(load_config(args.config, overrides)).to_json())
     return 0
 
 
 def _plot_schedule(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from fivefold.parallel.pipeline.plot import plot_schedule, plot_trace
     from fivefold.parallel.pipeline.schedules import PipelineShape, check_schedule
 
     if args.trace:
+        if not Path(args.trace).is_file():
+            raise ConfigError(f"--trace {args.trace}: no such file; a pipeline run writes <train.output_dir>/"
+                              "pipeline_trace.json when logging.pipeline_trace = true")
         output = args.output or str(args.trace).removesuffix(".json") + ".png"
         print(f"wrote {plot_trace(args.trace, output)}")
         return 0
     if args.pp is None or args.microbatches is None or args.schedule is None:
-        print("fivefold: error: plot-schedule needs --pp, --microbatches and --schedule (or --trace FILE)",
-              file=sys.stderr)
-        return 2
-
+        raise ConfigError("plot-schedule needs --pp, --microbatches and --schedule (or --trace FILE)")
     virtual = args.virtual or (2 if args.schedule == "interleaved" else 1)
     try:
         shape = PipelineShape(args.pp, args.microbatches, virtual)
         check_schedule(args.schedule, shape)
     except ValueError as exc:
-        print(f"fivefold: error: {exc}", file=sys.stderr)
-        return 2
+        raise ConfigError(str(exc)) from exc
     output = args.output or f"schedule-{args.schedule}-pp{args.pp}-m{args.microbatches}.png"
     print(f"wrote {plot_schedule(args.schedule, shape, output)}")
     return 0
@@ -170,33 +208,56 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     from fivefold.comm import bench
 
     forwarded = argv[argv.index("comm") + 1:]
-    if "WORLD_SIZE" in os.environ:
+    if "WORLD_SIZE" in os.environ or any(flag in forwarded for flag in ("-h", "--help")):
         return bench.main(forwarded)
+    bench.parse(forwarded)  # a bad option fails here, not in every rank
     from fivefold.train.launch import launch
 
-    return launch(args.nproc_per_node, forwarded, module="fivefold.comm.bench")
+    if args.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node = {args.nproc_per_node}: must be a positive number of ranks")
+    return launch(args.nproc_per_node, forwarded, module="fivefold.comm.bench", debug=args.debug)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)  # --debug after the command too (kept when given before it)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the full traceback of an unexpected error")
     parser = argparse.ArgumentParser(prog="fivefold", description="Distributed LLM training on torch.distributed")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train a model; any config key can be overridden as --section.key VALUE")
+    train = sub.add_parser("train", parents=[common], epilog=TRAIN_EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           help="train a model; any config key can be overridden as --section.key VALUE")
     train.add_argument("--config", help="TOML config file (defaults apply to anything it leaves out)")
     train.add_argument("--resume", help="shorthand for --checkpoint.resume: auto, none or a checkpoint folder")
+    train.add_argument("--overwrite", action="store_true",
+                       help="shorthand for --checkpoint.overwrite true: replace another run in train.output_dir")
     train.add_argument("--nproc-per-node", type=int, default=1,
                        help="ranks on this machine; > 1 runs torchrun underneath (gloo on CPU, NCCL on GPU)")
+    train.add_argument("--max-restarts", type=int, default=0,
+                       help="restart the workers up to N times after a failure, each time from the newest verified "
+                            "checkpoint (torchrun's elastic agent)")
 
-    convert = sub.add_parser("convert", help="write a Hugging Face Llama folder (safetensors) from a checkpoint")
+    convert = sub.add_parser("convert", parents=[common],
+                             help="write a Hugging Face Llama folder (safetensors) from a checkpoint")
     convert.add_argument("--checkpoint", required=True, help="a step-* checkpoint folder, or a run folder (newest is used)")
     convert.add_argument("--to", required=True, help="output folder")
     convert.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
 
-    config = sub.add_parser("config", help="print the resolved config as JSON, or --reference for every key")
+    verify = sub.add_parser("verify", parents=[common],
+                            help="check a checkpoint (or every checkpoint of a run folder, or an export) file by file")
+    verify.add_argument("path", help="a step-* folder, a run folder, or a folder written by `fivefold convert`")
+
+    diagnose = sub.add_parser("diagnose", parents=[common],
+                              help="why a run ended: failure class, culprit rank and the evidence lines")
+    diagnose.add_argument("run_dir", help="the run's train.output_dir")
+
+    config = sub.add_parser("config", parents=[common], help="print the resolved config as JSON, or --reference for every key")
     config.add_argument("--config", help="TOML config file")
     config.add_argument("--reference", action="store_true", help="markdown table of every key, its default and meaning")
 
-    gen = sub.add_parser("generate", help="sample text from a checkpoint (KV-cached)")
+    gen = sub.add_parser("generate", parents=[common], help="sample text from a checkpoint (KV-cached)")
     gen.add_argument("--checkpoint", required=True, help="a step-* checkpoint folder, or a run folder (newest is used)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=200)
@@ -206,24 +267,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each token (for checking)")
 
-    info = sub.add_parser("info", help="parameters, FLOPs per token and model-state memory of a preset")
+    info = sub.add_parser("info", parents=[common], help="parameters, FLOPs per token and model-state memory of a preset")
     info.add_argument("--model", required=True, help="preset name, e.g. llama3-8b")
     info.add_argument("--seq-len", type=int, default=0, help="context for the attention FLOPs (default: preset max)")
     info.add_argument("--vocab-size", type=int, default=257, help="for presets whose vocabulary comes from the tokenizer")
 
-    plot = sub.add_parser("plot-schedule", help="draw a pipeline schedule's timeline (PNG), with its bubble")
+    plot = sub.add_parser("plot-schedule", parents=[common],
+                          help="draw a pipeline schedule's timeline (PNG), with its bubble")
     plot.add_argument("--pp", type=int, help="pipeline ranks")
     plot.add_argument("--microbatches", type=int)
     plot.add_argument("--schedule", help="gpipe, 1f1b, interleaved or zb-h1")
-    plot.add_argument("--trace", help="draw a measured step instead: a run's pipeline_trace.json")
+    plot.add_argument("--trace", help="draw a measured step instead: a run's <output_dir>/pipeline_trace.json")
     plot.add_argument("--virtual", type=int, default=0, help="virtual stages per rank (interleaved; default 2)")
-    plot.add_argument("--output", help="PNG path (default schedule-<name>-pp<P>-m<M>.png)")
-    bench = sub.add_parser("bench", help="benchmarks of the runtime")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from fivefold.comm.bench import add_arguments
+    plot.add_argument("--output", help="PNG path (default: next to --trace, else schedule-<name>-pp<P>-m<M>.png)")
 
-    add_arguments(bench_sub.add_parser("comm", help="nccl-tests-style table of every collective algorithm and the "
-                                                    "backend's own, measured beside the cost model's prediction"))
+    bench = sub.add_parser("bench", parents=[common], help="benchmarks of the runtime")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    comm = bench_sub.add_parser("comm", parents=[common], add_help=False,
+                                help="nccl-tests-style table of every collective algorithm and the backend's own, "
+                                     "measured beside the cost model's prediction (--help lists its options)")
+    comm.add_argument("--nproc-per-node", type=int, default=4, help="ranks to start (under torchrun)")
     return parser
 
 
@@ -239,13 +302,26 @@ def main(argv: list[str] | None = None) -> int:
             return _bench(args, list(sys.argv[1:] if argv is None else argv))
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        if args.command == "generate":
-            return _generate(args)
-        if args.command == "convert":
-            return _convert(args)
-        if args.command == "plot-schedule":
-            return _plot_schedule(args)
-        return _info(args)
+        commands = {"generate": _generate, "convert": _convert, "verify": _verify, "diagnose": _diagnose,
+                    "plot-schedule": _plot_schedule, "info": _info}
+        return commands[args.command](args)
     except FivefoldError as exc:
         print(f"fivefold: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("fivefold: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line, unless --debug asks for the traceback
+        if args.debug:
+            raise
+        if any(text in str(exc) for text in ("Connection closed by peer", "Connection reset by peer")):
+            print("fivefold: error: this rank lost a peer in a collective: another rank failed first (its error, or "
+                  "the watchdog's verdict, names the cause)", file=sys.stderr)
+            return EXIT_FAULT
+        if type(exc).__name__ in ("MemoryError", "OutOfMemoryError"):
+            print(f"fivefold: error: out of memory ({exc}): lower train.micro_batch_size or train.seq_len, use "
+                  "train.recompute, or shard the model (ZeRO-3, tensor or pipeline parallelism)", file=sys.stderr)
+            return EXIT_FAULT
+        print(f"fivefold: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback, and "
+              "please report it)", file=sys.stderr)
+        return EXIT_INTERNAL

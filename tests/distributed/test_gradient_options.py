@@ -47,7 +47,9 @@ def test_hand_written_algorithm_and_node_size_are_used(two_steps):
 def test_codec_settings_reach_the_codec(two_steps):
     for codec, option, value, attribute in (("topk", "topk_ratio", 0.05, "ratio"), ("sign", "compression_block", 64, "block"),
                                             ("powersgd", "powersgd_rank", 3, "rank")):
-        facts = run_distributed(_facts, 2, with_changes(two_steps, gradient_comm={"compression": codec, option: value}))[0]
+        config = with_changes(two_steps, gradient_comm={"compression": codec, option: value},
+                              train={"output_dir": f"{two_steps.train.output_dir}-{codec}"})  # one run per folder
+        facts = run_distributed(_facts, 2, config)[0]
         assert facts[attribute] == value, codec
         assert 0 < facts["wire"] < facts["bytes"], codec  # fewer bytes than an fp32 all-reduce at p = 2 sends
 

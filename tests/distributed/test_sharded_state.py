@@ -51,27 +51,30 @@ def _save(rank, world_size, folder):
 
 
 def _load(rank, world_size, folder):
+    from fivefold.reliability.manifest import Manifest
     from fivefold.train.train_state import restore_sync_state
 
     zero, optimizer, sync = _zero(world_size, stage=2)
     with torch.no_grad():
         for g in zero.groups:
             g.master.fill_(-1.0)
-    restore_sync_state(folder, sync, None)
+    restore_sync_state(Manifest.load(folder.parent), sync, None)
     return [(g.layout.key, zero.owned_range(g), g.master.tolist(), optimizer.state[g.master]["exp_avg"].tolist(),
              float(optimizer.state[g.master]["step"])) for g in zero.groups], zero.model.layers["0"].weight.tolist()
 
 
 def test_uneven_shards_save_at_4_and_load_at_3_and_whole(tmp_path):
     from fivefold.parallel.checkpoint_layout import CheckpointLayout
+    from fivefold.reliability.manifest import Manifest, write_manifest
     from fivefold.train.train_state import read_consolidated_weights
 
     folder = tmp_path / "state"
     ranges = run_distributed(_save, 4, folder)
+    write_manifest(tmp_path, {"format": 3})  # what the checkpoint writer adds: every file's hash
     assert [r[0] for r in ranges] == [(0, 2), (2, 4), (4, 5), (5, 5)]  # layers.0/decay: the last shard is empty
     layout = {"layers.0/decay": {"names": ["layers.0.weight"], "shapes": [[1, 5]]},
               "gain/no_decay": {"names": ["gain"], "shapes": [[3]]}}
-    whole = read_consolidated_weights(tmp_path, CheckpointLayout.from_json(layout))
+    whole = read_consolidated_weights(Manifest.load(tmp_path), CheckpointLayout.from_json(layout))
     assert whole["layers.0.weight"].tolist() == [[0.0, 1.0, 2.0, 3.0, 4.0]]
     assert whole["gain"].tolist() == [10.0, 11.0, 12.0]
 

@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 
 from fivefold.config import JobConfig
-from fivefold.train.checkpoint import load_layout
-from fivefold.train.train_state import read_consolidated_weights
+from fivefold.train.checkpoint import read_weights
 from fivefold.train.roles import run
 from fivefold.train.trainer import Trainer
 
@@ -39,7 +38,7 @@ CP_PARAM_ATOL = TP_PARAM_ATOL
 
 
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    return read_consolidated_weights(checkpoint, load_layout(checkpoint))
+    return read_weights(checkpoint)
 
 
 def _rank_main(rank: int, world_size: int, config: JobConfig) -> tuple[list[float], str | None]:

@@ -242,11 +242,16 @@ def _normalise(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of each rank (python -m fivefold.comm.bench under torchrun)."""
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The options of `fivefold bench comm` (exits with a usage line on a bad one)."""
     parser = argparse.ArgumentParser(prog="fivefold bench comm")
     add_arguments(parser)
-    args = _normalise(parser.parse_args(argv))
+    return _normalise(parser.parse_args(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of each rank (python -m fivefold.comm.bench under torchrun)."""
+    args = parse(argv)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -194,10 +194,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = JobConfig()
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a folder: give the path of a .toml file")
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_bytes().decode("utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"config file {path} cannot be read ({exc.strerror})") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}): is it a TOML file?") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
         for section, values in data.items():

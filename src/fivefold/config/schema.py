@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -48,6 +49,20 @@ def _positive(section: str, obj: Any, *names: str) -> None:
     for name in names:
         if getattr(obj, name) < 1:
             raise ConfigError(f"{section}.{name} = {getattr(obj, name)}: must be a positive integer")
+
+
+def _at_least(section: str, obj: Any, low: float, *names: str) -> None:
+    for name in names:
+        if not getattr(obj, name) >= low:  # also refuses nan
+            raise ConfigError(f"{section}.{name} = {getattr(obj, name)}: must be >= {low}")
+
+
+def _finite(section: str, obj: Any) -> None:
+    """Every float of a section is a number: nan and inf are refused wherever they come from (TOML, CLI, code)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{section}.{f.name} = {value}: must be a finite number")
 
 
 @dataclass
@@ -106,17 +121,18 @@ class TrainConfig:
     """Folder for checkpoints, metrics.jsonl, TensorBoard events and the loss plot."""
     recompute: str = "none"
     """Activation recomputation: `none`, `full` (each block's forward again in backward) or `selective` (attention core only)."""
+    threads: int = 0
+    """Intra-op CPU threads per rank; 0 = the cores this process may use divided by the ranks on this machine (at least 1), so ranks x threads <= cores."""
 
     def validate(self) -> None:
-        for name in ("steps", "seq_len", "micro_batch_size", "grad_accum_steps", "eval_batches", "log_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name} = {getattr(self, name)}: must be a positive integer")
-        if self.eval_every < 0:
-            raise ConfigError(f"train.eval_every = {self.eval_every}: must be >= 0 (0 disables evaluation)")
-        if self.max_grad_norm < 0:
-            raise ConfigError(f"train.max_grad_norm = {self.max_grad_norm}: must be >= 0 (0 disables clipping)")
+        _positive("train", self, "steps", "seq_len", "micro_batch_size", "grad_accum_steps", "eval_batches", "log_every")
+        _at_least("train", self, 0, "eval_every", "max_grad_norm", "peak_tflops", "threads")
+        if not 0 <= self.seed < 2**63:
+            raise ConfigError(f"train.seed = {self.seed}: must lie in [0, 2**63)")
         check_choice("train.dtype", self.dtype, ("fp32", "bf16"))
         check_choice("train.device", self.device, ("auto", "cpu", "cuda"))
+        if not self.output_dir:
+            raise ConfigError("train.output_dir is empty: name the folder for checkpoints and metrics")
 
 
 
@@ -140,12 +156,13 @@ class OptimConfig:
     """Adam denominator epsilon."""
 
     def validate(self) -> None:
-        if self.lr <= 0:
+        if not self.lr > 0:
             raise ConfigError(f"optim.lr = {self.lr}: must be positive")
+        if not self.eps > 0:
+            raise ConfigError(f"optim.eps = {self.eps}: must be positive (Adam divides by sqrt(v) + eps)")
+        _at_least("optim", self, 0, "weight_decay", "warmup_steps")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"optim.min_lr_ratio = {self.min_lr_ratio}: must lie in [0, 1]")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"optim.warmup_steps = {self.warmup_steps}: must be >= 0")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"optim.{name} = {getattr(self, name)}: must lie in [0, 1)")
@@ -162,12 +179,18 @@ class CheckpointConfig:
     """`none`, `auto` (newest complete checkpoint in train.output_dir, if any) or a checkpoint folder."""
     enabled: bool = True
     """Write checkpoints at all."""
+    async_save: bool = False
+    """Copy the state to host memory and write it on a background thread while training goes on; the next save waits for the one in flight."""
+    overwrite: bool = False
+    """A fresh run (resume = none) into a train.output_dir holding another run's checkpoints or metrics is refused unless this is true, which removes that run's files first."""
+    allow_changes: bool = False
+    """Resume even though settings that decide each step's data changed (train.seed, train.seq_len, the global batch, [data]); they are listed either way."""
 
     def validate(self) -> None:
-        if self.every < 0:
-            raise ConfigError(f"checkpoint.every = {self.every}: must be >= 0")
-        if self.keep_last < 1:
-            raise ConfigError(f"checkpoint.keep_last = {self.keep_last}: must be >= 1")
+        _at_least("checkpoint", self, 0, "every")
+        _positive("checkpoint", self, "keep_last")
+        if not self.resume:
+            raise ConfigError("checkpoint.resume is empty: use none, auto or a checkpoint folder")
 
 
 @dataclass
@@ -316,6 +339,68 @@ class ParameterServerConfig:
 
 
 @dataclass
+class GuardConfig:
+    enabled: bool = True
+    """Check every step's loss and global gradient norm (one small all-reduce); a non-finite step is skipped, not applied."""
+    max_bad_steps: int = 3
+    """Bad steps in a row after which the run rolls back to its newest verified checkpoint."""
+    max_rollbacks: int = 2
+    """Rollbacks after which the run stops with an error naming the step."""
+    rollback_lr_factor: float = 1.0
+    """Multiply the learning rate by this at each rollback (1 keeps it; 0.5 halves it)."""
+    skip_data_on_rollback: bool = True
+    """After a rollback, skip the batches of the bad window (PaLM's recipe) instead of replaying them."""
+    spike_zscore: float = 0.0
+    """Also treat a step whose loss lies this many standard deviations above the recent mean as bad; 0 disables."""
+    spike_window: int = 50
+    """Good steps the spike detector's mean and deviation are taken over."""
+
+    def validate(self) -> None:
+        _positive("guard", self, "max_bad_steps")
+        _at_least("guard", self, 0, "max_rollbacks", "spike_zscore")
+        if not 0 < self.rollback_lr_factor <= 1:
+            raise ConfigError(f"guard.rollback_lr_factor = {self.rollback_lr_factor}: must lie in (0, 1]")
+        if self.spike_window < 2:
+            raise ConfigError(f"guard.spike_window = {self.spike_window}: must be >= 2")
+
+
+@dataclass
+class WatchdogConfig:
+    enabled: bool = True
+    """Per-rank heartbeats and the watchdog (multi-process runs): hung ranks, stalled collectives, a dead launcher."""
+    heartbeat_s: float = 10.0
+    """Seconds between heartbeats; a rank silent for 1.5 heartbeats is declared hung (detected within 2)."""
+    collective_timeout_s: float = 180.0
+    """A rank waiting in one collective longer than this ends the job with every rank's phase; the process groups' own timeout is this plus two heartbeats."""
+
+    def validate(self) -> None:
+        if not 0.1 <= self.heartbeat_s <= 3600:
+            raise ConfigError(f"watchdog.heartbeat_s = {self.heartbeat_s}: must lie in [0.1, 3600]")
+        if not self.collective_timeout_s >= 2 * self.heartbeat_s:
+            raise ConfigError(f"watchdog.collective_timeout_s = {self.collective_timeout_s}: must be at least two "
+                              f"heartbeats ({2 * self.heartbeat_s:g} s)")
+
+
+@dataclass
+class FaultConfig:
+    kind: str = "none"
+    """Fault injection, for tests and benchmarks: `none`, `kill`, `hang`, `stall`, `exception`, `oom`, `nan`, `spike`, `corrupt_save` or `disk_full` (docs/reliability.md)."""
+    step: int = 1
+    """Step (1-based) at which the fault fires; for corrupt_save and disk_full, the checkpoint of that step."""
+    rank: int = 0
+    """Global rank that fails; -1 every rank at once (a preempted job); corrupt_save and disk_full act on the checkpoint as a whole."""
+    every: int = 0
+    """Repeat every N steps, the k-th time in the k-th attempt of a run restarted by --max-restarts; 0 fires once."""
+    count: int = 1
+    """Steps in a row a nan or spike fault lasts."""
+
+    def validate(self) -> None:
+        _positive("fault", self, "step", "count")
+        _at_least("fault", self, -1, "rank")
+        _at_least("fault", self, 0, "every")
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=lambda: get_preset("tiny"))
     data: DataConfig = field(default_factory=DataConfig)
@@ -329,9 +414,14 @@ class JobConfig:
     pipeline_parallel: PipelineParallelConfig = field(default_factory=PipelineParallelConfig)
     gradient_comm: GradientCommConfig = field(default_factory=GradientCommConfig)
     parameter_server: ParameterServerConfig = field(default_factory=ParameterServerConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     def validate(self) -> "JobConfig":
         """Each section on its own, then the rules that tie sections together (fold name lists: parallel.validate)."""
+        for section in SECTIONS:
+            _finite(section, getattr(self, section))
         for section in SECTIONS:
             validate = getattr(getattr(self, section), "validate", None)
             if validate is not None:
@@ -341,6 +431,9 @@ class JobConfig:
                 f"train.seq_len = {self.train.seq_len} exceeds model.max_seq_len = {self.model.max_seq_len}: "
                 "lower train.seq_len or raise model.max_seq_len"
             )
+        if self.fault.kind != "none" and self.fault.step > self.train.steps:
+            raise ConfigError(f"fault.step = {self.fault.step} lies after the last step (train.steps = {self.train.steps}): "
+                              "the fault would never fire")
         self._validate_data_parallel()
         self._validate_gradient_comm()
         self._validate_parameter_server()
@@ -387,6 +480,9 @@ class JobConfig:
 
     def _validate_parameter_server(self) -> None:
         ps, defaults = self.parameter_server, ParameterServerConfig()
+        if self.data_parallel.mode == "ps" and self.checkpoint.async_save:
+            raise ConfigError("checkpoint.async_save writes on a process group of the training ranks' own, which the "
+                              "parameter-server ranks would have to create too: use synchronous saves with data_parallel.mode = ps")
         if self.data_parallel.mode != "ps":
             changed = [f.name for f in dataclasses.fields(ps) if getattr(ps, f.name) != getattr(defaults, f.name)]
             if changed:

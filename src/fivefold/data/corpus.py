@@ -78,23 +78,35 @@ def is_validation(key: str, val_fraction: float) -> bool:
     return zlib.crc32(key.encode()) < val_fraction * 2**32
 
 
+def _read(path: Path) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"{path} in data.source cannot be read ({exc.strerror}); fix its permissions or remove it") from exc
+    if b"\0" in data:
+        raise DataError(f"{path} in data.source holds NUL bytes: a binary file, not text; remove it from data.source")
+    return data
+
+
 def iter_documents(files: list[SourceFile], jsonl_field: str = "text") -> Iterator[tuple[str, str]]:
     """(split key, text) for every document, in a fixed order."""
     for f in files:
+        data = _read(f.path)
         if f.path.suffix in JSONL_SUFFIXES:
-            with f.path.open(encoding="utf-8") as handle:
-                for lineno, line in enumerate(handle, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise DataError(f"{f.path}:{lineno} is not valid JSON: {exc}") from exc
-                    if not isinstance(record, dict) or jsonl_field not in record:
-                        raise DataError(f"{f.path}:{lineno} has no {jsonl_field!r} field; set data.jsonl_field")
-                    yield f"{f.key}:{lineno}", str(record[jsonl_field])
+            for lineno, raw in enumerate(data.split(b"\n"), 1):
+                if not raw.strip():
+                    continue
+                try:
+                    record = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError as exc:
+                    raise DataError(f"{f.path}:{lineno} is not UTF-8 text (byte {exc.start})") from exc
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{f.path}:{lineno} is not valid JSON: {exc}") from exc
+                if not isinstance(record, dict) or jsonl_field not in record:
+                    raise DataError(f"{f.path}:{lineno} has no {jsonl_field!r} field; set data.jsonl_field")
+                yield f"{f.key}:{lineno}", str(record[jsonl_field])
         else:
-            yield f.key, f.path.read_bytes().decode("utf-8", errors="replace")
+            yield f.key, data.decode("utf-8", errors="replace")
 
 
 def split_documents(

@@ -18,6 +18,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ from fivefold.config import DataConfig
 from fivefold.data.corpus import fingerprint, list_source_files, split_documents
 from fivefold.data.tokenizer import ByteTokenizer, Tokenizer, resolve_tokenizer
 from fivefold.errors import DataError
+from fivefold.progress import announce
 
 MAGIC = b"FFTOKENS"
 VERSION = 1
@@ -96,6 +98,13 @@ def read_token_file(path: str | Path, expected_vocab: int | None = None, verify:
     return tokens
 
 
+def token_file_fingerprint(path: str | Path) -> str:
+    """The checksum and token count a token file's header records: identifies the data a run trains on."""
+    with open(path, "rb") as handle:
+        _, _, _, _, _, count, checksum = HEADER.unpack(handle.read(HEADER.size))
+    return f"{checksum.hex()}:{count}"
+
+
 def tokenize_documents(texts: list[str], tokenizer: Tokenizer) -> np.ndarray:
     """Concatenate the documents' tokens, each followed by end-of-text."""
     dtype = token_dtype(tokenizer.vocab_size)
@@ -119,9 +128,17 @@ class PreparedData:
     train_path: Path
     val_path: Path
 
+    @property
+    def fingerprint(self) -> str:
+        return token_file_fingerprint(self.train_path)
 
-def prepare_data(config: DataConfig) -> PreparedData:
-    """Resolve the tokenizer and the cached train/val token files, building them once if missing."""
+
+def prepare_data(config: DataConfig, log: Callable[[str], None] | None = None) -> PreparedData:
+    """Resolve the tokenizer and the cached train/val token files, building them once if missing.
+
+    `log` hears of any phase that takes more than a few seconds (reading and splitting the
+    corpus, training a BPE tokenizer, tokenising, verifying the cache).
+    """
     files = list_source_files(config.source)
     source_id = f"{fingerprint(files)}-v{int(config.val_fraction * 1e6)}"
     cache = Path(config.cache_dir)
@@ -129,17 +146,22 @@ def prepare_data(config: DataConfig) -> PreparedData:
 
     def split() -> tuple[list[str], list[str]]:
         if "train" not in texts:
-            texts["train"], texts["val"] = split_documents(files, config.val_fraction, config.jsonl_field)
+            with announce(f"reading {len(files):,} files of data.source", log):
+                texts["train"], texts["val"] = split_documents(files, config.val_fraction, config.jsonl_field)
         return texts["train"], texts["val"]
 
-    tokenizer = resolve_tokenizer(config.tokenizer, lambda: split()[0], config.bpe_vocab_size, cache, source_id)
+    with announce(f"training a {config.bpe_vocab_size:,}-token BPE tokenizer" if config.tokenizer == "bpe"
+                  else "loading the tokenizer", log):
+        tokenizer = resolve_tokenizer(config.tokenizer, lambda: split()[0], config.bpe_vocab_size, cache, source_id)
     stem = f"tokens-{source_id}-{tokenizer.identity()}"
     paths = {name: cache / f"{stem}-{name}.bin" for name in ("train", "val")}
     if not all(p.is_file() for p in paths.values()):
         train_texts, val_texts = split()
         for name, docs in (("train", train_texts), ("val", val_texts)):
-            write_token_file(paths[name], tokenize_documents(docs, tokenizer), tokenizer.vocab_size)
-    loaded = {name: read_token_file(p, expected_vocab=tokenizer.vocab_size) for name, p in paths.items()}
+            with announce(f"tokenising the {name} split ({len(docs):,} documents) into {paths[name]}", log):
+                write_token_file(paths[name], tokenize_documents(docs, tokenizer), tokenizer.vocab_size)
+    with announce("verifying the token cache", log):
+        loaded = {name: read_token_file(p, expected_vocab=tokenizer.vocab_size) for name, p in paths.items()}
     return PreparedData(tokenizer, loaded["train"], loaded["val"], paths["train"], paths["val"])
 
 

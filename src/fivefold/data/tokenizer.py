@@ -95,7 +95,12 @@ class BPETokenizer:
             path = path / "tokenizer.json"
         if not path.is_file():
             raise DataError(f"tokenizer file {path} does not exist")
-        return cls(HFTokenizer.from_file(str(path)), str(path))
+        try:
+            tokenizer = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exceptions for a bad file
+            raise DataError(f"tokenizer file {path} is not a tokenizer.json Hugging Face tokenizers can read "
+                            f"({str(exc)[:200]}); give a tokenizer.json, or data.tokenizer = byte or bpe") from exc
+        return cls(tokenizer, str(path))
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids

@@ -77,5 +77,7 @@ class ModelConfig:
                 f"model.n_heads = {self.n_heads} is not a multiple of model.n_kv_heads = {self.kv_heads}: "
                 "each key/value head must serve a whole group of query heads"
             )
-        if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
-            raise ConfigError("model.norm_eps, model.rope_theta and model.init_std must be positive")
+        for name in ("norm_eps", "rope_theta", "init_std", "ffn_dim_multiplier"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"model.{name} = {value}: must be a positive finite number")

@@ -9,11 +9,15 @@ renaming of tensors, with no permutation of the query/key projections:
     model.norm <-> norm;  lm_head <-> output (absent when embeddings are tied)
 Only what the model can represent is accepted: a config with biases, a non-SiLU activation,
 an explicit head_dim that differs from hidden/heads, or RoPE scaling is refused by name.
+Exports are atomic, readable (0644) and carry a checksummed manifest (`fivefold-manifest.json`).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from fivefold.errors import CheckpointError
 from fivefold.model.config import ModelConfig
 from fivefold.model.llama import Transformer, build_model, materialize
+from fivefold.reliability.manifest import EXPORT_MANIFEST, Manifest, readable_tree, write_manifest
 
 _LAYER_MAP = {
     "self_attn.q_proj": "attention.wq",
@@ -145,6 +150,8 @@ def load_hf(folder: str | Path, device: torch.device | str = "cpu", dtype: torch
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{folder} is not a Hugging Face model folder (no config.json)")
+    if (folder / EXPORT_MANIFEST).is_file():  # written by save_hf: check every file first
+        Manifest.load(folder, EXPORT_MANIFEST, f"export {folder}").verify_all()
     config = config_from_hf(json.loads(config_path.read_text()))
     weights = {hf_to_fivefold_name(k): v for k, v in _read_safetensors(folder).items()}
     if config.tie_embeddings:
@@ -161,13 +168,32 @@ def load_hf(folder: str | Path, device: torch.device | str = "cpu", dtype: torch
     return model
 
 
-def save_hf(model: Transformer, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write config.json and model.safetensors that `transformers.LlamaForCausalLM.from_pretrained` reads."""
+def save_hf(model: Transformer, folder: str | Path, dtype: torch.dtype | None = None, tokenizer=None) -> Path:
+    """Write config.json and model.safetensors that `transformers.LlamaForCausalLM.from_pretrained` reads.
+
+    Atomically (assembled in a temporary folder, then renamed), readable by everyone (0644), with a
+    checksummed manifest (EXPORT_MANIFEST, reliability/manifest.py) that `load_hf` and `fivefold verify`
+    check. A folder that exists and is not an earlier fivefold export is never overwritten.
+    """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    if folder.exists() and any(folder.iterdir()) and not (folder / EXPORT_MANIFEST).is_file():
+        raise CheckpointError(f"{folder} exists and is not a fivefold export: choose a new or empty folder")
+    tmp = folder.with_name(f".tmp-{folder.name}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
     state = model.state_dict()
     dtype = dtype or next(iter(state.values())).dtype
     tensors = {fivefold_to_hf_name(k): v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config_to_hf(model.config, dtype), indent=2))
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config_to_hf(model.config, dtype), indent=2))
+    if tokenizer is not None:
+        tokenizer.save(tmp)
+    write_manifest(tmp, {"format": "hf-export-1", "written_at": time.time()}, name=EXPORT_MANIFEST)
+    readable_tree(tmp)
+    old = folder.with_name(f".old-{folder.name}")
+    if folder.exists():
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
     return folder

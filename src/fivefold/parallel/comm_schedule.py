@@ -193,6 +193,7 @@ class PrioritySync(DDPSync):
 
     kind = "ddp-priority"
     ddp: PriorityDataParallel
+    reports_grad_norm = False
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Not computed: gradients are still on the wire (the config requires train.max_grad_norm = 0)."""
@@ -204,6 +205,10 @@ class PrioritySync(DDPSync):
             self.optimizer.step()
 
         self.ddp.defer_update(update)
+
+    def skip_step(self) -> None:
+        """Each module still takes its reduced slices at its next forward, and leaves its parameters as they are."""
+        self.ddp.defer_update(lambda params: None)
 
     def flush(self) -> None:
         self.ddp.flush()

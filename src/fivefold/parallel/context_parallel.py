@@ -44,6 +44,7 @@ from torch import nn
 from fivefold.errors import ConfigError
 from fivefold.parallel.collectives import conjugate_function
 from fivefold.model.config import ModelConfig
+from fivefold.reliability.activity import phase
 
 CP_METHODS = ("ring", "ulysses", "2d")
 
@@ -141,7 +142,8 @@ def build_context_parallel_groups(mesh, layout: ContextParallelLayout) -> Contex
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
+    with phase("context-parallel all-to-all", comm=True):
+        dist.all_to_all_single(out, x, group=group)
     return out
 
 
@@ -252,8 +254,9 @@ class _Ring:
 
 
 def _wait(works) -> None:
-    for work in works:
-        work.wait()
+    with phase("ring-attention send/receive", comm=True):
+        for work in works:
+            work.wait()
 
 
 _KV_TAG, _DKV_TAG = 11, 12

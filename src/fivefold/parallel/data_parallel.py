@@ -43,6 +43,7 @@ from fivefold.parallel.gradient_sync import (
     pieces_of_state,
     whole_state,
 )
+from fivefold.reliability.activity import phase
 
 
 @dataclass
@@ -198,7 +199,8 @@ class DataParallel(SkipOnAccumulation):
         self.last_wire_bytes = 0
         for index, bucket in enumerate(self.buckets):
             waited = time.perf_counter()
-            bucket.work.wait() if self._thread is None else bucket.work.result()
+            with phase(f"all-reduce bucket {index + 1}/{len(self.buckets)}", comm=True):
+                bucket.work.wait() if self._thread is None else bucket.work.result()
             self.overlap.exposed += time.perf_counter() - waited
             self.last_wire_bytes += self.reducer.wire_bytes(index, bucket)
             for index, param in enumerate(bucket.params):

@@ -10,7 +10,8 @@ torchtitan's FSDP/DDP wrappers are driven):
     backward                           the last micro-step: hooks launch the reduction
     sync.finish()                      sum tied copies across pipeline stages, wait for the reduction
     sync.clip_grad_norm_(max_norm)     global L2 norm over every rank holding a part of the model
-    sync.step(lr)                      optimizer step
+    sync.step(lr)                      optimizer step, or
+    sync.skip_step()                   none: the non-finite guard withholds this step's update
     sync.after_step()                  publish updated weights (ZeRO's all-gather), drop gradients
     sync.flush()                       apply deferred updates (before evaluation, saving, the end)
 
@@ -37,6 +38,7 @@ from fivefold.optim import set_lr
 from fivefold.parallel.checkpoint_layout import MOMENTS, ShardKey
 from fivefold.parallel.flat_groups import flat_group_layout, flatten, unflatten
 from fivefold.plan.memory import ModelStateBytes
+from fivefold.reliability.activity import phase
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ class GradNorm:
         total = torch.tensor(local_squares, dtype=torch.float64, device=device)
         for group in (*extra, *self.groups):
             if group is not None:
-                dist.all_reduce(total, group=group)
+                with phase("gradient-norm all-reduce", comm=True):
+                    dist.all_reduce(total, group=group)
         return float(total.sqrt())
 
 
@@ -76,6 +79,8 @@ class GradientSync(abc.ABC):
     kind = "sync"
     reports_wire_bytes = False  # whether wire_bytes counts this scheme's gradient traffic
     collective_checkpoint = False  # True: every rank holds only its shard, so loading is collective
+    reports_grad_norm = True  # False: clip_grad_norm_ returns nan (the norm is not known on this rank)
+    can_skip = True  # False: an update cannot be withheld once the gradients are final (parameter servers)
 
     def __init__(self, model: nn.Module, norm: GradNorm, tied_group: dist.ProcessGroup | None = None,
                  loss_group: dist.ProcessGroup | None = None):
@@ -96,7 +101,8 @@ class GradientSync(abc.ABC):
             weight = self.model.tok_embeddings.weight
             if weight.grad is None:
                 weight.grad = torch.zeros_like(weight)
-            dist.all_reduce(weight.grad, group=self.tied_group)
+            with phase("tied-embedding all-reduce", comm=True):
+                dist.all_reduce(weight.grad, group=self.tied_group)
         self._finish()
 
     @abc.abstractmethod
@@ -110,6 +116,9 @@ class GradientSync(abc.ABC):
         """One optimizer step at learning rate `lr` (every model state exists afterwards: measure here)."""
         set_lr(self.optimizer, lr)
         self.optimizer.step()
+
+    def skip_step(self) -> None:
+        """Withhold this step's update (non-finite guard): weights and optimizer states stay; `after_step` follows."""
 
     def after_step(self) -> None:
         """Drop gradients; bring updated weights where the next forward reads them."""

@@ -18,11 +18,16 @@ ring groups, the first/last pipeline stage pair holding a tied embedding, or a p
 group for a communication thread, hand the mesh the rows of ranks and get their own group back
 (`subgroup`). Parameter-server runs have no grid: `Mesh.for_parameter_server` builds the workers'
 and the servers' groups.
+
+Every group gets the run's collective timeout (`watchdog.collective_timeout_s` plus two heartbeats,
+`collective_timeout`): torch gives groups made after `init_process_group` its 30-minute default
+otherwise, so a rank blocked by a dead peer would wait half an hour.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -110,6 +115,7 @@ class Mesh:
     device_mesh: DeviceMesh | None = None
     flattened: dict[str, DeviceMesh] = field(default_factory=dict)
     named: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
+    timeout: timedelta | None = None  # every group's collective timeout (None: torch's default)
 
     def _sub(self, name: str) -> DeviceMesh:
         if self.device_mesh is None:
@@ -141,10 +147,14 @@ class Mesh:
         return table.reshape(-1, table.shape[-1])
 
     def subgroup(self, rows: list[list[int]]) -> dist.ProcessGroup | None:
-        return subgroup(rows)
+        return subgroup(rows, self.timeout)
 
     def private_copy(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-        return private_copy(group)
+        return private_copy(group, self.timeout)
+
+    def trainer_group(self) -> dist.ProcessGroup | None:
+        """The ranks that run the training loop together: None (the world) unless parameter servers stand aside."""
+        return self.named.get("workers")
 
     @classmethod
     def single(cls) -> "Mesh":
@@ -152,17 +162,17 @@ class Mesh:
         return cls(ParallelDims())
 
     @classmethod
-    def for_parameter_server(cls, world_size: int, servers: int) -> "Mesh":
+    def for_parameter_server(cls, world_size: int, servers: int, timeout: timedelta | None = None) -> "Mesh":
         """Workers are ranks 0 .. W-1, servers the last S; groups `workers` and `servers` (collective)."""
         workers = world_size - servers
-        mesh = cls(ParallelDims(dp_replicate=workers, world_size=workers))
+        mesh = cls(ParallelDims(dp_replicate=workers, world_size=workers), timeout=timeout)
         worker_group = mesh.subgroup([list(range(workers))])
         server_group = mesh.subgroup([list(range(workers, world_size))])
         mesh.named.update(workers=worker_group, servers=server_group, dp_cp=worker_group, dp=worker_group)
         return mesh
 
 
-def subgroup(rows: list[list[int]]) -> dist.ProcessGroup | None:
+def subgroup(rows: list[list[int]], timeout: timedelta | None = None) -> dist.ProcessGroup | None:
     """Create one group per row of global ranks (collective: every rank, same rows, same order).
 
     Returns the group of the row holding this rank, or None if no row does or rows have one rank.
@@ -171,13 +181,13 @@ def subgroup(rows: list[list[int]]) -> dist.ProcessGroup | None:
     for ranks in rows:
         if len(ranks) < 2:
             continue
-        created = dist.new_group(list(ranks))
+        created = dist.new_group(list(ranks), timeout=timeout)
         if me in ranks:
             mine = created
     return mine
 
 
-def private_copy(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+def private_copy(group: dist.ProcessGroup | None, timeout: timedelta | None = None) -> dist.ProcessGroup | None:
     """A new group with the same ranks as `group`, for a thread whose collectives outlive the step.
 
     Ranks learn every rank's group by all_gather_object and create them all in one order, as
@@ -187,7 +197,7 @@ def private_copy(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
         return None
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, tuple(dist.get_process_group_ranks(group)))
-    return subgroup([list(ranks) for ranks in sorted(set(everyone))])
+    return subgroup([list(ranks) for ranks in sorted(set(everyone))], timeout)
 
 
 def workers_of(config, world_size: int) -> int:
@@ -210,18 +220,28 @@ def dims_for(config, world_size: int) -> ParallelDims:
     return ParallelDims(dp_replicate=max(replicate, 1), dp_shard=dp.shard, cp=cp, tp=tp, pp=pp, world_size=trainers)
 
 
+def collective_timeout(config) -> timedelta:
+    """The groups' timeout: the watchdog's limit plus two heartbeats, so the watchdog's report comes first."""
+    w = config.watchdog
+    return timedelta(seconds=w.collective_timeout_s + 2 * w.heartbeat_s)
+
+
 def mesh_for(config, world_size: int, device_type: str) -> Mesh:
     """A run's mesh (collective): the parallel grid over every rank, or the workers' and servers' groups."""
+    timeout = collective_timeout(config)
     if config.data_parallel.mode == "ps":
         workers_of(config, world_size)  # enough ranks for workers and servers, or a clear error
-        return Mesh.for_parameter_server(world_size, config.parameter_server.servers)
-    return build_mesh(dims_for(config, world_size), device_type)
+        return Mesh.for_parameter_server(world_size, config.parameter_server.servers, timeout)
+    return build_mesh(dims_for(config, world_size), device_type, timeout)
 
 
-def build_mesh(dims: ParallelDims, device_type: str) -> Mesh:
+def build_mesh(dims: ParallelDims, device_type: str, timeout: timedelta | None = None) -> Mesh:
     """Build the mesh (needs an initialised process group when dims.world_size > 1; every rank calls it)."""
     if dims.world_size == 1:
-        return Mesh(dims)
+        return Mesh(dims, timeout=timeout)
     device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
     flattened = {name: device_mesh[parts]._flatten(name) for name, parts in FLATTENED.items()}
-    return Mesh(dims, device_mesh, flattened)
+    if timeout is not None:
+        for sub in [*(device_mesh[name] for name in MESH_DIMS if dims.size(name) > 1), *flattened.values()]:
+            sub.get_group().set_timeout(timeout)
+    return Mesh(dims, device_mesh, flattened, timeout=timeout)

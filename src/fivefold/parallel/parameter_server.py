@@ -35,6 +35,7 @@ from fivefold.errors import CheckpointError
 from fivefold.optim import build_adamw, lr_at, set_lr
 from fivefold.parallel.gradient_sync import GradientSync, GradNorm, whole_state
 from fivefold.plan.memory import ModelStateBytes
+from fivefold.reliability.activity import phase
 
 PUSH, PULL = 1, 2
 SYNC_MODES = ("bsp", "asp", "ssp")
@@ -124,8 +125,9 @@ class ParameterServer:
     def _serve_bulk_synchronous(self) -> None:
         buffers = [torch.empty(self.numel) for _ in range(self.layout.workers)]
         for step in range(self.total_steps):
-            for work in [dist.irecv(b, w, tag=PUSH) for w, b in enumerate(buffers)]:
-                work.wait()
+            with phase(f"server: waiting for step {step + 1}'s pushes", comm=True):
+                for work in [dist.irecv(b, w, tag=PUSH) for w, b in enumerate(buffers)]:
+                    work.wait()
             total = buffers[0].clone()
             for b in buffers[1:]:
                 total += b
@@ -140,7 +142,8 @@ class ParameterServer:
         waiting: list[int] = []  # workers whose pull is held back by the staleness bound
         sends: list[dist.Work] = []
         for _ in range(self.total_steps * self.layout.workers):
-            worker = dist.recv(buffer, None, tag=PUSH)
+            with phase("server: waiting for a push", comm=True):
+                worker = dist.recv(buffer, None, tag=PUSH)
             self._step(buffer, self.clocks[worker], clip=False)
             self.clocks[worker] += 1
             waiting.append(worker)
@@ -176,8 +179,9 @@ class ServerClient:
             sends.append(dist.isend(grads, self.layout.server_rank(server), tag=PUSH))
         incoming = [torch.empty(sum(p.numel() for p in shard)) for shard in self.shards]
         receives = [dist.irecv(buf, self.layout.server_rank(s), tag=PULL) for s, buf in enumerate(incoming)]
-        for work in sends + receives:
-            work.wait()
+        with phase("parameter-server push and pull", comm=True):
+            for work in sends + receives:
+                work.wait()
         self.bytes_pushed = sum(t.numel() * t.element_size() for t in outgoing)
         self.bytes_pulled = sum(t.numel() * t.element_size() for t in incoming)
         for shard, buf in zip(self.shards, incoming):
@@ -194,12 +198,14 @@ class ParameterServerSync(GradientSync):
 
     kind = "ps"
     reports_wire_bytes = True
+    can_skip = False  # the servers apply every push; a worker cannot take its step back
 
     def __init__(self, model: nn.Module, client: ServerClient, sync: str, workers_group: dist.ProcessGroup | None):
         asynchronous = sync != "bsp"
         super().__init__(model, GradNorm(), loss_group=None if asynchronous else workers_group)
         self.client, self.asynchronous, self.sync = client, asynchronous, sync
         self.optimizer = None
+        self.reports_grad_norm = asynchronous  # in bsp the servers clip the summed gradient
 
     def _finish(self) -> None:
         """Nothing to reduce here: the servers sum the workers' pushes."""

@@ -8,9 +8,11 @@ branch:
 `batches` are this rank's (inputs, labels, positions) micro-batches; each micro-batch's summed
 token cross-entropy is divided by `total_tokens`, the step's target tokens over the sync's loss
 group (token-weighted, so accumulation, data parallelism and uneven micro-batches all give the
-full-batch gradient). `update()` is called once the gradients are final (clip, optimizer step):
-right after the last backward for a single stage, at the schedule's OptimizerStep instruction for
-a pipeline. The returned loss sum is already summed over every rank that holds a part of it.
+full-batch gradient). `update(local_loss_sum)` is called once the gradients are final (the
+non-finite guard's check, clip, optimizer step), with this rank's own loss sum: right after the
+last backward for a single stage, at the schedule's OptimizerStep instruction for a pipeline. The
+returned loss sum is already summed over every rank that holds a part of it. `loss_factor`, when
+set, multiplies each micro-batch's loss before backward (fault injection: NaN or a spike).
 
     SingleStageStep   every micro-batch forward and backward through the whole local model
     PipelineStep      the schedule's instruction stream (parallel/pipeline/executor.py); on
@@ -30,13 +32,15 @@ from torch import nn
 from fivefold.parallel.gradient_sync import GradientSync
 from fivefold.parallel.pipeline.executor import MicroBatch, PipelineExecutor
 from fivefold.parallel.tensor_parallel import IGNORE_INDEX
+from fivefold.reliability.activity import phase
 
 Batch = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 
 
-def _sum(value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def _sum(value: torch.Tensor, group: dist.ProcessGroup | None, what: str = "loss all-reduce") -> torch.Tensor:
     if group is not None:
-        dist.all_reduce(value, group=group)
+        with phase(what, comm=True):
+            dist.all_reduce(value, group=group)
     return value
 
 
@@ -53,21 +57,26 @@ class SingleStageStep:
                  dp_rank: int, dp: int, data_group: dist.ProcessGroup | None):
         self.model, self.loss_sum, self.sync, self.autocast = model, loss_sum, sync, autocast
         self.dp_rank, self.dp, self.data_group = dp_rank, dp, data_group
+        self.loss_factor: float | None = None
 
-    def __call__(self, batches: list[Batch], total_tokens: int, update: Callable[[], None],
+    def __call__(self, batches: list[Batch], total_tokens: int, update: Callable[[torch.Tensor], None],
                  measure: bool = False) -> torch.Tensor:
         device = batches[0][0].device
         loss_sum = torch.zeros((), device=device)
         for micro_step, (inputs, labels, positions) in enumerate(batches):
             accumulating = micro_step < len(batches) - 1
             with self.sync.no_sync() if accumulating else contextlib.nullcontext():
-                with self.autocast():
+                with phase(f"forward micro-batch {micro_step + 1}/{len(batches)}"), self.autocast():
                     logits = self.model(inputs, positions=positions)
                 loss = self.loss_sum(logits, labels)
-                (loss / total_tokens).backward()
+                if self.loss_factor is not None:
+                    loss = loss * self.loss_factor
+                with phase(f"backward micro-batch {micro_step + 1}/{len(batches)}"):
+                    (loss / total_tokens).backward()
             loss_sum += loss.detach()
-        self.sync.finish()
-        update()
+        with phase("gradient sync"):
+            self.sync.finish()
+        update(loss_sum)
         return _sum(loss_sum, self.sync.loss_group)
 
     @torch.no_grad()
@@ -89,7 +98,7 @@ class SingleStageStep:
             if counted:
                 totals[0] += self.loss_sum(logits, labels).double()
                 totals[1] += target_tokens([batches[index]])
-        _sum(totals, self.data_group)
+        _sum(totals, self.data_group, "evaluation all-reduce")
         return float(totals[0]), int(totals[1])
 
 
@@ -106,18 +115,28 @@ class PipelineStep:
     def shape(self):
         return self.executor.shape
 
-    def __call__(self, batches: list[Batch], total_tokens: int, update: Callable[[], None],
+    @property
+    def loss_factor(self) -> float | None:
+        return self.executor.loss_factor
+
+    @loss_factor.setter
+    def loss_factor(self, value: float | None) -> None:
+        self.executor.loss_factor = value
+
+    def __call__(self, batches: list[Batch], total_tokens: int, update: Callable[[torch.Tensor], None],
                  measure: bool = False) -> torch.Tensor:
         self.executor.synchronize = measure
         if measure:
-            dist.barrier(group=self.pp_group)  # one time origin for every stage's events
+            with phase("pipeline barrier", comm=True):
+                dist.barrier(group=self.pp_group)  # one time origin for every stage's events
         with self.sync.no_sync():  # the schedule's ReduceGrads instruction finishes the sync once
             loss_sum = self.executor.run([MicroBatch(*b) for b in batches], total_tokens, self.sync.finish, update)
         _sum(loss_sum, self.sync.loss_group)
-        _sum(loss_sum, self.pp_group)  # only the last stage holds a loss
+        _sum(loss_sum, self.pp_group, "pipeline loss all-reduce")  # only the last stage holds a loss
         if measure:
             events: list = [None] * self.shape.ranks
-            dist.all_gather_object(events, self.executor.events, group=self.pp_group)
+            with phase("pipeline events gather", comm=True):
+                dist.all_gather_object(events, self.executor.events, group=self.pp_group)
             self.events = events
         return loss_sum
 
@@ -128,6 +147,6 @@ class PipelineStep:
         totals = torch.zeros(2, dtype=torch.float64, device=batches[0][0].device)
         totals[0] += self.executor.forward_only([MicroBatch(*b) for b in mine])
         totals[1] += target_tokens(mine)
-        _sum(totals, self.data_group)
-        totals[0] = _sum(totals[0].clone(), self.pp_group)
+        _sum(totals, self.data_group, "evaluation all-reduce")
+        totals[0] = _sum(totals[0].clone(), self.pp_group, "evaluation all-reduce")
         return float(totals[0]), int(totals[1])

@@ -40,6 +40,7 @@ from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
 from fivefold.model.llama import RMSNorm
 from fivefold.parallel.collectives import all_gather_flat, conjugate_function, reduce_scatter_flat
+from fivefold.reliability.activity import phase
 
 IGNORE_INDEX = -100  # label of positions that carry no target token (PyTorch's cross-entropy default)
 
@@ -50,7 +51,8 @@ SEQ_DIM = 1  # activations are (batch, seq, hidden)
 # ----------------------------------------------------------------------------- raw collectives
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
-    dist.all_reduce(x, group=group)
+    with phase("tensor-parallel all-reduce", comm=True):
+        dist.all_reduce(x, group=group)
     return x
 
 

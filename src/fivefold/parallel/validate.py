@@ -4,19 +4,25 @@ The config package checks values on their own and the rules tying sections toget
 fold accepts and what a model must satisfy to be split its way live beside the fold and are
 checked from here: the all-reduce algorithms and codecs (comm/), the gradient schedules, the
 parameter server's consistency models, recomputation modes, context-parallel attention methods
-and their divisibility, tensor-parallel divisibility, and the pipeline schedule and stage split.
+and their divisibility, tensor-parallel divisibility, the pipeline schedule and stage split, the
+fault kinds, and that a tokenizer given as a path exists.
 `fivefold train`, `Trainer` and `roles.run` call `check_config` first.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fivefold.comm.compression import CODECS
 from fivefold.comm.reducers import ALGORITHMS
 from fivefold.config import JobConfig, check_choice
+from fivefold.errors import ConfigError
+from fivefold.reliability.faults import FAULT_KINDS
 from fivefold.parallel.comm_schedule import SCHEDULES as COMM_SCHEDULES
 from fivefold.parallel.context_parallel import check_context_parallel
 from fivefold.parallel.parameter_server import SYNC_MODES
-from fivefold.parallel.pipeline.stages import check_pipeline
+from fivefold.parallel.pipeline.schedules import SCHEDULES as PIPELINE_SCHEDULES
+from fivefold.parallel.pipeline.stages import BALANCE_BY, check_pipeline
 from fivefold.parallel.recompute import RECOMPUTE_MODES
 from fivefold.parallel.tensor_parallel import check_tensor_parallel
 
@@ -29,9 +35,15 @@ def check_config(config: JobConfig) -> JobConfig:
     check_choice("gradient_comm.schedule", comm.schedule, COMM_SCHEDULES)
     check_choice("parameter_server.sync", config.parameter_server.sync, SYNC_MODES)
     check_choice("train.recompute", t.recompute, RECOMPUTE_MODES)
+    check_choice("fault.kind", config.fault.kind, FAULT_KINDS)
+    tokenizer = config.data.tokenizer
+    if tokenizer not in ("byte", "bpe") and not Path(tokenizer).is_file():
+        raise ConfigError(f"data.tokenizer = {tokenizer!r} is neither byte nor bpe, nor a tokenizer.json file that exists")
     check_context_parallel(config.model, cp.degree, cp.method, cp.heads, tp.degree, t.seq_len)
     # Tensor (and sequence) parallelism sees each context-parallel rank's part of the sequence.
     check_tensor_parallel(config.model, tp.degree, tp.sequence_parallel, t.seq_len // cp.degree)
+    check_choice("pipeline_parallel.schedule", config.pipeline_parallel.schedule, PIPELINE_SCHEDULES)
+    check_choice("pipeline_parallel.balance", config.pipeline_parallel.balance, BALANCE_BY)
     if config.pipeline_parallel.degree > 1:
         check_pipeline(config.model, config.pipeline_parallel, t.seq_len, t.grad_accum_steps)
     return config

@@ -45,6 +45,7 @@ from fivefold.parallel.data_parallel import SkipOnAccumulation, broadcast_module
 from fivefold.parallel.flat_groups import GroupLayout, flat_group_layout, units
 from fivefold.parallel.gradient_sync import GradientSync, GradNorm, clip_, step_tensor
 from fivefold.plan.memory import ModelStateBytes, zero_model_states
+from fivefold.reliability.activity import phase
 
 
 @dataclass
@@ -204,14 +205,16 @@ class ZeroDataParallel(SkipOnAccumulation):
                     param.data = view
             self._gathered[unit] = works
         if wait:
-            for work in self._gathered[unit]:
-                work.wait()
+            with phase(f"ZeRO-3 all-gather of unit {unit}", comm=True):
+                for work in self._gathered[unit]:
+                    work.wait()
             self._gathered[unit] = []
 
     def _free(self, unit: int) -> None:
         works = self._gathered.pop(unit, None)
-        for work in works or []:
-            work.wait()
+        with phase(f"ZeRO-3 all-gather of unit {unit}", comm=True):
+            for work in works or []:
+                work.wait()
         for g in self._groups_of_unit.get(unit, []):
             for param in g.params:
                 param.data = torch.empty(0, dtype=self.param_dtype, device=self.device)
@@ -258,9 +261,11 @@ class ZeroDataParallel(SkipOnAccumulation):
         for g in self.groups:
             if g.ready > 0 or (self.stage == 1 and not g.pending):
                 self._reduce(g)
-        for g in self.groups:
+        for index, g in enumerate(self.groups):
             for work, out in g.pending:
-                work.wait()
+                with phase(f"ZeRO-{self.stage} {'all-reduce' if self.stage == 1 else 'reduce-scatter'} of group "
+                           f"{index + 1}/{len(self.groups)}", comm=True):
+                    work.wait()
                 if self.stage == 1:
                     g.flat_grad.copy_(out)
                     shard = g.flat_grad[self.rank * g.shard_numel : (self.rank + 1) * g.shard_numel]
@@ -275,7 +280,8 @@ class ZeroDataParallel(SkipOnAccumulation):
         if self.replicate_group is not None:
             for g in self.groups:
                 reduced = g.grad_shard.to(self.reduce_dtype)
-                dist.all_reduce(reduced, group=self.replicate_group)
+                with phase("ZeRO replica all-reduce", comm=True):
+                    dist.all_reduce(reduced, group=self.replicate_group)
                 g.grad_shard.copy_(reduced)
         if self.stage == 3:
             self._free(len(self.units))

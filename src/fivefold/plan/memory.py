@@ -48,3 +48,25 @@ def zero_model_states(num_params: int, stage: int, shards: int, mixed_precision:
     if stage >= 3:
         params //= shards
     return ModelStateBytes(params, grads, optimizer)
+
+
+@dataclass(frozen=True)
+class TrainingFloor:
+    """A floor under the bytes one rank needs to train: fp32 model states, saved activations, logits."""
+
+    model_states: int
+    activations: int
+    logits: int
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.activations + self.logits
+
+
+def training_floor(parameters: int, layers: int, block_elements: int, micro_batch: int, seq_len: int,
+                   vocab: int, model_parallel: int = 1) -> TrainingFloor:
+    """At least this much memory per rank: 16 bytes per parameter it holds (fp32 AdamW, before any ZeRO
+    sharding beyond `model_parallel`), each of its `layers` blocks' saved activations in fp32, and the
+    fp32 logits with their gradient. Anything else (workspace, the allocator, ZeRO buffers) comes on top."""
+    return TrainingFloor(16 * parameters // model_parallel, 4 * layers * block_elements,
+                         2 * 4 * micro_batch * seq_len * vocab // model_parallel)

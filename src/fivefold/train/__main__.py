@@ -1,14 +1,19 @@
 """`python -m fivefold.train ARGS` == `fivefold train ARGS`: the entry point torchrun starts in each rank.
 
-`@record` writes an uncaught exception to torchrun's per-rank error file, so the launcher can
-report which rank failed and how.
+The lifeline is armed first, before torch is imported (seconds), so a launcher killed at any time
+takes this worker with it. `@record` writes an uncaught exception to torchrun's per-rank error
+file, so the launcher can report which rank failed and how.
 """
 
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import record
+from fivefold.reliability import lifeline
 
-from fivefold.cli import main
+lifeline.arm()
+
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+
+from fivefold.cli import main  # noqa: E402
 
 
 @record

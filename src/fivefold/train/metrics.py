@@ -1,9 +1,16 @@
 """Throughput, MFU, memory and the metric sinks (JSONL, TensorBoard, loss plot).
 
 MFU (Chowdhery et al. 2022) = achieved model FLOP/s / peak FLOP/s, with model FLOPs per token
-from `fivefold.plan.flops.flops_per_token` (6N + 12LHQT, no recompute counted). Peak is the
-dense bf16 tensor-core rate for known GPUs, or for a CPU either `train.peak_tflops` or a
-short measured fp32 matmul rate.
+from `fivefold.plan.flops.flops_per_token` (6N + 12LHQT, no recompute counted). It is reported only
+where the peak is known: the dense bf16 tensor-core rate of a known GPU, or `train.peak_tflops`.
+A CPU has no published peak a short measurement could stand in for (a matmul timed while other
+ranks start up reads low, and MFU then exceeds 100%), so on CPU the achieved model TFLOP/s per
+rank is reported instead.
+
+metrics.jsonl is only ever appended to: a run that starts or resumes writes a marker line
+({"event": "resume", "step": N, ...}); `read_metrics` reads the file as one timeline, in which a
+marker at step N replaces the earlier records past N, and skips a torn line (a crash mid-write)
+with a notice.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -44,22 +51,8 @@ def lookup_gpu_peak_tflops(device_name: str) -> float | None:
     return None
 
 
-def measure_matmul_tflops(device: torch.device, size: int = 1024, seconds: float = 0.5) -> float:
-    """Achieved fp32 matmul TFLOP/s on this device: the CPU's practical peak."""
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
-    a @ b
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        count += 1
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return 2 * size**3 * count / (time.perf_counter() - start) / 1e12
-
-
-def peak_tflops(device: torch.device, override: float = 0.0) -> tuple[float, str]:
-    """(peak TFLOP/s, where the number came from)."""
+def peak_tflops(device: torch.device, override: float = 0.0) -> tuple[float | None, str]:
+    """(peak TFLOP/s or None when unknown, where the number came from)."""
     if override > 0:
         return override, "train.peak_tflops"
     if device.type == "cuda":
@@ -67,7 +60,8 @@ def peak_tflops(device: torch.device, override: float = 0.0) -> tuple[float, str
         found = lookup_gpu_peak_tflops(name)
         if found is not None:
             return found, f"{name} dense bf16 data sheet"
-    return measure_matmul_tflops(device), f"measured {device.type} fp32 matmul"
+        return None, f"{name} is not in the peak table; set train.peak_tflops for MFU"
+    return None, "no known peak for a CPU; set train.peak_tflops for MFU"
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -79,17 +73,30 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    """Append-only metrics.jsonl plus optional TensorBoard scalars."""
+    """Append-only metrics.jsonl (with a start or resume marker) plus optional TensorBoard scalars."""
 
-    def __init__(self, output_dir: Path, tensorboard: bool):
+    def __init__(self, output_dir: Path, tensorboard: bool, start_step: int = 0, resumed_from: Path | None = None,
+                 attempt: int = 0):
         output_dir.mkdir(parents=True, exist_ok=True)
         self.path = output_dir / "metrics.jsonl"
+        torn = self.path.is_file() and self.path.stat().st_size > 0 and not self.path.read_bytes().endswith(b"\n")
         self._file = self.path.open("a")
+        if torn:
+            self._file.write("\n")  # end a line a crash cut off, so the marker starts a line of its own
+        marker = {"event": "resume" if resumed_from else "start", "step": start_step, "attempt": attempt,
+                  "time": time.time(), **({"resumed_from": str(resumed_from)} if resumed_from else {})}
+        self._file.write(json.dumps(marker) + "\n")
+        self._file.flush()
         self._writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(str(output_dir / "tensorboard"))
+            self._writer = SummaryWriter(str(output_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+
+    def mark(self, event: str, step: int) -> None:
+        """A timeline marker: the run continues from `step` (a rollback), later records replace those past it."""
+        self._file.write(json.dumps({"event": event, "step": step, "time": time.time()}) + "\n")
+        self._file.flush()
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         self._file.write(json.dumps({"step": step, **values}) + "\n")
@@ -105,10 +112,27 @@ class MetricsLogger:
             self._writer.close()
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
+def read_metrics(path: Path, notice: Callable[[str], None] | None = print) -> list[dict[str, Any]]:
+    """The run's records as one timeline: markers applied, torn or damaged lines skipped (with a notice)."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records: list[dict[str, Any]] = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a metrics record")
+        except ValueError:
+            if notice is not None:
+                notice(f"{path}:{number}: skipping a damaged line (a write cut off by a crash?): {line[:60]!r}")
+            continue
+        if "event" in record:
+            records = [r for r in records if r["step"] <= record["step"]]
+        else:
+            records.append(record)
+    return records
 
 
 def plot_losses(metrics_path: Path, png_path: Path, baseline: float | None = None) -> Path:

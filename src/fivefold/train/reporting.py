@@ -4,7 +4,8 @@
                         (measured once, right after the first optimizer step, when every state
                         exists) beside the ZeRO paper's formula for the sync in use
     throughput window   tokens/s and MFU over the steps since the last log line (nanoGPT/PaLM:
-                        MFU = model FLOPs per token x tokens/s / (peak FLOP/s x ranks))
+                        MFU = model FLOPs per token x tokens/s / (peak FLOP/s x ranks)); without
+                        a known peak, the achieved model TFLOP/s per rank instead
     communication       wire_bytes (bytes this rank sent for the step's gradients) and
                         comm_hidden (share of a communication thread's busy time that backward hid)
     pipeline            the measured bubble (idle / compute over every stage's timed events) beside
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,14 +26,38 @@ from fivefold.parallel.pipeline.schedules import ideal_bubble
 from fivefold.parallel.pipeline.trace import measure_bubble, write_chrome_trace
 from fivefold.plan.memory import ModelStateBytes
 from fivefold.train.memory import measure_model_states
-from fivefold.train.metrics import peak_memory_gib
+from fivefold.train.metrics import peak_memory_gib, read_metrics
+
+
+@dataclass
+class TrainResult:
+    """What `Trainer.fit` returns on every training rank."""
+
+    steps: int
+    final_loss: float
+    val_loss: float | None
+    unigram_baseline: float
+    checkpoint: Path | None
+    metrics_path: Path
+    plot_path: Path | None
+    sample: str | None
+    losses: list[float]
+
+
+def completed_result(output_dir: Path, step: int, checkpoint: Path | None) -> TrainResult:
+    """The result of a run that was already complete, from its metrics (nothing is trained)."""
+    records = read_metrics(output_dir / "metrics.jsonl")
+    losses = [r["loss"] for r in records if "loss" in r and "skipped" not in r]
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    return TrainResult(step, losses[-1] if losses else float("nan"), vals[-1] if vals else None, float("nan"),
+                       checkpoint, output_dir / "metrics.jsonl", None, None, [])
 
 
 class Reporter:
     """Per-step metrics and start-up descriptions for one rank's parallelized model."""
 
     def __init__(self, config: JobConfig, parallel: Parallelized, world_size: int, flops_per_token: float,
-                 peak_tflops: float, device: torch.device, output_dir: Path):
+                 peak_tflops: float | None, device: torch.device, output_dir: Path):
         self.config, self.parallel, self.world_size = config, parallel, world_size
         self.flops_per_token, self.peak_tflops, self.device = flops_per_token, peak_tflops, device
         self.output_dir = output_dir
@@ -62,6 +88,27 @@ class Reporter:
                 f"Ψ = {self.parallel.parameters:,}{split}):")
         return "\n".join([head] + [f"  {name:<10} {m:>14,} B | {e:>14,} B" for name, m, e in rows])
 
+    def describe_peak(self, source: str) -> str:
+        if self.peak_tflops is None:
+            return f"MFU not reported ({source}; achieved TFLOP/s per rank instead)"
+        return f"peak {self.peak_tflops:.3f} TFLOP/s per rank ({source})"
+
+    def summary(self, final: float, val_loss: float | None, baseline: float, checkpoint: Path | None,
+                metrics_path: Path, plot: Path | None, sample: str | None, skipped: int, rollbacks: int) -> str:
+        """The lines printed at the end of a run."""
+        lines = [f"final train loss {final:.4f}" + (f", validation loss {val_loss:.4f}" if val_loss is not None else "")
+                 + f"; unigram baseline {baseline:.4f} nats/token"]
+        if skipped or rollbacks:
+            lines.append(f"non-finite guard: {skipped} step(s) skipped, {rollbacks} rollback(s)")
+        lines.append(f"checkpoint: {checkpoint}\nmetrics:    {metrics_path}")
+        if plot:
+            lines.append(f"plot:       {plot}")
+        if self.config.logging.tensorboard:
+            lines.append(f"tensorboard: {self.output_dir / 'tensorboard'}")
+        if sample is not None:
+            lines.append("sample:\n" + "-" * 60 + f"\n{sample}\n" + "-" * 60)
+        return "\n".join(lines)
+
     def take_notes(self) -> list[str]:
         """Lines to print (rank 0) since the last call."""
         notes, self._notes = self._notes, []
@@ -80,9 +127,13 @@ class Reporter:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         tokens_per_s = self._window_tokens / (time.perf_counter() - self._window_start)
-        values.update(tokens_per_s=tokens_per_s,
-                      mfu=self.flops_per_token * tokens_per_s / (self.peak_tflops * 1e12 * self.world_size),
-                      peak_mem_gib=peak_memory_gib(self.device))
+        achieved = self.flops_per_token * tokens_per_s / self.world_size  # model FLOP/s per rank
+        values["tokens_per_s"] = tokens_per_s
+        if self.peak_tflops is not None:
+            values["mfu"] = achieved / (self.peak_tflops * 1e12)
+        else:
+            values["tflops"] = achieved / 1e12
+        values["peak_mem_gib"] = peak_memory_gib(self.device)
         if sync.overlap is not None and sync.overlap.hidden_fraction() is not None:
             values["comm_hidden"] = sync.overlap.hidden_fraction()  # since the last log
             sync.overlap.reset()

@@ -6,8 +6,11 @@
               last step (parallel/parameter_server.py); they build the model only to take their
               shards of its initial weights
 
-`run(config)` is what `fivefold train` and `python -m fivefold.train` call in every rank: it builds
-the mesh (the groups of both roles, in the same order on every rank) and starts the rank's role.
+`run(config)` is what `fivefold train` and `python -m fivefold.train` call in every rank: it caps
+the rank's CPU threads, builds the mesh (the groups of both roles, in the same order on every
+rank), starts the rank's fault handling (reliability/supervisor.py: heartbeat, watchdog, launcher
+lifeline) and then its role. An exception that ends the rank is recorded in the run's event log
+and failure.json before it propagates, so `fivefold diagnose` and the launcher can name it.
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ from dataclasses import dataclass
 import torch
 
 from fivefold.config import JobConfig
-from fivefold.parallel.mesh import Mesh, mesh_for
+from fivefold.parallel.mesh import Mesh, collective_timeout, mesh_for
 from fivefold.parallel.parameter_server import ServerLayout, serve
 from fivefold.parallel.validate import check_config
 from fivefold.model import build_model, materialize
+from fivefold.reliability.supervisor import Supervisor, shared_attempt_id
 from fivefold.train.distributed import init_distributed, local_device
-from fivefold.train.trainer import Trainer, prepare_data_once, resolve_device, resolve_model_config
+from fivefold.train.setup import cap_threads, prepare_data_once, resolve_device, resolve_model_config
+from fivefold.train.trainer import Trainer
 
 
 @dataclass
@@ -33,10 +38,11 @@ class ServerResult:
     clock_log: list[tuple[int, list[int]]]
 
 
-def run_server(config: JobConfig, mesh: Mesh, rank: int, device: torch.device) -> ServerResult:
+def run_server(config: JobConfig, mesh: Mesh, rank: int, device: torch.device, supervisor: Supervisor) -> ServerResult:
     """A server rank: its shards of the initial weights, then serve every worker's steps."""
     ps, workers = config.parameter_server, mesh.dims.world_size
-    data = prepare_data_once(config, workers + ps.servers, is_rank0=False)
+    supervisor.start(role="server")
+    data = prepare_data_once(config, workers + ps.servers, is_rank0=False, key=supervisor.attempt_id)
     model_config = resolve_model_config(config.model, data.tokenizer.vocab_size)
     torch.manual_seed(config.train.seed)
     model = materialize(build_model(model_config), device, seed=config.train.seed)
@@ -45,16 +51,24 @@ def run_server(config: JobConfig, mesh: Mesh, rank: int, device: torch.device) -
     index = rank - workers
     clock_log = serve(model, layout, index, config.optim, config.train.steps, ps.sync, ps.staleness,
                       config.train.max_grad_norm, mesh.group("servers"))
+    supervisor.finish()
     return ServerResult(index, clock_log)
 
 
 def run(config: JobConfig):
     """Start this rank's role: a TrainResult from trainer ranks, a ServerResult from parameter servers."""
     check_config(config)
+    cap_threads(config.train.threads)
     device = resolve_device(config.train.device)
-    env = init_distributed(device)
+    env = init_distributed(device, collective_timeout(config))
     device = local_device(device, env)
     mesh = mesh_for(config, env.world_size, device.type)
-    if env.rank >= mesh.dims.world_size:
-        return run_server(config, mesh, env.rank, device)
-    return Trainer(config, mesh=mesh).fit()
+    supervisor = Supervisor(config, config.train.output_dir, env.rank, env.world_size,
+                            shared_attempt_id(env.world_size > 1))
+    try:
+        if env.rank >= mesh.dims.world_size:
+            return run_server(config, mesh, env.rank, device, supervisor)
+        return Trainer(config, mesh=mesh, supervisor=supervisor).fit()
+    except BaseException as exc:
+        supervisor.failed(exc)
+        raise

@@ -12,6 +12,9 @@ piece), so it goes through whole tensors: every parameter and both AdamW moments
 together from the saved pieces (`read_consolidated`), and this rank's piece is cut out of them
 (`checkpoint_layout.tp_piece`); AdamW's moments are element-wise, so they split exactly like the
 weights. Each rank reads the whole model's state for this, once, at resume.
+
+Every read goes through the checkpoint's manifest (`VerifiedReader`: each file is checked before
+DCP reads it) and DCP's index is read without unpickling arbitrary objects (reliability/safe_dcp.py).
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from fivefold.errors import CheckpointError
 from fivefold.parallel.checkpoint_layout import MOMENTS, CheckpointLayout, consolidate, tp_piece
 from fivefold.parallel.flat_groups import flatten, unflatten
 from fivefold.parallel.gradient_sync import GradientSync
 from fivefold.parallel.parallelize import Parallelized
+from fivefold.reliability.manifest import Manifest
+from fivefold.reliability.safe_dcp import TensorOnlyLoadPlanner, VerifiedReader
 
 
 @contextlib.contextmanager
@@ -51,14 +57,14 @@ def capture_training_state(parallel: Parallelized) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def restore_training_state(folder: Path, parallel: Parallelized, saved: CheckpointLayout) -> None:
+def restore_training_state(manifest: Manifest, parallel: Parallelized, saved: CheckpointLayout) -> None:
     """Load weights and AdamW state saved under any layout into this one (collective under ZeRO)."""
     sync, tp_rank = parallel.sync, parallel.folds.checkpoint_tp_rank
     if saved.tp == parallel.layout.tp:
-        restore_sync_state(folder / "state", sync, tp_rank)
+        restore_sync_state(manifest, sync, tp_rank)
         return
-    whole = read_consolidated(folder, saved, ("model", *MOMENTS))
-    steps = read_steps(folder, saved)
+    whole = read_consolidated(manifest, saved, ("model", *MOMENTS))
+    steps = read_steps(manifest, saved)
     tp, rank = parallel.folds.tp, parallel.folds.tp_rank
     pieces = {}
     for key, entry in parallel.local_layout.pieces.items():
@@ -71,31 +77,54 @@ def restore_training_state(folder: Path, parallel: Parallelized, saved: Checkpoi
     sync.load_pieces(pieces)
 
 
-def restore_sync_state(state_folder: Path, sync: GradientSync, tp_rank: int | None) -> None:
+def load_verified(state: dict[str, torch.Tensor], manifest: Manifest, no_dist: bool,
+                  reader: VerifiedReader | None = None) -> None:
+    """DCP load of `state` from the checkpoint's state/ folder, every file checked, tensors only."""
+    with _single_process():
+        try:
+            dcp.load(state, storage_reader=reader or VerifiedReader(manifest), planner=TensorOnlyLoadPlanner(),
+                     no_dist=no_dist)
+        except dcp.api.CheckpointException as exc:  # DCP gathers every rank's failure: show the first
+            first = next(iter(exc.failures.values()), None)
+            cause = first[0] if isinstance(first, tuple) else first
+            if isinstance(cause, CheckpointError):
+                raise cause from None
+            raise CheckpointError(f"{manifest.label}: reading its state failed ({cause or exc})") from exc
+
+
+def restore_sync_state(manifest: Manifest, sync: GradientSync, tp_rank: int | None) -> None:
     """Same tensor-parallel degree: DCP reads straight into the sync's own tensors (collective under ZeRO)."""
     state = sync.state_dict(tp_rank, fresh=True)  # buffers of the right shapes, filled in place by DCP
-    with _single_process():
-        dcp.load(state, checkpoint_id=str(state_folder), no_dist=not sync.collective_checkpoint)
+    missing = sorted(set(state) - set(_stored(manifest)))
+    if missing:
+        raise CheckpointError(f"{manifest.label}: its state lacks {missing[:3]}: it does not match this model")
+    load_verified(state, manifest, no_dist=not sync.collective_checkpoint)
     sync.load_state_dict(state, tp_rank)
 
 
-def read_steps(folder: Path, layout: CheckpointLayout) -> dict[str, torch.Tensor]:
+def _stored(manifest: Manifest, reader: VerifiedReader | None = None) -> dict:
+    return (reader or VerifiedReader(manifest)).read_metadata().state_dict_metadata
+
+
+def read_steps(manifest: Manifest, layout: CheckpointLayout) -> dict[str, torch.Tensor]:
     """AdamW's step count of every group (the same on every TP piece)."""
     keys = {key.group: key.tensor("step") for key in sorted(layout.pieces)}
     state = {name: torch.zeros((), dtype=torch.float32) for name in keys.values()}
-    with _single_process():
-        dcp.load(state, checkpoint_id=str(folder / "state"), no_dist=True)
+    load_verified(state, manifest, no_dist=True)
     return {group: state[name] for group, name in keys.items()}
 
 
-def read_consolidated(folder: Path, layout: CheckpointLayout, kinds: tuple[str, ...] = ("model",)) -> dict[str, dict[str, torch.Tensor]]:
+def read_consolidated(manifest: Manifest, layout: CheckpointLayout,
+                      kinds: tuple[str, ...] = ("model",)) -> dict[str, dict[str, torch.Tensor]]:
     """kind -> every parameter whole (fp32), from a checkpoint saved under any layout; one process, no group."""
-    reader = dcp.FileSystemReader(str(folder / "state"))
-    stored = reader.read_metadata().state_dict_metadata
+    reader = VerifiedReader(manifest)
+    stored = _stored(manifest, reader)
+    missing = sorted({key.tensor(kind) for key in layout.pieces for kind in kinds} - set(stored))
+    if missing:
+        raise CheckpointError(f"{manifest.label}: its state lacks {missing[:3]} that layout.json lists: damaged")
     flats = {key.tensor(kind): torch.empty(stored[key.tensor(kind)].size, dtype=torch.float32)
              for key in layout.pieces for kind in kinds}
-    with _single_process():
-        dcp.load(flats, storage_reader=reader, no_dist=True)
+    load_verified(flats, manifest, no_dist=True, reader=reader)
     out = {}
     for kind in kinds:
         pieces: dict[str, dict[int | None, torch.Tensor]] = {}
@@ -109,7 +138,7 @@ def read_consolidated(folder: Path, layout: CheckpointLayout, kinds: tuple[str, 
     return out
 
 
-def read_consolidated_weights(folder: Path, layout: CheckpointLayout) -> dict[str, torch.Tensor]:
+def read_consolidated_weights(manifest: Manifest, layout: CheckpointLayout) -> dict[str, torch.Tensor]:
     """Every parameter whole, fp32, from a checkpoint saved under any layout; one process, no group."""
-    return read_consolidated(folder, layout)["model"]
+    return read_consolidated(manifest, layout)["model"]
 

@@ -48,6 +48,7 @@ from torch.overrides import TorchFunctionMode
 
 from fivefold.parallel.pipeline.schedules import Instruction, Op, PipelineShape, schedule
 from fivefold.parallel.pipeline.stages import PipelineStage
+from fivefold.reliability.activity import phase
 
 
 @dataclass
@@ -198,11 +199,15 @@ class PipelineExecutor:
         self.synchronize = False  # set by the trainer when tracing on CUDA: time device work, not launches
         self.events: list[TimedEvent] = []
         self.peak_in_flight = 0
+        self.loss_factor: float | None = None  # multiplies each micro-batch's loss before backward (fault injection)
 
     # ----------------------------------------------------------------------- one training step
     def run(self, batches: list[MicroBatch], total_tokens: int, reduce_grads: Callable[[], None],
-            optimizer_step: Callable[[], None]) -> torch.Tensor:
-        """Run the stream; returns this rank's summed loss (zero unless it holds the last stage)."""
+            optimizer_step: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        """Run the stream; returns this rank's summed loss (zero unless it holds the last stage).
+
+        `optimizer_step` receives that loss sum (complete by then: the step is the stream's last instruction).
+        """
         if len(batches) != self.shape.microbatches:
             raise ValueError(f"the schedule runs {self.shape.microbatches} micro-batches, got {len(batches)}")
         self.events = []
@@ -242,7 +247,7 @@ class PipelineExecutor:
                 self._check_drained()
                 self._timed("reduce grads", "comm", reduce_grads)
             elif ins.op == Op.OPTIMIZER_STEP:
-                self._timed("optimizer step", "compute", optimizer_step)
+                self._timed("optimizer step", "compute", lambda: optimizer_step(loss))
         return loss
 
     def _timed(self, name: str, category: str, fn: Callable):
@@ -265,18 +270,20 @@ class PipelineExecutor:
                 self._send_works.append((work, op.tensor))
             else:
                 receive_works.append(work)
-        for work in receive_works:
-            work.wait()
+        names = ", ".join(name for name, _ in pending.receives) or "post sends"
+        with phase(f"pipeline {names}", comm=True):
+            for work in receive_works:
+                work.wait()
         if self.synchronize and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        names = ", ".join(name for name, _ in pending.receives) or "post sends"
         self.events.append(TimedEvent(names, "comm", start - self._t0, time.perf_counter() - self._t0))
         self._send_works = [(w, t) for w, t in self._send_works if not w.is_completed()]
         return _Pending()
 
     def _wait_sends(self) -> None:
-        for work, _ in self._send_works:
-            work.wait()
+        with phase(f"pipeline wait for {len(self._send_works)} sends", comm=True):
+            for work, _ in self._send_works:
+                work.wait()
         self._send_works = []
 
     def _check_drained(self) -> None:
@@ -299,6 +306,8 @@ class PipelineExecutor:
         loss = torch.zeros((), device=self.device)
         if stage.is_last:
             loss = self.loss_sum(out, batch.labels)
+            if self.loss_factor is not None:
+                loss = loss * self.loss_factor
             out = loss / total_tokens
         self._saved[(ins.stage, ins.microbatch)] = (None if stage.is_first else x, out)
         self.peak_in_flight = max(self.peak_in_flight, len(self._saved))
