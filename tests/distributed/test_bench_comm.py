@@ -26,6 +26,7 @@ def test_bench_comm_table_and_json(tmp_path, world_size):
                           "--min-bytes=1K", "--max-bytes=4K", "--iters=3", "--warmup=1", f"--json={out}"],
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "Warning" not in run.stderr, run.stderr[-3000:]  # no FutureWarning (or any other) for a user to puzzle over
     assert "busbw(GB/s)" in run.stdout and "meas/pred" in run.stdout and "sent(B)" in run.stdout
     report = json.loads(out.read_text())
     assert report["world_size"] == world_size and report["backend"] == "gloo"

@@ -31,6 +31,7 @@ from fivefold.comm import ALL_REDUCE, all_reduce, default_node_size
 from fivefold.comm.alltoall import pairwise_all_to_all
 from fivefold.comm.cost import predict_collective, traffic
 from fivefold.comm.measure import measure_cluster
+from fivefold.comm.native import all_gather_flat, reduce_scatter_flat
 from fivefold.comm.p2p import Ranks
 from fivefold.comm.recursive import recursive_all_gather, recursive_reduce_scatter
 from fivefold.comm.ring import ring_all_gather, ring_reduce_scatter
@@ -83,12 +84,12 @@ def operation(collective: str, algorithm: str, x: torch.Tensor, ranks: Ranks, no
         return lambda: all_reduce(x, algorithm, ranks, node_size)
     if collective == "reduce_scatter":
         out = torch.empty(x.numel() // p, dtype=x.dtype, device=x.device)
-        return {"native": lambda: dist.reduce_scatter_tensor(out, x),
+        return {"native": lambda: reduce_scatter_flat(out, x),
                 "ring": lambda: ring_reduce_scatter(x, ranks), "recursive": lambda: recursive_reduce_scatter(x, ranks)}[algorithm]
     if collective == "all_gather":
         whole = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
         part = x[:x.numel() // p]
-        return {"native": lambda: dist.all_gather_into_tensor(whole, part),
+        return {"native": lambda: all_gather_flat(whole, part),
                 "ring": lambda: ring_all_gather(x, ranks), "recursive": lambda: recursive_all_gather(x, ranks)}[algorithm]
     if collective == "broadcast":
         return {"native": lambda: dist.broadcast(x, 0), "binomial": lambda: binomial_broadcast(x, ranks),
