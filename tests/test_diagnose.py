@@ -82,8 +82,11 @@ def test_a_rank_killed_by_a_signal_is_read_from_the_launcher(tmp_path):
     now = time.time()
     _write(tmp_path, "launcher.jsonl", [{"time": now - 5, "event": "start"},
                                         {"time": now, "event": "failed", "failures": {"1": -9, "0": -15}}])
-    for rank in (0, 1):
-        _write(tmp_path, f"events/rank-0000{rank}.jsonl", [{"time": now - 4, "event": "start", "attempt_id": "a"}])
+    survivor_error = {"time": now - 1, "event": "error", "step": 7, "type": "RuntimeError", "attempt_id": "a",
+                      "message": "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234"}
+    for rank in (0, 1):  # rank 0 only reacted to rank 1's death: its error is a consequence, not the cause
+        _write(tmp_path, f"events/rank-0000{rank}.jsonl",
+               [{"time": now - 4, "event": "start", "attempt_id": "a"}] + ([survivor_error] if rank == 0 else []))
         (tmp_path / "heartbeats").mkdir(exist_ok=True)
         (tmp_path / "heartbeats" / f"rank-0000{rank}.json").write_text(json.dumps(
             {"rank": rank, "attempt_id": "a", "state": "running", "step": 7, "time": now - 1}))

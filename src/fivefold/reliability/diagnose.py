@@ -135,16 +135,17 @@ def diagnose(folder: str | Path) -> Diagnosis:
     attempt = runs.last_attempt_id()
     failure = runs.failure if runs.failure and runs.failure.get("attempt_id") == attempt else None
     finished = runs.of_kind("finished")
-    errors = [e for e in runs.of_kind("error") if _error_kind(e[2]) != "collective_timeout" or not failure]
+    reactions = [e for e in runs.of_kind("error") if _lost_a_peer(e[2])]  # consequences of another rank's failure
+    errors = [e for e in runs.of_kind("error") if e not in reactions
+              and (_error_kind(e[2]) != "collective_timeout" or not failure)]
     if runs.events and not errors and not failure and len(finished) == len(runs.events):
         bad = runs.of_kind("bad_step")
         note = [f"events: {len(bad)} bad step(s) skipped, {len(runs.of_kind('rollback'))} rollback(s)"] if bad else []
         return Diagnosis("completed", [], finished[0][2].get("step"),
                          [_quote(f"events/rank-{r:05d}.jsonl:{line}", rec, ("event", "step")) for r, line, rec in finished[:4]] + note)
     watchdog = failure if failure and failure.get("kind") in ("rank_hung", "rank_died", "collective_timeout", "launcher_died") else None
-    if errors and not watchdog:  # a rank's own error: its class, unless it only reacted to a peer's failure
-        primary = [e for e in errors if _error_kind(e[2]) != "exception" or "Connection" not in e[2].get("message", "")]
-        rank, line, record = (primary or errors)[0]
+    if errors and not watchdog:  # a rank's own error (not a reaction to a peer's failure): its class
+        rank, line, record = errors[0]
         evidence = [_quote(f"events/rank-{rank:05d}.jsonl:{line}", record, ("event", "step", "type", "message", "errno"))]
         kind = _error_kind(record)
         if kind in ("non_finite", "loss_spike"):
@@ -156,7 +157,17 @@ def diagnose(folder: str | Path) -> Diagnosis:
     if watchdog:
         evidence = [f"failure.json: {line}" for line in watchdog.get("lines", [])[:12]]
         return Diagnosis(watchdog["kind"], list(watchdog.get("culprits", [])), watchdog.get("step"), evidence)
-    return _from_exits(runs, attempt)
+    found = _from_exits(runs, attempt)
+    found.evidence += [_quote(f"events/rank-{r:05d}.jsonl:{ln}", rec, ("event", "step", "type", "message"))
+                       for r, ln, rec in reactions[:2]]
+    return found
+
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "lost a peer")
+
+
+def _lost_a_peer(record: dict) -> bool:
+    return any(text in record.get("message", "") for text in PEER_LOST)
 
 
 def _from_exits(runs: RunRecords, attempt: str | None) -> Diagnosis:

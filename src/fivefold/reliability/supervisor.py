@@ -148,6 +148,9 @@ class Supervisor:
             return
         self.events.error(exc, self.step)
         kind = classify(exc)
+        if kind == "peer_failed":  # a consequence: the rank that failed first (or the launcher) tells the cause
+            self.finish("failed")
+            return
         write_failure(self.output_dir, {"kind": kind, "culprits": [self.rank], "step": self.step, "rank": self.rank,
                                         "attempt_id": self.attempt_id, "attempt": self.attempt,
                                         "lines": [f"rank {self.rank}: {type(exc).__name__}: {str(exc)[:500]}"]})
