@@ -220,3 +220,31 @@ def test_export_is_readable_checksummed_and_verified_on_load(run, tmp_path, caps
     (foreign / "notes.txt").write_text("keep me")
     assert main(["convert", "--checkpoint", str(run), "--to", str(foreign)]) == 2
     assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+CHECKPOINT_FILES = ["state/.metadata", "state/__0_0.distcp", "layout.json", "trainer.json", "config.json", "rng.pt",
+                    "tokenizer.txt", "meta.json"]
+READ_BY_GENERATE = {"state/.metadata", "state/__0_0.distcp", "layout.json", "config.json", "tokenizer.txt", "meta.json"}
+
+
+@pytest.mark.parametrize("damage", ["emptied", "halved", "flipped"])
+@pytest.mark.parametrize("name", CHECKPOINT_FILES)
+def test_every_damaged_file_is_one_clear_line_for_every_reader(run, name, damage, capsys):
+    """24 damaged checkpoints: `generate` (for the files it reads) and `verify` (all of them) name the file."""
+    folder = run / "step-000004"
+    path = folder / name
+    data = path.read_bytes()
+    if damage == "emptied":
+        path.write_bytes(b"")
+    elif damage == "halved":
+        path.write_bytes(data[: len(data) // 2])
+    else:
+        flip(path)
+    if name in READ_BY_GENERATE:
+        code = main(["generate", "--checkpoint", str(folder), "--prompt", "x", "--max-new-tokens", "1"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("fivefold: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+        assert name in err
+    assert main(["verify", str(folder)]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith(f"BAD  {folder}") and name in out and "Traceback" not in out

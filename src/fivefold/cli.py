@@ -71,10 +71,15 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from fivefold.config import config_from_dict
-    from fivefold.data.tokenizer import load_tokenizer_from
     from fivefold.model import build_model, materialize
     from fivefold.model.generate import generate
-    from fivefold.train.checkpoint import checkpoint_folder, load_config_dict, load_model_weights, open_checkpoint
+    from fivefold.train.checkpoint import (
+        checkpoint_folder,
+        load_checkpoint_tokenizer,
+        load_config_dict,
+        load_model_weights,
+        open_checkpoint,
+    )
     from fivefold.train.setup import resolve_device
 
     folder = checkpoint_folder(args.checkpoint)  # a run folder: its newest checkpoint
@@ -84,7 +89,7 @@ def _generate(args: argparse.Namespace) -> int:
     model = materialize(build_model(config.model), device, seed=None)
     load_model_weights(folder, model)
     model.eval()
-    tokenizer = load_tokenizer_from(folder)
+    tokenizer = load_checkpoint_tokenizer(manifest)
     print(f"fivefold: generating from {folder} (step {manifest.body.get('step')}, verified)", file=sys.stderr)
     generator = torch.Generator().manual_seed(args.seed)
     ids = generate(model, tokenizer.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k,
@@ -133,17 +138,16 @@ def _convert(args: argparse.Namespace) -> int:
     import torch
 
     from fivefold.config import config_from_dict
-    from fivefold.data.tokenizer import load_tokenizer_from
     from fivefold.model import build_model, materialize
     from fivefold.model.hf import save_hf
-    from fivefold.train.checkpoint import checkpoint_folder, load_config_dict, load_model_weights
+    from fivefold.train.checkpoint import checkpoint_folder, load_checkpoint_tokenizer, load_config_dict, load_model_weights
 
     folder = checkpoint_folder(args.checkpoint)
     config = config_from_dict(load_config_dict(folder))
     model = materialize(build_model(config.model), "cpu", seed=None)
     load_model_weights(folder, model)  # consolidated weights: any training world size, any ZeRO stage
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    out = save_hf(model, args.to, dtype, tokenizer=load_tokenizer_from(folder))
+    out = save_hf(model, args.to, dtype, tokenizer=load_checkpoint_tokenizer(folder))
     print(f"wrote a Hugging Face Llama folder to {out} ({args.dtype}) from {folder}, with a checksummed manifest")
     return 0
 

@@ -201,6 +201,17 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return read_consolidated_weights(manifest, load_layout(manifest))
 
 
+def load_checkpoint_tokenizer(folder: Path | Manifest):
+    """The tokenizer saved in a checkpoint, once its file verifies against the manifest."""
+    from fivefold.data.tokenizer import load_tokenizer_from
+
+    manifest = folder if isinstance(folder, Manifest) else open_checkpoint(folder)
+    for name in ("tokenizer.json", "tokenizer.txt"):
+        if name in manifest.files:
+            manifest.verify(name)
+    return load_tokenizer_from(manifest.folder)
+
+
 def checkpoint_folder(path: Path) -> Path:
     """A step-* folder as given, or the newest complete checkpoint of a run folder."""
     path = Path(path)
