@@ -37,3 +37,21 @@ def test_benchmark_runs_and_prints_result(script, extra, expected):
     assert numbers and all(math.isfinite(v) and v >= 0 for v in numbers.values()), fields
     # the compared runs computed the same loss on the same weights and batch (summation order aside)
     assert numbers["loss_rel_diff"] <= LOSS_RTOL, fields
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,args,expected", [
+    ("checksums.py", ["--mib", "8", "--rounds", "1"], "xxh3_128_vs_sha256="),
+    ("faults.py", ["--heartbeat", "1", "--steps", "6", "--fail-every", "3", "--ckpt-every", "2", "--saves", "1",
+                   "--dim", "32"], "hung_rank_heartbeats="),
+    ("diagnosis.py", ["--per-class", "1", "--classes", "completed,disk_full"], "accuracy="),
+])
+def test_reliability_benchmark_runs_and_prints_result(script, args, expected):
+    """The reliability benchmarks compare with a fault-free run, SHA-256 or a labelled truth, not a model's loss."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    name = script.removesuffix(".py")
+    result = [line for line in out.splitlines() if line.startswith(f"RESULT name={name}")]
+    assert len(result) == 1 and expected in result[0]
+    numbers = {k: float(v) for k, v in (item.split("=", 1) for item in result[0].split()[1:]) if k != "name"}
+    assert numbers and all(math.isfinite(v) and v >= 0 for v in numbers.values()), numbers
