@@ -41,7 +41,27 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            _leave_together(dist, world_size)
             dist.destroy_process_group()
+
+
+def _leave_together(dist, world_size: int, timeout: float = 60.0) -> None:
+    """Rank 0 hosts the rendezvous store: it stays until every rank is done with it.
+
+    Otherwise a rank still creating process groups (which talks to the store) can find it gone
+    ("Connection reset by peer") when rank 0 finished its own part first.
+    """
+    import time
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.add("spawn/left", 1)
+        if dist.get_rank() == 0:
+            deadline = time.monotonic() + timeout
+            while store.add("spawn/left", 0) < world_size and time.monotonic() < deadline:
+                time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - a rank that died took the store with it; nothing to wait for
+        pass
 
 
 _CONTEXT = None
