@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fivefold.model import KVCache, build_model, materialize
+from fivefold.model import KVCache, ModelConfig, build_model, materialize
 from fivefold.model.generate import generate
 from fivefold.model.llama import apply_rope, rope_tables
 
@@ -68,7 +68,7 @@ def test_tied_embeddings_share_one_tensor():
 
 
 def test_rope_is_a_rotation_and_relative():
-    cos, sin = rope_tables(8, 32, 10000.0)
+    cos, sin = rope_tables(ModelConfig(dim=8, n_heads=1, max_seq_len=32, rope_theta=10000.0))
     q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
     rotated = apply_rope(q, cos[5], sin[5])
     assert torch.allclose(rotated.norm(), q.norm(), atol=1e-6)

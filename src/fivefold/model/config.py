@@ -3,6 +3,12 @@
 `ffn_hidden_dim` follows Llama's rule: 2/3 of 4*dim, times an optional multiplier,
 rounded up to a multiple of `multiple_of` (Touvron et al. 2023; Llama 3 uses 1.3 and 1024
 for 8B, which gives 14336).
+
+The options beyond plain Llama are those of the open families fivefold imports (docs/model.md):
+an explicit `head_dim` (Qwen3, Llama 3.2 3B), biases on the attention projections (Qwen2),
+query/key RMSNorm per head (Qwen3) or over the whole projection (OLMo 2), norms after the
+attention and MLP instead of before (OLMo 2), RoPE scaling `linear`, `llama3` (Llama 3.1/3.2)
+and `yarn` (Peng et al. 2023), and sliding-window attention (Mistral).
 """
 
 from __future__ import annotations
@@ -11,6 +17,14 @@ import math
 from dataclasses import dataclass
 
 from fivefold.errors import ConfigError
+
+
+CHOICES = {
+    "attention_bias": ("none", "qkv", "all"),
+    "qk_norm": ("none", "head", "projection"),
+    "norm_position": ("pre", "post"),
+    "rope_scaling": ("none", "linear", "llama3", "yarn"),
+}
 
 
 @dataclass
@@ -43,14 +57,54 @@ class ModelConfig:
     """Share the token embedding with the output head."""
     init_std: float = 0.02
     """Std of the normal init; residual output projections get init_std / sqrt(2 * n_layers)."""
+    head_dim: int = 0
+    """Width of one attention head; 0 means dim / n_heads (Qwen3 and Llama 3.2 3B set it explicitly)."""
+    attention_bias: str = "none"
+    """Biases of the attention projections: `none` (Llama), `qkv` (Qwen2: query, key and value), `all` (also the output)."""
+    mlp_bias: bool = False
+    """Biases on the three SwiGLU projections."""
+    qk_norm: str = "none"
+    """RMSNorm of queries and keys before RoPE: `none`, `head` (Qwen3: per head, one gain of head_dim shared by all heads), `projection` (OLMo 2: over the whole query / key projection)."""
+    norm_position: str = "pre"
+    """Where the block norms sit: `pre` (Llama: x + f(norm(x))) or `post` (OLMo 2: x + norm(f(x)))."""
+    rope_scaling: str = "none"
+    """RoPE frequency scaling: `none`, `linear` (positions / rope_factor), `llama3` (Llama 3.1/3.2), `yarn` (Peng et al. 2023)."""
+    rope_factor: float = 1.0
+    """Context extension factor of rope_scaling (8 for Llama 3.1, 32 for Llama 3.2)."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: wavelengths above original_context / low_freq_factor are divided by rope_factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: wavelengths below original_context / high_freq_factor are kept; between, interpolated."""
+    rope_original_max_seq_len: int = 0
+    """Context the model was pre-trained with, before scaling (llama3 and yarn; 8192 for Llama 3.1)."""
+    rope_beta_fast: float = 32.0
+    """yarn: rotations at which the ramp from extrapolation starts."""
+    rope_beta_slow: float = 1.0
+    """yarn: rotations at which the ramp to interpolation ends."""
+    rope_attention_factor: float = 0.0
+    """yarn: scale of cos/sin (attention temperature); 0 means 0.1 * ln(rope_factor) + 1."""
+    sliding_window: int = 0
+    """Each query attends to at most this many positions (itself included); 0 means full causal attention (Mistral v0.1: 4096)."""
+    init_from_hf: str = ""
+    """A local Hugging Face model folder: shape, weights and tokenizer are taken from it (`fivefold train --init-from-hf`)."""
 
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def head_size(self) -> int:
+        """The head width in use: head_dim, or dim / n_heads."""
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection (and of the attention output): n_heads * head_size."""
+        return self.n_heads * self.head_size
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_size
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -65,19 +119,32 @@ class ModelConfig:
         for name in ("dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"model.{name} = {getattr(self, name)}: must be a positive integer")
-        for name in ("n_kv_heads", "vocab_size", "ffn_dim"):
+        for name in ("n_kv_heads", "vocab_size", "ffn_dim", "head_dim", "sliding_window", "rope_original_max_seq_len"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.{name} = {getattr(self, name)}: must be >= 0 (0 means automatic)")
-        if self.dim % self.n_heads:
-            raise ConfigError(f"model.dim = {self.dim} is not divisible by model.n_heads = {self.n_heads}")
-        if self.head_dim % 2:
-            raise ConfigError(f"head dim {self.head_dim} (model.dim / model.n_heads) must be even for RoPE")
+        if not self.head_dim and self.dim % self.n_heads:
+            raise ConfigError(f"model.dim = {self.dim} is not divisible by model.n_heads = {self.n_heads}: "
+                              "set model.head_size explicitly, or change dim or n_heads")
+        if self.head_size % 2:
+            raise ConfigError(f"head dim {self.head_size} (model.head_size, or model.dim / model.n_heads) must be even for RoPE")
         if self.n_heads % self.kv_heads:
             raise ConfigError(
                 f"model.n_heads = {self.n_heads} is not a multiple of model.n_kv_heads = {self.kv_heads}: "
                 "each key/value head must serve a whole group of query heads"
             )
-        for name in ("norm_eps", "rope_theta", "init_std", "ffn_dim_multiplier"):
+        for name in ("norm_eps", "rope_theta", "init_std", "ffn_dim_multiplier", "rope_factor", "rope_low_freq_factor",
+                     "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"model.{name} = {value}: must be a positive finite number")
+        if not (math.isfinite(self.rope_attention_factor) and self.rope_attention_factor >= 0):
+            raise ConfigError(f"model.rope_attention_factor = {self.rope_attention_factor}: must be >= 0 (0 means automatic)")
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"model.{name} = {getattr(self, name)!r}: one of {', '.join(allowed)}")
+        if self.rope_scaling in ("llama3", "yarn") and not self.rope_original_max_seq_len:
+            raise ConfigError(f"model.rope_scaling = {self.rope_scaling} needs model.rope_original_max_seq_len "
+                              "(the pre-training context, e.g. 8192 for Llama 3.1)")
+        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ConfigError(f"model.rope_high_freq_factor = {self.rope_high_freq_factor} must exceed "
+                              f"model.rope_low_freq_factor = {self.rope_low_freq_factor}")

@@ -1,14 +1,24 @@
-"""Hugging Face Llama folders (config.json + safetensors) <-> fivefold weights.
+"""Hugging Face model folders (config.json + safetensors) <-> fivefold weights, for five families.
 
-Our RoPE uses the same half-split convention as `transformers`' Llama, so conversion is a
-renaming of tensors, with no permutation of the query/key projections:
+    LlamaForCausalLM    Llama 2/3/3.1/3.2 (RoPE scaling linear, llama3, yarn; attention/MLP biases; head_dim)
+    Qwen2ForCausalLM    biases on q, k, v
+    Qwen3ForCausalLM    per-head query/key RMSNorm; explicit head_dim
+    MistralForCausalLM  sliding-window attention
+    Olmo2ForCausalLM    RMSNorm over the whole q/k projections; norms after attention and MLP
+
+Our RoPE uses the same half-split convention as `transformers`, so conversion is a renaming of
+tensors, with no permutation of the query/key projections:
     model.embed_tokens            <-> tok_embeddings
-    model.layers.i.self_attn.{q,k,v,o}_proj <-> layers.i.attention.w{q,k,v,o}
+    model.layers.i.self_attn.{q,k,v,o}_proj <-> layers.i.attention.w{q,k,v,o}   (.weight and .bias)
+    model.layers.i.self_attn.{q,k}_norm     <-> layers.i.attention.{q,k}_norm
     model.layers.i.mlp.{gate,up,down}_proj  <-> layers.i.feed_forward.w{1,3,2}
-    model.layers.i.{input,post_attention}_layernorm <-> layers.i.{attention,ffn}_norm
+    pre-norm families: model.layers.i.{input,post_attention}_layernorm <-> layers.i.{attention,ffn}_norm
+    OLMo 2:            model.layers.i.{post_attention,post_feedforward}_layernorm <-> layers.i.{attention,ffn}_norm
     model.norm <-> norm;  lm_head <-> output (absent when embeddings are tied)
-Only what the model can represent is accepted: a config with biases, a non-SiLU activation,
-an explicit head_dim that differs from hidden/heads, or RoPE scaling is refused by name.
+Only what the model can represent is accepted: another model_type, a non-SiLU activation, RoPE
+scaling of another kind (dynamic, longrope, DeepSeek's mscale), partial rotary embeddings or a
+mix of sliding and full attention layers is refused by name. Export picks the family that
+represents the config (`hf_family`) and refuses a combination none of them has.
 Exports are atomic, readable (0644) and carry a checksummed manifest (`fivefold-manifest.json`).
 """
 
@@ -21,155 +31,343 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from fivefold.errors import CheckpointError
 from fivefold.model.config import ModelConfig
 from fivefold.model.llama import Transformer, build_model, materialize
 from fivefold.reliability.manifest import EXPORT_MANIFEST, Manifest, readable_tree, write_manifest
 
-_LAYER_MAP = {
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+}
+# config.json keys a family may leave out, with the value its transformers class then uses.
+_DEFAULTS = {
+    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+    "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
+    "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "head_dim": 128},
+    "mistral": {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "sliding_window": 4096},
+    "olmo2": {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048},
+}
+_ATTENTION_MAP = {
     "self_attn.q_proj": "attention.wq",
     "self_attn.k_proj": "attention.wk",
     "self_attn.v_proj": "attention.wv",
     "self_attn.o_proj": "attention.wo",
+    "self_attn.q_norm": "attention.q_norm",
+    "self_attn.k_norm": "attention.k_norm",
     "mlp.gate_proj": "feed_forward.w1",
     "mlp.up_proj": "feed_forward.w3",
     "mlp.down_proj": "feed_forward.w2",
-    "input_layernorm": "attention_norm",
-    "post_attention_layernorm": "ffn_norm",
 }
+_PRE_NORMS = {"input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm"}
+_POST_NORMS = {"post_attention_layernorm": "attention_norm", "post_feedforward_layernorm": "ffn_norm"}
 _TOP_MAP = {"model.embed_tokens": "tok_embeddings", "model.norm": "norm", "lm_head": "output"}
 
 
-def hf_to_fivefold_name(name: str) -> str:
+def _layer_map(family: str) -> dict[str, str]:
+    return {**_ATTENTION_MAP, **(_POST_NORMS if family == "olmo2" else _PRE_NORMS)}
+
+
+def hf_to_fivefold_name(name: str, family: str = "llama") -> str:
     stem, _, leaf = name.rpartition(".")
     if stem in _TOP_MAP:
         return f"{_TOP_MAP[stem]}.{leaf}"
     parts = stem.split(".")
     if parts[:2] == ["model", "layers"] and len(parts) >= 4:
         inner = ".".join(parts[3:])
-        if inner in _LAYER_MAP:
-            return f"layers.{parts[2]}.{_LAYER_MAP[inner]}.{leaf}"
-    raise CheckpointError(f"Hugging Face tensor {name!r} has no fivefold counterpart (unsupported architecture?)")
+        layer_map = _layer_map(family)
+        if inner in layer_map:
+            return f"layers.{parts[2]}.{layer_map[inner]}.{leaf}"
+    raise CheckpointError(f"Hugging Face tensor {name!r} has no fivefold counterpart in a {ARCHITECTURES[family]}")
 
 
-def fivefold_to_hf_name(name: str) -> str:
+def fivefold_to_hf_name(name: str, family: str = "llama") -> str:
     stem, _, leaf = name.rpartition(".")
     for hf, ours in _TOP_MAP.items():
         if stem == ours:
             return f"{hf}.{leaf}"
     parts = stem.split(".")
     inner = ".".join(parts[2:])
-    for hf, ours in _LAYER_MAP.items():
+    for hf, ours in _layer_map(family).items():
         if ours == inner:
             return f"model.layers.{parts[1]}.{hf}.{leaf}"
-    raise CheckpointError(f"fivefold tensor {name!r} has no Hugging Face counterpart: this model cannot be exported to the HF Llama format")
+    raise CheckpointError(f"fivefold tensor {name!r} has no counterpart in a {ARCHITECTURES[family]}")
 
 
-def _rope_theta(hf: dict) -> float:
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
-    rope_type = params.get("rope_type") or (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
-    if rope_type != "default":
-        raise CheckpointError(f"RoPE scaling {rope_type!r} in config.json is not supported; fivefold implements plain RoPE")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+def _rope_settings(hf: dict, family: str) -> dict:
+    """ModelConfig's rope_* fields from config.json (transformers 5 `rope_parameters`, or the older
+    top-level `rope_theta` with `rope_scaling`)."""
+    params = dict(hf.get("rope_parameters") or {})
+    legacy = dict(hf.get("rope_scaling") or {})
+    merged = {**legacy, **params}
+    kind = merged.get("rope_type") or merged.get("type") or "default"
+    theta = float(merged.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    out = {"rope_theta": theta}
+    if float(merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise CheckpointError("config.json sets partial_rotary_factor; fivefold rotates the whole head")
+    if kind == "default":
+        return out
+    if kind not in ("linear", "llama3", "yarn"):
+        raise CheckpointError(f"RoPE scaling {kind!r} in config.json is not supported; fivefold implements "
+                              "none, linear, llama3 and yarn")
+    factor = merged.get("factor")
+    original = merged.get("original_max_position_embeddings")
+    if kind == "yarn":
+        for key in ("mscale", "mscale_all_dim"):
+            if merged.get(key):
+                raise CheckpointError(f"yarn RoPE scaling with {key} (DeepSeek's variant) is not supported")
+        if merged.get("truncate", True) is False:
+            raise CheckpointError("yarn RoPE scaling with truncate = false is not supported")
+        if factor is None and original:
+            factor = hf.get("max_position_embeddings", 0) / original
+    if factor is None:
+        raise CheckpointError(f"RoPE scaling {kind!r} in config.json has no factor")
+    out.update(rope_scaling=kind, rope_factor=float(factor))
+    if kind == "llama3":
+        out.update(rope_low_freq_factor=float(merged["low_freq_factor"]),
+                   rope_high_freq_factor=float(merged["high_freq_factor"]))
+    if kind in ("llama3", "yarn"):
+        if not original:
+            raise CheckpointError(f"RoPE scaling {kind!r} in config.json has no original_max_position_embeddings")
+        out["rope_original_max_seq_len"] = int(original)
+    if kind == "yarn":
+        out.update(rope_beta_fast=float(merged.get("beta_fast") or 32.0), rope_beta_slow=float(merged.get("beta_slow") or 1.0),
+                   rope_attention_factor=float(merged.get("attention_factor") or 0.0))
+    return out
+
+
+def _sliding_window(hf: dict, family: str) -> int:
+    """One window for every layer, or 0; a mix of sliding and full layers is refused."""
+    if family == "mistral":
+        if "layer_types" in hf:
+            raise CheckpointError("config.json lists layer_types for a Mistral model (Ministral's alternating attention); "
+                                  "fivefold applies one sliding window to every layer")
+        return int(hf.get("sliding_window", _DEFAULTS["mistral"]["sliding_window"]) or 0)
+    if family not in ("qwen2", "qwen3"):
+        return 0
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= hf.get("max_window_layers", 28) else "full_attention"
+        for i in range(layers)
+    ]
+    kinds = set(types)
+    if kinds == {"full_attention"}:
+        return 0
+    if kinds == {"sliding_attention"} and window:
+        return int(window)
+    raise CheckpointError(f"config.json mixes sliding and full attention layers ({types.count('sliding_attention')} of "
+                          f"{layers} sliding; use_sliding_window / max_window_layers / layer_types); fivefold applies "
+                          "one model.sliding_window to every layer")
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    """ModelConfig from a Hugging Face Llama config.json dictionary."""
-    if hf.get("model_type", "llama") != "llama":
-        raise CheckpointError(f"config.json has model_type {hf.get('model_type')!r}; only 'llama' is supported")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            raise CheckpointError(f"config.json sets {key}; fivefold's Llama has no biases")
+    """ModelConfig from a Hugging Face config.json dictionary of one of the supported families."""
+    family = hf.get("model_type", "llama")
+    if family not in ARCHITECTURES:
+        raise CheckpointError(f"config.json has model_type {family!r}; supported: {', '.join(ARCHITECTURES)} "
+                              f"({', '.join(ARCHITECTURES.values())})")
+    defaults = _DEFAULTS[family]
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"config.json hidden_act = {hf['hidden_act']!r}; fivefold's MLP is SwiGLU (silu)")
+    if hf.get("mlp_bias") and family != "llama":
+        raise CheckpointError(f"config.json sets mlp_bias for {family}, whose transformers class has none")
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, dim // heads):
-        raise CheckpointError(f"config.json head_dim = {hf['head_dim']} differs from hidden_size / num_attention_heads")
+    head_dim = hf.get("head_dim") or defaults.get("head_dim") or dim // heads
+    attention_bias = {"qwen2": "qkv"}.get(family, "all" if hf.get("attention_bias") else "none")
     config = ModelConfig(
-        name=hf.get("_name_or_path") or "hf-llama",
+        name=hf.get("_name_or_path") or f"hf-{family}",
         dim=dim,
         n_layers=hf["num_hidden_layers"],
         n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads,
         vocab_size=hf["vocab_size"],
         ffn_dim=hf["intermediate_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=_rope_theta(hf),
-        max_seq_len=hf.get("max_position_embeddings", 2048),
+        norm_eps=hf.get("rms_norm_eps", defaults["rms_norm_eps"]),
+        max_seq_len=hf.get("max_position_embeddings", defaults["max_position_embeddings"]),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=hf.get("initializer_range", 0.02),
+        head_dim=0 if head_dim * heads == dim else head_dim,
+        attention_bias=attention_bias,
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qk_norm={"qwen3": "head", "olmo2": "projection"}.get(family, "none"),
+        norm_position="post" if family == "olmo2" else "pre",
+        sliding_window=_sliding_window(hf, family),
+        **_rope_settings(hf, family),
     )
     config.validate()
     return config
 
 
-def config_to_hf(config: ModelConfig, dtype: torch.dtype) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+def hf_family(config: ModelConfig) -> str:
+    """The transformers family that represents this config; CheckpointError naming what none can."""
+    def refuse(setting: str, family: str) -> CheckpointError:
+        return CheckpointError(f"model.{setting} = {getattr(config, setting)!r} cannot be exported as a "
+                               f"{ARCHITECTURES[family]} (the family its other settings need)")
+
+    if config.norm_position == "post" or config.qk_norm == "projection":
+        family = "olmo2"
+        for setting, ok in (("norm_position", "post"), ("qk_norm", "projection")):
+            if getattr(config, setting) != ok:
+                raise refuse(setting, family)
+        bad = [s for s, v in (("mlp_bias", config.mlp_bias), ("sliding_window", config.sliding_window),
+                              ("attention_bias", config.attention_bias == "qkv")) if v]
+    elif config.qk_norm == "head":
+        family = "qwen3"
+        bad = [s for s, v in (("mlp_bias", config.mlp_bias), ("attention_bias", config.attention_bias == "qkv")) if v]
+    elif config.attention_bias == "qkv":
+        family = "qwen2"
+        bad = [s for s, v in (("mlp_bias", config.mlp_bias),) if v]
+    elif config.sliding_window:
+        family = "mistral"
+        bad = [s for s, v in (("mlp_bias", config.mlp_bias), ("attention_bias", config.attention_bias != "none")) if v]
+    else:
+        family, bad = "llama", []
+    if bad:
+        raise refuse(bad[0], family)
+    return family
+
+
+def _rope_parameters(config: ModelConfig) -> dict:
+    params: dict = {"rope_type": "default" if config.rope_scaling == "none" else config.rope_scaling,
+                    "rope_theta": config.rope_theta}
+    if config.rope_scaling != "none":
+        params["factor"] = config.rope_factor
+    if config.rope_scaling == "llama3":
+        params.update(low_freq_factor=config.rope_low_freq_factor, high_freq_factor=config.rope_high_freq_factor)
+    if config.rope_scaling in ("llama3", "yarn"):
+        params["original_max_position_embeddings"] = config.rope_original_max_seq_len
+    if config.rope_scaling == "yarn":
+        params.update(beta_fast=config.rope_beta_fast, beta_slow=config.rope_beta_slow)
+        if config.rope_attention_factor:
+            params["attention_factor"] = config.rope_attention_factor
+    return params
+
+
+def config_to_hf(config: ModelConfig, dtype: torch.dtype, tokenizer=None) -> dict:
+    family = hf_family(config)
+    out = {
+        "architectures": [ARCHITECTURES[family]],
+        "model_type": family,
         "hidden_size": config.dim,
         "intermediate_size": config.ffn_hidden_dim,
         "num_hidden_layers": config.n_layers,
         "num_attention_heads": config.n_heads,
         "num_key_value_heads": config.kv_heads,
-        "head_dim": config.head_dim,
+        "head_dim": config.head_size,
         "vocab_size": config.vocab_size,
         "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_parameters": _rope_parameters(config),
         "max_position_embeddings": config.max_seq_len,
         "tie_word_embeddings": config.tie_embeddings,
         "initializer_range": config.init_std,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if family in ("llama", "qwen3", "olmo2"):
+        out["attention_bias"] = config.attention_bias == "all"
+    if family == "llama":
+        out["mlp_bias"] = config.mlp_bias
+    if family == "mistral":
+        out["sliding_window"] = config.sliding_window
+    if family in ("qwen2", "qwen3"):
+        out.update(use_sliding_window=bool(config.sliding_window), sliding_window=config.sliding_window or None,
+                   max_window_layers=0,
+                   layer_types=["sliding_attention" if config.sliding_window else "full_attention"] * config.n_layers)
+    if tokenizer is not None and getattr(tokenizer, "eos_id", None) is not None:
+        out["eos_token_id"] = tokenizer.eos_id
+        if getattr(tokenizer, "bos_id", None) is not None:
+            out["bos_token_id"] = tokenizer.bos_id
+    return out
 
 
-def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index} is not a safetensors index (weight_map): {exc}") from exc
     else:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder} holds no .safetensors weights (pickle checkpoints are not loaded, by design)")
-    weights: dict[str, torch.Tensor] = {}
-    for name in files:
-        weights.update(load_file(str(folder / name)))
-    return weights
+    return [folder / name for name in files]
 
 
-def load_hf(folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
-    """A fivefold Transformer holding the weights of a local Hugging Face Llama folder."""
+def read_hf_config(folder: str | Path) -> ModelConfig:
+    """The ModelConfig of a local Hugging Face model folder (its config.json), after checking the manifest of our exports."""
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{folder} is not a Hugging Face model folder (no config.json)")
     if (folder / EXPORT_MANIFEST).is_file():  # written by save_hf: check every file first
         Manifest.load(folder, EXPORT_MANIFEST, f"export {folder}").verify_all()
-    config = config_from_hf(json.loads(config_path.read_text()))
-    weights = {hf_to_fivefold_name(k): v for k, v in _read_safetensors(folder).items()}
-    if config.tie_embeddings:
-        weights.pop("output.weight", None)
-    model = materialize(build_model(config), device, seed=None).to(dtype)
+    try:
+        hf = json.loads(config_path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{config_path} is not JSON: {exc}") from exc
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{config_path} is not a JSON object")
+    try:
+        return config_from_hf(hf)
+    except KeyError as exc:
+        raise CheckpointError(f"{config_path} lacks {exc}") from exc
+
+
+@torch.no_grad()
+def load_hf_weights(model: Transformer, folder: str | Path) -> None:
+    """Copy a Hugging Face folder's tensors into `model` (materialised; possibly one pipeline stage's
+    part): only the tensors the model holds are read, each checked for its shape; a missing one is an error."""
+    folder = Path(folder)
+    family = hf_family(model.config)
     expected = model.state_dict()
-    missing = sorted(set(expected) - set(weights))
+    whole = set(build_model(model.config).state_dict())  # on the meta device: names only
+    found: set[str] = set()
+    for path in _safetensors_files(folder):
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for hf_name in handle.keys():
+                    if hf_name.endswith("rotary_emb.inv_freq"):  # a buffer older transformers saved; recomputed
+                        continue
+                    name = hf_to_fivefold_name(hf_name, family)
+                    if name not in expected:
+                        if name in whole or (name == "output.weight" and model.config.tie_embeddings):
+                            continue  # another pipeline stage's tensor, or a tied head's copy
+                        raise CheckpointError(f"{folder}: tensor {hf_name} is not part of the model config.json "
+                                              "describes (a bias or norm the config does not declare?)")
+                    tensor = handle.get_tensor(hf_name)
+                    if tensor.shape != expected[name].shape:
+                        raise CheckpointError(f"{folder}: {hf_name} has shape {tuple(tensor.shape)}, config.json implies "
+                                              f"{tuple(expected[name].shape)}")
+                    expected[name].copy_(tensor)
+                    found.add(name)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own errors for damaged files
+            raise CheckpointError(f"{path} is not a readable safetensors file ({str(exc)[:200]})") from exc
+    missing = sorted(set(expected) - found)
     if missing:
         raise CheckpointError(f"{folder} lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    for name, tensor in weights.items():
-        if tensor.shape != expected[name].shape:
-            raise CheckpointError(f"{folder}: {name} has shape {tuple(tensor.shape)}, config implies {tuple(expected[name].shape)}")
-    model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=True)
+
+
+def load_hf(folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
+    """A fivefold Transformer holding the weights of a local Hugging Face folder of a supported family."""
+    config = read_hf_config(folder)
+    model = materialize(build_model(config), device, seed=None).to(dtype)
+    load_hf_weights(model, folder)
     return model
 
 
 def save_hf(model: Transformer, folder: str | Path, dtype: torch.dtype | None = None, tokenizer=None) -> Path:
-    """Write config.json and model.safetensors that `transformers.LlamaForCausalLM.from_pretrained` reads.
+    """Write config.json and model.safetensors that the family's transformers class (`hf_family`) reads.
 
     Atomically (assembled in a temporary folder, then renamed), readable by everyone (0644), with a
     checksummed manifest (EXPORT_MANIFEST, reliability/manifest.py) that `load_hf` and `fivefold verify`
@@ -184,9 +382,10 @@ def save_hf(model: Transformer, folder: str | Path, dtype: torch.dtype | None = 
     tmp.mkdir(parents=True)
     state = model.state_dict()
     dtype = dtype or next(iter(state.values())).dtype
-    tensors = {fivefold_to_hf_name(k): v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
+    family = hf_family(model.config)
+    tensors = {fivefold_to_hf_name(k, family): v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config_to_hf(model.config, dtype), indent=2))
+    (tmp / "config.json").write_text(json.dumps(config_to_hf(model.config, dtype, tokenizer), indent=2))
     if tokenizer is not None:
         tokenizer.save(tmp)
     write_manifest(tmp, {"format": "hf-export-1", "written_at": time.time()}, name=EXPORT_MANIFEST)

@@ -1,9 +1,14 @@
 """Llama-style decoder in plain PyTorch (Touvron et al. 2023; Dubey et al. 2024).
 
-Pre-norm blocks: h = x + Attn(RMSNorm(x)); out = h + SwiGLU(RMSNorm(h)).
+Pre-norm blocks: h = x + Attn(RMSNorm(x)); out = h + SwiGLU(RMSNorm(h)); or, with
+norm_position = "post" (OLMo 2, Groeneveld et al. 2024 / OLMo 2 2025), h = x + RMSNorm(Attn(x)).
 Attention uses rotary position embeddings (Su et al. 2021) in the half-split ("rotate_half")
-convention of GPT-NeoX and Hugging Face, grouped-query attention (Ainslie et al. 2023) with
-`n_kv_heads` covering MHA, GQA and MQA, and `scaled_dot_product_attention` for the core.
+convention of GPT-NeoX and Hugging Face, with optional frequency scaling (linear position
+interpolation, Chen et al. 2023; Llama 3.1's `llama3`; YaRN, Peng et al. 2023), grouped-query
+attention (Ainslie et al. 2023) with `n_kv_heads` covering MHA, GQA and MQA, optional biases
+(Qwen2), query/key RMSNorm (Qwen3 per head, OLMo 2 over the projection; Dehghani et al. 2023),
+an optional sliding window (Mistral; Beltagy et al. 2020), and `scaled_dot_product_attention`
+for the core.
 
 The model is built on the meta device and materialised with `materialize`, so that later
 parallel code can place or shard weights before any memory is spent. Each weight is drawn
@@ -43,13 +48,60 @@ class RMSNorm(nn.Module):
         return self.weight * self.normalize(x)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None):
-    """cos/sin tables of shape (max_seq_len, head_dim) for the half-split RoPE convention."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-    positions = torch.arange(max_seq_len, dtype=torch.int64, device=device).float()
+def rope_frequencies(config: ModelConfig, device: torch.device | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (head_size / 2,) after the configured scaling, and the cos/sin scale.
+
+    The formulas (and their float32 arithmetic) follow the reference implementations, so that
+    imported models see the very same angles: `linear` divides every frequency by the factor;
+    `llama3` divides only the low frequencies (wavelength > original / low_freq_factor), keeps the
+    high ones (< original / high_freq_factor) and interpolates between; `yarn` blends interpolated
+    and extrapolated frequencies along a ramp between the dimensions that turn beta_fast and
+    beta_slow times over the original context, and scales cos/sin by the attention factor.
+    """
+    dim, base, factor = config.head_size, config.rope_theta, config.rope_factor
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    inv_freq = 1.0 / (base ** exponents)
+    kind = config.rope_scaling
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "llama3":
+        original = config.rope_original_max_seq_len
+        low_wavelen = original / config.rope_low_freq_factor
+        high_wavelen = original / config.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - config.rope_low_freq_factor) / (config.rope_high_freq_factor - config.rope_low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        original = config.rope_original_max_seq_len
+        attention_factor = config.rope_attention_factor or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(config.rope_beta_fast)), 0)
+        high = min(math.ceil(correction_dim(config.rope_beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(inv_freq.device)
+        position_freqs = base ** (torch.arange(0, dim, 2, device=device).float() / dim)
+        extrapolation = 1 - ramp
+        blended = (1.0 / (factor * position_freqs)) * (1 - extrapolation) + (1.0 / position_freqs) * extrapolation
+        return blended, attention_factor
+    return inv_freq, 1.0
+
+
+def rope_tables(config: ModelConfig, device: torch.device | None = None):
+    """cos/sin tables of shape (max_seq_len, head_size) for the half-split RoPE convention."""
+    inv_freq, scale = rope_frequencies(config, device)
+    positions = torch.arange(config.max_seq_len, dtype=torch.int64, device=device).float()
     freqs = torch.outer(positions, inv_freq)
     angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos(), angles.sin()
+    if scale == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * scale, angles.sin() * scale
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -66,7 +118,7 @@ class KVCache:
     """Preallocated keys and values of every layer, for incremental decoding."""
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int, device, dtype: torch.dtype):
-        shape = (batch_size, config.kv_heads, max_len, config.head_dim)
+        shape = (batch_size, config.kv_heads, max_len, config.head_size)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
         self.lengths = [0] * config.n_layers
@@ -87,55 +139,84 @@ class KVCache:
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
 
+def attention_mask(seq: int, past: int, window: int, device) -> torch.Tensor | None:
+    """Boolean (seq, past + seq) mask: query i (absolute position past + i) sees keys j with
+    j <= past + i and, with a sliding window w > 0, past + i - j < w. None when plain causal
+    attention over a fresh sequence says the same (SDPA's is_causal is faster)."""
+    if past == 0 and (window == 0 or window >= seq):
+        return None
+    mask = torch.ones(seq, past + seq, dtype=torch.bool, device=device).tril(diagonal=past)
+    if window and window < past + seq:
+        mask = mask.triu(diagonal=past - window + 1)
+    return mask
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int = 0, window: int = 0) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + causal (and window) mask) v, on (batch, heads, seq, head_dim) tensors."""
+    # Query head j reads key/value head j // (n_heads / n_kv_heads), without materialising copies.
+    gqa = q.shape[1] != k.shape[1]
+    mask = attention_mask(q.shape[2], past, window, q.device)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
         self.n_heads = config.n_heads
         self.n_kv_heads = config.kv_heads
-        self.head_dim = config.head_dim
-        self.wq = nn.Linear(config.dim, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)
+        self.head_dim = config.head_size
+        self.sliding_window = config.sliding_window
+        qkv_bias = config.attention_bias in ("qkv", "all")
+        self.wq = nn.Linear(config.dim, config.q_dim, bias=qkv_bias)
+        self.wk = nn.Linear(config.dim, config.kv_dim, bias=qkv_bias)
+        self.wv = nn.Linear(config.dim, config.kv_dim, bias=qkv_bias)
+        self.wo = nn.Linear(config.q_dim, config.dim, bias=config.attention_bias == "all")
+        self.qk_norm = config.qk_norm
+        self.q_norm = self.k_norm = None
+        if config.qk_norm == "head":
+            self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
+        elif config.qk_norm == "projection":
+            self.q_norm = RMSNorm(config.q_dim, config.norm_eps)
+            self.k_norm = RMSNorm(config.kv_dim, config.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None):
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(batch, seq, -1, self.head_dim)
+        k = k.view(batch, seq, -1, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         past = 0
         if cache is not None:
             past = cache.lengths[self.layer_id]
             k, v = cache.update(self.layer_id, k, v)
-        out = self.core(q, k, v, past)
+        out = self.core(q, k, v, past, self.sliding_window)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int = 0) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + causal mask) v, on (batch, heads, seq, head_dim) tensors.
-
-        The attention core is a method of its own so that parallel code can replace or wrap it
-        (selective recomputation, context parallelism) without touching the projections.
-        """
-        seq = q.shape[2]
-        # Query head j reads key/value head j // (n_heads / n_kv_heads), without materialising copies.
-        gqa = q.shape[1] != k.shape[1]
-        if past == 0:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, enable_gqa=gqa)
-        # Query i (absolute position past + i) sees keys 0 .. past + i.
-        mask = torch.ones(seq, past + seq, dtype=torch.bool, device=q.device).tril(diagonal=past)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int = 0, window: int = 0) -> torch.Tensor:
+        """The attention core (`attention_core`), a method of its own so that parallel code can
+        replace or wrap it (selective recomputation, context parallelism) without touching the
+        projections."""
+        return attention_core(q, k, v, past, window)
 
 
 class FeedForward(nn.Module):
     """SwiGLU MLP (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int, bias: bool = False):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w1 = nn.Linear(dim, hidden_dim, bias=bias)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=bias)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -147,9 +228,13 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config, layer_id)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim)
+        self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim, config.mlp_bias)
+        self.post_norm = config.norm_position == "post"
 
     def forward(self, x, cos, sin, cache: KVCache | None = None):
+        if self.post_norm:  # OLMo 2: the norms act on each branch's output
+            h = x + self.attention_norm(self.attention(x, cos, sin, cache))
+            return h + self.ffn_norm(self.feed_forward(h))
         h = x + self.attention(self.attention_norm(x), cos, sin, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -167,7 +252,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
-        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta, device=torch.device("meta"))
+        cos, sin = rope_tables(config, device=torch.device("meta"))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -198,12 +283,12 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_buffers(self) -> None:
         """(Re)compute the RoPE tables on the device the model lives on."""
-        cos, sin = rope_tables(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta, self.rope_cos.device)
+        cos, sin = rope_tables(self.config, self.rope_cos.device)
         self.rope_cos, self.rope_sin = cos, sin
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """Normal(0, init_std) for matrices, depth-scaled for residual outputs, ones for norms.
+        """Normal(0, init_std) for matrices, depth-scaled for residual outputs, ones for norms, zeros for biases.
 
         Each parameter's values depend only on (seed, its name), never on which other
         parameters exist or on the order they are visited.
@@ -212,6 +297,9 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
+                continue
+            if name.endswith(".bias"):
+                param.zero_()
                 continue
             scale = std / math.sqrt(2 * self.config.n_layers) if name.endswith(_RESIDUAL_OUTPUTS) else std
             generator = torch.Generator().manual_seed(parameter_seed(seed, name))

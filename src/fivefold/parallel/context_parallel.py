@@ -38,12 +38,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from fivefold.errors import ConfigError
 from fivefold.parallel.collectives import conjugate_function
 from fivefold.model.config import ModelConfig
+from fivefold.model.llama import attention_core
 from fivefold.reliability.activity import phase
 
 CP_METHODS = ("ring", "ulysses", "2d")
@@ -100,6 +100,9 @@ def check_context_parallel(config: ModelConfig, cp: int, method: str, cp_heads: 
                           "load-balanced chunks: make seq_len a multiple of 2 x cp")
     if seq_len % cp:
         raise ConfigError(f"context_parallel.degree = {cp} must divide train.seq_len = {seq_len}")
+    if config.sliding_window and layout.ring > 1:
+        raise ConfigError(f"model.sliding_window = {config.sliding_window} with context_parallel.method = {method}: "
+                          "ring attention's blocks have no window mask; use context_parallel.method = ulysses")
     local_heads = config.n_heads // tp
     if layout.heads > 1 and local_heads % layout.heads:
         raise ConfigError(f"{method} attention splits the {local_heads} query heads per tensor-parallel rank "
@@ -338,7 +341,7 @@ class ContextParallelAttention:
     def __init__(self, groups: ContextParallelGroups):
         self.groups = groups
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int = 0) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int = 0, window: int = 0) -> torch.Tensor:
         if past:
             raise ConfigError("context-parallel attention runs training and evaluation passes, not cached decoding: "
                               "generate in one process (fivefold generate --checkpoint)")
@@ -350,8 +353,8 @@ class ContextParallelAttention:
             q, k, v = (_SeqToHeads.apply(t, groups.head_group) for t in (q, k, v))
         if layout.ring > 1:
             out = _RingAttention.apply(q, k, v, groups)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        else:  # after the all-to-all this rank holds its heads over the whole sequence, in order
+            out = attention_core(q, k, v, 0, window)
         if layout.heads > 1:
             out = _HeadsToSeq.apply(out, groups.head_group)
         return out

@@ -25,6 +25,18 @@ GQA: with t <= n_kv_heads the key/value heads are split like the query heads; wi
 of n_kv_heads each rank holds the one key/value head its query heads read (replicated t/n_kv
 times), and the replicas' gradients are summed. The vocabulary is padded to a multiple of t;
 padded rows are zero and their logits are excluded from the softmax, so the loss is unchanged.
+
+The options of the open model families (model/config.py) split like this:
+    biases      of column-parallel layers are cut with their rows; of row-parallel layers are
+                held whole and added once, after the reduction (with SP their gradient, from
+                this rank's part of the sequence, is summed over the group)
+    qk_norm     `head`: one gain of head_dim, replicated, its gradient summed over the group
+                (each rank's heads contribute their part); `projection` (OLMo 2): the gain is
+                cut like the projection's rows and the mean of squares over the whole query
+                (key) width is one all-reduce of the local sums of squares
+    post norms  (norm_position = post): the attention and MLP inputs enter the region through a
+                forward pre-hook, and the norms run after the row-parallel exit, on replicated
+                activations (or, with SP, on this rank's part of the sequence)
 """
 
 from __future__ import annotations
@@ -171,22 +183,25 @@ def _parameter(value: torch.Tensor, spec: TPSpec) -> nn.Parameter:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_local = x W_local^T, W split by output rows. The input is already in the TP region."""
+    """y_local = x W_local^T + b_local, W and b split by output rows. The input is already in the TP region."""
 
     def __init__(self, linear: nn.Linear, rows: slice, spec: TPSpec, group, replica_slot: tuple[int, int] | None = None):
         super().__init__()
         self.group, self.replica_slot = group, replica_slot
         self.weight = _parameter(linear.weight[rows], spec)
+        self.bias = None if linear.bias is None else _parameter(linear.bias[rows], spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
+        weight, bias = self.weight, self.bias
         if self.replica_slot is not None:
             weight = _SumGradOverReplicas.apply(weight, self.group, *self.replica_slot)
-        return F.linear(x, weight)
+            if bias is not None:
+                bias = _SumGradOverReplicas.apply(bias, self.group, *self.replica_slot)
+        return F.linear(x, weight, bias)
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum over ranks of x_local W_local^T, W split by input columns; leaves the TP region."""
+    """y = sum over ranks of x_local W_local^T, then + b once; W split by input columns; leaves the TP region."""
 
     def __init__(self, linear: nn.Linear, group, sequence_parallel: bool):
         super().__init__()
@@ -194,12 +209,18 @@ class RowParallelLinear(nn.Module):
         cols = linear.in_features // tp
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _parameter(linear.weight[:, rank * cols : (rank + 1) * cols], TPSpec(1, tuple(range(tp)), linear.in_features))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(y, self.group)
-        return reduce_from_tensor_parallel_region(y, self.group)
+            y = reduce_scatter_to_sequence_parallel_region(y, self.group)
+        else:
+            y = reduce_from_tensor_parallel_region(y, self.group)
+        if self.bias is None:
+            return y
+        bias = _SumGradOverReplicas.apply(self.bias, self.group, 0, 1) if self.sequence_parallel else self.bias
+        return y + bias
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -246,6 +267,60 @@ class ParallelRMSNorm(RMSNorm):
             weight = _SumGradOverReplicas.apply(self.weight, self.group, 0, 1)
             return gather_from_sequence_parallel_region(weight * self.normalize(x), self.group)
         return copy_to_tensor_parallel_region(self.weight * self.normalize(x), self.group)
+
+
+class SequenceShardNorm(RMSNorm):
+    """A post-branch RMSNorm (OLMo 2) outside the TP region: replicated activations, or with SP this
+    rank's part of the sequence, whose weight gradient is then summed over the group."""
+
+    def __init__(self, norm: RMSNorm, group, sequence_parallel: bool):
+        nn.Module.__init__(self)
+        self.eps, self.weight = norm.eps, norm.weight
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = _SumGradOverReplicas.apply(self.weight, self.group, 0, 1) if self.sequence_parallel else self.weight
+        return weight * self.normalize(x)
+
+
+class HeadNorm(RMSNorm):
+    """Qwen3's per-head query/key RMSNorm inside the TP region: one replicated gain of head_dim that
+    this rank's heads use; the gradient is summed over the group (every rank's heads have a part)."""
+
+    def __init__(self, norm: RMSNorm, group):
+        nn.Module.__init__(self)
+        self.eps, self.weight, self.group = norm.eps, norm.weight, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SumGradOverReplicas.apply(self.weight, self.group, 0, 1) * self.normalize(x)
+
+
+_AllReduceSum = conjugate_function("AllReduceSum", lambda x, g: _all_reduce(x.clone(), g), lambda d, g: _all_reduce(d.clone(), g))
+
+
+class ProjectionNorm(nn.Module):
+    """OLMo 2's RMSNorm over a whole query (key) projection whose rows are split over the group.
+
+    mean(x^2) over the full width is the all-reduced sum of the local sums of squares over the full
+    width; with key heads replicated `replicas` times each distinct head's sum is counted that many
+    times, so the total is divided by it. The gain is cut like the rows.
+    """
+
+    def __init__(self, norm: RMSNorm, rows: slice, spec: TPSpec, group, replica_slot: tuple[int, int] | None = None):
+        super().__init__()
+        self.eps, self.group, self.replica_slot = norm.eps, group, replica_slot
+        self.width = norm.weight.shape[0]
+        self.replicas = dist.get_world_size(group) // len(spec.ranks)
+        self.weight = _parameter(norm.weight[rows], spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        total = _AllReduceSum.apply(x32.pow(2).sum(-1, keepdim=True), self.group) / self.replicas
+        normalized = (x32 * torch.rsqrt(total / self.width + self.eps)).to(x.dtype)
+        weight = self.weight
+        if self.replica_slot is not None:
+            weight = _SumGradOverReplicas.apply(weight, self.group, *self.replica_slot)
+        return weight * normalized
 
 
 # ----------------------------------------------------------------------- vocab-parallel loss
@@ -308,16 +383,30 @@ def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool,
                           "make seq_len a multiple of tp")
 
 
-def _kv_linear(linear: nn.Linear, config: ModelConfig, group) -> ColumnParallelLinear:
+def _kv_rows(config: ModelConfig, group) -> tuple[slice, TPSpec, tuple[int, int] | None]:
+    """This rank's rows of a key/value projection, their spec, and its replica slot (None when split)."""
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    kv, hd = config.kv_heads, config.head_dim
+    kv, hd = config.kv_heads, config.head_size
     if kv % tp == 0:  # split the kv heads
         per = kv // tp * hd
-        return ColumnParallelLinear(linear, slice(rank * per, (rank + 1) * per), TPSpec(0, tuple(range(tp)), kv * hd), group)
+        return slice(rank * per, (rank + 1) * per), TPSpec(0, tuple(range(tp)), kv * hd), None
     replicas = tp // kv  # each kv head is read by tp / kv ranks' query heads
     head = rank // replicas
-    spec = TPSpec(0, tuple(range(0, tp, replicas)), kv * hd)
-    return ColumnParallelLinear(linear, slice(head * hd, (head + 1) * hd), spec, group, replica_slot=(head, kv))
+    return slice(head * hd, (head + 1) * hd), TPSpec(0, tuple(range(0, tp, replicas)), kv * hd), (head, kv)
+
+
+def _kv_linear(linear: nn.Linear, config: ModelConfig, group) -> ColumnParallelLinear:
+    rows, spec, slot = _kv_rows(config, group)
+    return ColumnParallelLinear(linear, rows, spec, group, replica_slot=slot)
+
+
+def _enter_region_hook(group, sequence_parallel: bool):
+    """Forward pre-hook: the branch input (first argument) enters the TP region (post-norm blocks)."""
+    enter = gather_from_sequence_parallel_region if sequence_parallel else copy_to_tensor_parallel_region
+
+    def hook(module, args):
+        return (enter(args[0], group), *args[1:])
+    return hook
 
 
 @torch.no_grad()
@@ -337,10 +426,24 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
         attention.wk = _kv_linear(attention.wk, config, group)
         attention.wv = _kv_linear(attention.wv, config, group)
         attention.wo = RowParallelLinear(attention.wo, group, sequence_parallel)
+        if config.qk_norm == "head":
+            attention.q_norm, attention.k_norm = HeadNorm(attention.q_norm, group), HeadNorm(attention.k_norm, group)
+        elif config.qk_norm == "projection":
+            per = config.q_dim // tp
+            attention.q_norm = ProjectionNorm(attention.q_norm, slice(rank * per, (rank + 1) * per),
+                                              TPSpec(0, everyone, config.q_dim), group)
+            rows, spec, slot = _kv_rows(config, group)
+            attention.k_norm = ProjectionNorm(attention.k_norm, rows, spec, group, slot)
         mlp.w1, mlp.w3 = column(mlp.w1), column(mlp.w3)
         mlp.w2 = RowParallelLinear(mlp.w2, group, sequence_parallel)
-        block.attention_norm = ParallelRMSNorm(block.attention_norm, group, sequence_parallel)
-        block.ffn_norm = ParallelRMSNorm(block.ffn_norm, group, sequence_parallel)
+        if config.norm_position == "post":
+            for branch in (attention, mlp):
+                branch.register_forward_pre_hook(_enter_region_hook(group, sequence_parallel))
+            block.attention_norm = SequenceShardNorm(block.attention_norm, group, sequence_parallel)
+            block.ffn_norm = SequenceShardNorm(block.ffn_norm, group, sequence_parallel)
+        else:
+            block.attention_norm = ParallelRMSNorm(block.attention_norm, group, sequence_parallel)
+            block.ffn_norm = ParallelRMSNorm(block.ffn_norm, group, sequence_parallel)
     # A pipeline stage may hold neither the embedding nor the head.
     if model.tok_embeddings is not None:
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, sequence_parallel)

@@ -45,7 +45,7 @@ class ActivationShape:
 def block_activation_elements(model: ModelConfig, shape: ActivationShape) -> int:
     """Elements one transformer block keeps for backward on one rank (see the module docstring)."""
     s, b, t = shape.seq_len, shape.micro_batch, shape.tp
-    h, f, a, d = model.dim, model.ffn_hidden_dim, model.n_heads, model.head_dim
+    h, f, a, d = model.dim, model.ffn_hidden_dim, model.n_heads, model.head_size
     kv = max(model.kv_heads // t, 1)
     sbh, sb = s * b * h, s * b
     if shape.recompute == "full":

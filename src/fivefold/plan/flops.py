@@ -37,7 +37,7 @@ class ParameterCount:
 
 
 def count_parameters(config: ModelConfig) -> ParameterCount:
-    h, layers, hd = config.dim, config.n_layers, config.head_dim
+    h, layers, hd = config.dim, config.n_layers, config.head_size
     q_and_o = 2 * h * config.n_heads * hd
     k_and_v = 2 * h * config.kv_heads * hd
     return ParameterCount(
@@ -51,7 +51,7 @@ def count_parameters(config: ModelConfig) -> ParameterCount:
 
 def attention_flops_per_token(config: ModelConfig, seq_len: int) -> int:
     """12 * L * H * Q * T: QK^T and AV, forward and backward (PaLM appendix B)."""
-    return 12 * config.n_layers * config.n_heads * config.head_dim * seq_len
+    return 12 * config.n_layers * config.n_heads * config.head_size * seq_len
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> int:

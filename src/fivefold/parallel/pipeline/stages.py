@@ -55,7 +55,7 @@ def stage_costs(config: ModelConfig, seq_len: int, balance: str = "flops") -> St
     if balance == "params":
         head = config.dim + (0 if config.tie_embeddings else vocab_matrix)
         return StageCosts(vocab_matrix, (block_params,) * layers, head)
-    attention = 12 * config.n_heads * config.head_dim * seq_len
+    attention = 12 * config.n_heads * config.head_size * seq_len
     block = 6 * (count.attention + count.mlp) / layers + attention
     return StageCosts(0.0, (block,) * layers, 6 * vocab_matrix)
 
