@@ -11,10 +11,22 @@ from fivefold.plan.memory import adam_fp32, adam_mixed_precision
 
 from conftest import micro_model
 
-KNOWN_TOTALS = {
-    "llama3-8b": 8_030_261_248,
-    "llama3-70b": 70_553_706_496,
-    "llama3-405b": 405_853_388_800,
+# Exact totals: the element counts of the published safetensors checkpoints (what the Hugging Face
+# hub reports for each repository), and the figure its model card states, as written there.
+PUBLISHED = {
+    # preset: (exact total, model-card figure in billions, its decimals, non-embedding figure or None)
+    "llama3-8b": (8_030_261_248, 8.0, 0, None),           # Meta-Llama-3-8B: "8B"
+    "llama3-70b": (70_553_706_496, 70, 0, None),          # "70B"
+    "llama3-405b": (405_853_388_800, 405, 0, None),       # Llama 3.1 405B: "405B"
+    "llama3.1-8b": (8_030_261_248, 8, 0, None),           # Llama-3.1-8B: "8B"
+    "llama3.1-70b": (70_553_706_496, 70, 0, None),        # "70B"
+    "llama3.1-405b": (405_853_388_800, 405, 0, None),     # "405B"
+    "llama3.2-1b": (1_235_814_400, 1.23, 2, None),        # Llama-3.2-1B card: "1.23B"
+    "llama3.2-3b": (3_212_749_824, 3.21, 2, None),        # Llama-3.2-3B card: "3.21B"
+    "qwen2.5-7b": (7_615_616_512, 7.61, 2, 6.53),         # Qwen2.5-7B card: 7.61B, non-embedding 6.53B
+    "qwen3-8b": (8_190_735_360, 8.2, 1, 6.95),            # Qwen3-8B card: 8.2B, non-embedding 6.95B
+    "qwen3-32b": (32_762_123_264, 32.8, 1, 31.2),         # Qwen3-32B card: 32.8B, non-embedding 31.2B
+    "mistral-7b": (7_241_732_096, 7.24, 2, None),         # Mistral-7B-v0.1 checkpoint (the announcement rounds to "7.3B")
 }
 
 
@@ -26,24 +38,43 @@ def test_count_equals_instantiated_model_on_meta(name):
     assert sum(p.numel() for p in model.parameters()) == count_parameters(config).total
 
 
-@pytest.mark.parametrize("name,total", KNOWN_TOTALS.items())
-def test_llama3_published_parameter_counts(name, total):
-    assert count_parameters(get_preset(name)).total == total
+def _states(figure: float, decimals: int, count: int) -> bool:
+    """A card figure with `decimals` decimals (in billions) states `count` if it is the count rounded or
+    truncated to those decimals (cards do both: Llama 3.2 1B's 1.2358e9 is "1.23B", Qwen3-8B's 8.19e9 "8.2B")."""
+    return abs(count / 1e9 - figure) < 10 ** -decimals
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_preset_parameter_counts_equal_the_published_ones(name):
+    exact, card, decimals, non_embedding = PUBLISHED[name]
+    counts = count_parameters(get_preset(name))
+    assert counts.total == exact
+    assert _states(card, decimals, counts.total)
+    if non_embedding is not None:  # Qwen's cards count the embedding and the untied head as embedding
+        assert _states(non_embedding, len(str(non_embedding).split(".")[1]), counts.total - counts.embedding - counts.head)
 
 
 def test_gpt3_shape_is_175b_class():
     assert 174e9 < count_parameters(get_preset("gpt3-175b")).total < 176e9
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_flops_per_token_equals_pytorch_flop_counter(tied):
+FAMILY_OPTIONS = {
+    "untied": {}, "tied": {"tie_embeddings": True},
+    "qwen3-like": {"head_dim": 12, "qk_norm": "head", "attention_bias": "all"},
+    "olmo2-like": {"qk_norm": "projection", "norm_position": "post", "mlp_bias": True},
+}
+
+
+@pytest.mark.parametrize("options", list(FAMILY_OPTIONS.values()), ids=list(FAMILY_OPTIONS))
+def test_flops_per_token_equals_pytorch_flop_counter(options):
     """FlopCounterMode counts every matmul, forward and backward.
 
     PyTorch's counter has no formula for the fused CPU attention kernel, so attention runs on
     the math backend, whose two batched matmuls are counted (unmasked, as in PaLM).
     """
-    config = micro_model(vocab_size=64, tie_embeddings=tied)
+    config = micro_model(vocab_size=64, **options)
     model = materialize(build_model(config), "cpu", seed=0)
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(config).total
     batch, seq = 2, 24
     tokens = torch.randint(0, 64, (batch, seq))
     with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):

@@ -121,6 +121,7 @@ def _info(args: argparse.Namespace) -> int:
         ("  attention", f"{counts.attention:,}"),
         ("  mlp", f"{counts.mlp:,}"),
         ("  norms", f"{counts.norms:,}"),
+        ("  biases", f"{counts.biases:,}"),
         ("  output head", f"{counts.head:,}" + (" (tied to embedding)" if model.tie_embeddings else "")),
         ("training FLOPs/token", f"{flops_per_token(model, seq):.4e} at seq_len {seq} "
                                  f"(6N = {6 * counts.matmul:.4e}, attention = {attention_flops_per_token(model, seq):.4e})"),

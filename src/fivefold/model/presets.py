@@ -1,6 +1,9 @@
-"""Named model shapes: CPU demo sizes and the exact shapes of Llama 3 and GPT-3 175B.
+"""Named model shapes: CPU demo sizes and the exact shapes of published models.
 
-Llama 3 shapes are from Meta's model cards / params.json (Dubey et al. 2024, Table 3).
+Llama 3 shapes are from Meta's model cards / params.json (Dubey et al. 2024, Table 3); Llama
+3.1 adds the `llama3` RoPE scaling (factor 8 over an 8192 context) and Llama 3.2 1B/3B tie their
+embeddings (factor 32). Qwen2.5, Qwen3 and Mistral shapes are those of their published
+config.json files (Qwen2.5-7B, Qwen3-8B/32B, Mistral-7B-v0.1).
 `gpt3-175b` keeps GPT-3's h=12288, L=96, a=96, V=50257, s=2048 and tied embeddings
 (Brown et al. 2020) but, being a Llama-style block, uses SwiGLU with ffn = 8h/3 so the
 MLP has GPT-3's 8h^2 parameters.
@@ -13,6 +16,9 @@ import difflib
 
 from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
+
+_LLAMA31_ROPE = dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                     rope_original_max_seq_len=8192)
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
@@ -32,6 +38,42 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3-405b": ModelConfig(
         name="llama3-405b", dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
         multiple_of=4096, ffn_dim_multiplier=1.2, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192,
+    ),
+    "llama3.1-8b": ModelConfig(
+        name="llama3.1-8b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+        multiple_of=1024, ffn_dim_multiplier=1.3, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=131072, **_LLAMA31_ROPE,
+    ),
+    "llama3.1-70b": ModelConfig(
+        name="llama3.1-70b", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+        multiple_of=4096, ffn_dim_multiplier=1.3, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=131072, **_LLAMA31_ROPE,
+    ),
+    "llama3.1-405b": ModelConfig(
+        name="llama3.1-405b", dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
+        multiple_of=4096, ffn_dim_multiplier=1.2, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=131072, **_LLAMA31_ROPE,
+    ),
+    "llama3.2-1b": ModelConfig(
+        name="llama3.2-1b", dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=8192,
+        norm_eps=1e-5, rope_theta=500000.0, max_seq_len=131072, tie_embeddings=True, **{**_LLAMA31_ROPE, "rope_factor": 32.0},
+    ),
+    "llama3.2-3b": ModelConfig(
+        name="llama3.2-3b", dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256, ffn_dim=8192,
+        norm_eps=1e-5, rope_theta=500000.0, max_seq_len=131072, tie_embeddings=True, **{**_LLAMA31_ROPE, "rope_factor": 32.0},
+    ),
+    "qwen2.5-7b": ModelConfig(
+        name="qwen2.5-7b", dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, vocab_size=152064, ffn_dim=18944,
+        norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=131072, attention_bias="qkv",
+    ),
+    "qwen3-8b": ModelConfig(
+        name="qwen3-8b", dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, vocab_size=151936, ffn_dim=12288,
+        norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960, qk_norm="head",
+    ),
+    "qwen3-32b": ModelConfig(
+        name="qwen3-32b", dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim=128, vocab_size=151936, ffn_dim=25600,
+        norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960, qk_norm="head",
+    ),
+    "mistral-7b": ModelConfig(
+        name="mistral-7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000, ffn_dim=14336,
+        norm_eps=1e-5, rope_theta=10000.0, max_seq_len=32768, sliding_window=4096,
     ),
     "gpt3-175b": ModelConfig(
         name="gpt3-175b", dim=12288, n_layers=96, n_heads=96, vocab_size=50257, ffn_dim=32768,

@@ -1,7 +1,8 @@
 """Exact parameter counts and training FLOPs of the Llama-style decoder.
 
-Parameters are counted tensor by tensor (GQA key/value projections, SwiGLU's three
-matrices, RMSNorm weights, untied or tied head), so the count equals the instantiated model's.
+Parameters are counted tensor by tensor (GQA key/value projections with the head width in
+use, SwiGLU's three matrices, RMSNorm gains including query/key norms, biases, untied or tied
+head), so the count equals the instantiated model's.
 
 FLOPs per token for training follow PaLM (Chowdhery et al. 2022, appendix B):
     6 * N_matmul + 12 * L * H * Q * T
@@ -25,33 +26,37 @@ class ParameterCount:
     mlp: int
     norms: int
     head: int
+    biases: int = 0
 
     @property
     def total(self) -> int:
-        return self.embedding + self.attention + self.mlp + self.norms + self.head
+        return self.embedding + self.attention + self.mlp + self.norms + self.head + self.biases
 
     @property
     def matmul(self) -> int:
-        """Parameters that take part in matrix multiplies (the head, even when tied)."""
+        """Parameters that take part in matrix multiplies (the head, even when tied; not biases)."""
         return self.attention + self.mlp + (self.head or self.embedding)
 
 
 def count_parameters(config: ModelConfig) -> ParameterCount:
-    h, layers, hd = config.dim, config.n_layers, config.head_size
-    q_and_o = 2 * h * config.n_heads * hd
-    k_and_v = 2 * h * config.kv_heads * hd
+    h, layers, f = config.dim, config.n_layers, config.ffn_hidden_dim
+    q, kv = config.q_dim, config.kv_dim
+    qk_norms = {"none": 0, "head": 2 * config.head_size, "projection": q + kv}[config.qk_norm]
+    attention_biases = {"none": 0, "qkv": q + 2 * kv, "all": q + 2 * kv + h}[config.attention_bias]
+    mlp_biases = 2 * f + h if config.mlp_bias else 0
     return ParameterCount(
         embedding=config.vocab_size * h,
-        attention=layers * (q_and_o + k_and_v),
-        mlp=layers * 3 * h * config.ffn_hidden_dim,
-        norms=(2 * layers + 1) * h,
+        attention=layers * (2 * h * q + 2 * h * kv),
+        mlp=layers * 3 * h * f,
+        norms=(2 * layers + 1) * h + layers * qk_norms,
         head=0 if config.tie_embeddings else config.vocab_size * h,
+        biases=layers * (attention_biases + mlp_biases),
     )
 
 
 def attention_flops_per_token(config: ModelConfig, seq_len: int) -> int:
     """12 * L * H * Q * T: QK^T and AV, forward and backward (PaLM appendix B)."""
-    return 12 * config.n_layers * config.n_heads * config.head_size * seq_len
+    return 12 * config.n_layers * config.q_dim * seq_len
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> int:
