@@ -1,10 +1,11 @@
 """The `fivefold` command line: thin parsing, then calls into the library.
 
     fivefold train [--config FILE.toml] [--nproc-per-node N] [--max-restarts N] [--resume auto|none|DIR]
-                   [--overwrite] [--section.key VALUE ...]
+                   [--overwrite] [--init-from-hf HF_DIR] [--section.key VALUE ...]
     fivefold generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
     fivefold info --model PRESET [--seq-len S]
     fivefold convert --checkpoint DIR --to HF_DIR [--dtype fp32|bf16]
+    fivefold convert --from-hf HF_DIR --to RUN_DIR [--config FILE.toml] [--section.key VALUE ...]
     fivefold verify PATH                  a checkpoint, every checkpoint of a run folder, or an export
     fivefold diagnose RUN_DIR             why a run ended: the failure class, the culprit and the evidence
     fivefold config [--config FILE.toml] [--section.key VALUE ...] | --reference
@@ -49,6 +50,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides = [*overrides, "--checkpoint.resume", args.resume]
     if args.overwrite:
         overrides = [*overrides, "--checkpoint.overwrite", "true"]
+    if args.init_from_hf:
+        overrides = [*overrides, "--model.init_from_hf", args.init_from_hf]
     config = load_config(args.config, overrides)
     if args.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node = {args.nproc_per_node}: must be a positive number of ranks")
@@ -135,12 +138,24 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _convert(args: argparse.Namespace) -> int:
+def _convert(args: argparse.Namespace, overrides: list[str]) -> int:
+    if bool(args.checkpoint) == bool(args.from_hf):
+        raise ConfigError("convert needs one of --checkpoint DIR (to a Hugging Face folder) or --from-hf HF_DIR "
+                          "(to a fivefold run folder)")
+    if args.from_hf:
+        from fivefold.train.import_hf import CONFIG_FILE, import_hf
+
+        checkpoint = import_hf(args.from_hf, args.to, args.config, overrides)
+        print(f"wrote {checkpoint} from {args.from_hf}; continue training in any layout with:\n"
+              f"  fivefold train --config {checkpoint.parent / CONFIG_FILE} [--nproc-per-node N --tensor_parallel.degree T ...]")
+        return 0
+    if overrides or args.config:
+        raise ConfigError("--config and --section.key overrides apply to convert --from-hf only")
     import torch
 
     from fivefold.config import config_from_dict
     from fivefold.model import build_model, materialize
-    from fivefold.model.hf import save_hf
+    from fivefold.model.hf import ARCHITECTURES, hf_family, save_hf
     from fivefold.train.checkpoint import checkpoint_folder, load_checkpoint_tokenizer, load_config_dict, load_model_weights
 
     folder = checkpoint_folder(args.checkpoint)
@@ -149,7 +164,8 @@ def _convert(args: argparse.Namespace) -> int:
     load_model_weights(folder, model)  # consolidated weights: any training world size, any ZeRO stage
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     out = save_hf(model, args.to, dtype, tokenizer=load_checkpoint_tokenizer(folder))
-    print(f"wrote a Hugging Face Llama folder to {out} ({args.dtype}) from {folder}, with a checksummed manifest")
+    print(f"wrote a Hugging Face {ARCHITECTURES[hf_family(model.config)]} folder to {out} ({args.dtype}) from {folder}, "
+          "with a checksummed manifest")
     return 0
 
 
@@ -238,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", help="shorthand for --checkpoint.resume: auto, none or a checkpoint folder")
     train.add_argument("--overwrite", action="store_true",
                        help="shorthand for --checkpoint.overwrite true: replace another run in train.output_dir")
+    train.add_argument("--init-from-hf", metavar="HF_DIR",
+                       help="shorthand for --model.init_from_hf: start from a local Hugging Face model folder's "
+                            "weights, model settings and tokenizer (docs/model.md)")
     train.add_argument("--nproc-per-node", type=int, default=1,
                        help="ranks on this machine; > 1 runs torchrun underneath (gloo on CPU, NCCL on GPU)")
     train.add_argument("--max-restarts", type=int, default=0,
@@ -245,9 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "checkpoint (torchrun's elastic agent)")
 
     convert = sub.add_parser("convert", parents=[common],
-                             help="write a Hugging Face Llama folder (safetensors) from a checkpoint")
-    convert.add_argument("--checkpoint", required=True, help="a step-* checkpoint folder, or a run folder (newest is used)")
-    convert.add_argument("--to", required=True, help="output folder")
+                             help="a checkpoint to a Hugging Face folder (safetensors), or a Hugging Face folder to a run (--from-hf)")
+    convert.add_argument("--checkpoint", help="to Hugging Face: a step-* checkpoint folder, or a run folder (newest is used)")
+    convert.add_argument("--from-hf", help="from Hugging Face: a local model folder (config.json, *.safetensors, tokenizer.json)")
+    convert.add_argument("--to", required=True, help="output folder: a Hugging Face folder, or with --from-hf a new run folder")
+    convert.add_argument("--config", help="with --from-hf: TOML config whose non-model settings the run folder keeps")
     convert.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
 
     verify = sub.add_parser("verify", parents=[common],
@@ -303,11 +324,13 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args, rest)
         if args.command == "config":
             return _config(args, rest)
+        if args.command == "convert":
+            return _convert(args, rest)
         if args.command == "bench":
             return _bench(args, list(sys.argv[1:] if argv is None else argv))
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        commands = {"generate": _generate, "convert": _convert, "verify": _verify, "diagnose": _diagnose,
+        commands = {"generate": _generate, "verify": _verify, "diagnose": _diagnose,
                     "plot-schedule": _plot_schedule, "info": _info}
         return commands[args.command](args)
     except FivefoldError as exc:

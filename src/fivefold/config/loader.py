@@ -189,9 +189,50 @@ def parse_overrides(args: list[str]) -> dict[str, dict[str, str]]:
     return out
 
 
+# Model settings a user may change on a model taken from a Hugging Face folder: they change no weight.
+HF_INIT_FREE = ("init_from_hf", "name", "max_seq_len", "init_std")
+
+
+def _given(sections: dict[str, Any], section: str) -> set[str]:
+    values = sections.get(section)
+    return {key.replace("-", "_") for key in values} if isinstance(values, dict) else set()
+
+
+def apply_hf_init(cfg: JobConfig, given_model: set[str], given_data: set[str]) -> JobConfig:
+    """With model.init_from_hf: the model settings from the folder's config.json (any the user also gave
+    must agree), and its tokenizer unless data.tokenizer is given."""
+    folder = cfg.model.init_from_hf
+    if not folder:
+        return cfg
+    from fivefold.model.hf import read_hf_config  # torch is needed from here on anyway
+
+    if PRESET_KEY in given_model:
+        raise ConfigError(f"model.preset and model.init_from_hf = {folder} both choose the model: keep one")
+    if not Path(folder).is_dir():
+        raise ConfigError(f"model.init_from_hf = {folder}: no such folder (a local Hugging Face model folder "
+                          "with config.json and *.safetensors)")
+    model = read_hf_config(folder)
+    for key in sorted(given_model - {PRESET_KEY}):
+        ours, theirs = getattr(cfg.model, key), getattr(model, key, None)
+        if key in HF_INIT_FREE:
+            model = dataclasses.replace(model, **{key: ours})
+        elif ours != theirs:
+            raise ConfigError(f"model.{key} = {ours!r} conflicts with {folder}/config.json, which gives {theirs!r}: "
+                              f"drop model.{key} (the folder decides the model's shape) or drop model.init_from_hf")
+    cfg.model = model
+    if "tokenizer" not in given_data:
+        if not (Path(folder) / "tokenizer.json").is_file():
+            raise ConfigError(f"model.init_from_hf = {folder} holds no tokenizer.json: set data.tokenizer to the "
+                              "model's tokenizer folder or tokenizer.json")
+        cfg.data = dataclasses.replace(cfg.data, tokenizer=str(folder))
+    return cfg
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
-    """Defaults, then the TOML file, then `--section.key value` overrides; validated."""
+    """Defaults, then the TOML file, then `--section.key value` overrides (then model.init_from_hf); validated."""
     cfg = JobConfig()
+    given_model: set[str] = set()
+    given_data: set[str] = set()
     if path is not None:
         path = Path(path)
         if path.is_dir():
@@ -208,9 +249,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
         for section, values in data.items():
             _apply_section(cfg, section, values, str(path))
-    for section, values in parse_overrides(overrides or []).items():
+        given_model |= _given(data, "model")
+        given_data |= _given(data, "data")
+    command_line = parse_overrides(overrides or [])
+    for section, values in command_line.items():
         _apply_section(cfg, section, values, "command-line overrides")
-    return cfg.validate()
+    given_model |= _given(command_line, "model")
+    given_data |= _given(command_line, "data")
+    return apply_hf_init(cfg, given_model, given_data).validate()
 
 
 def config_from_dict(data: dict[str, Any]) -> JobConfig:

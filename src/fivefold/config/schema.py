@@ -71,8 +71,9 @@ class DataConfig:
     """`stdlib` (the running interpreter's standard library source, the embedded default corpus)
     or a path to a .txt/.jsonl file or a folder of them (comma-separate several paths)."""
     tokenizer: str = "byte"
-    """`byte` (256 byte values + end-of-text), `bpe` (trained locally on the train split) or a
-    path to a saved `tokenizer.json`."""
+    """`byte` (256 byte values + end-of-text), `bpe` (trained locally on the train split), a path to
+    a saved `tokenizer.json`, or a Hugging Face tokenizer folder (tokenizer.json, and its tokenizer_config.json's
+    eos_token ends each document; its files, chat template included, are kept unchanged)."""
     bpe_vocab_size: int = 4096
     """Vocabulary size when training a BPE tokenizer."""
     val_fraction: float = 0.05

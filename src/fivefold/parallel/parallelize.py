@@ -3,7 +3,8 @@
 The order (torchtitan's parallelize_llama, with the pipeline cut first as Megatron does):
   1. pipeline: split the blocks into stages and delete what this rank's stages do not run,
      before any memory is allocated (parameter names stay global);
-  2. materialise the kept weights on the device (same seed, same values as one process);
+  2. materialise the kept weights on the device (same seed, same values as one process), or read
+     them from the Hugging Face folder of model.init_from_hf (only the tensors this rank's stages hold);
   3. tensor (and sequence) parallelism swaps the layers and slices the weights;
   4. context parallelism replaces the attention cores;
   5. activation recomputation wraps blocks or attention cores (so a recomputed core reruns its
@@ -27,6 +28,7 @@ from torch import nn
 from fivefold.comm.reducers import build_reducer
 from fivefold.config import ContextParallelConfig, JobConfig, TensorParallelConfig
 from fivefold.model import Transformer, materialize
+from fivefold.model.hf import load_hf_weights
 from fivefold.optim import build_adamw, build_optimizer
 from fivefold.parallel.checkpoint_layout import CheckpointLayout, local_layout
 from fivefold.parallel.comm_schedule import PriorityDataParallel, PrioritySync
@@ -193,8 +195,11 @@ def gather_layout(local: CheckpointLayout, mesh: Mesh) -> CheckpointLayout:
 
 
 def parallelize(model: Transformer, mesh: Mesh, config: JobConfig, device: torch.device,
-                autocast: Callable) -> Parallelized:
-    """Cut, materialise and parallelize a meta-device model; every rank calls this (it is collective)."""
+                autocast: Callable, pretrained: bool = True) -> Parallelized:
+    """Cut, materialise and parallelize a meta-device model; every rank calls this (it is collective).
+
+    pretrained: read model.init_from_hf's weights when it is set (False when a checkpoint will overwrite them).
+    """
     pipe, t = config.pipeline_parallel, config.train
     split, stages = None, None
     if pipe.degree > 1:  # keep only this rank's stages, before any memory is allocated
@@ -202,6 +207,8 @@ def parallelize(model: Transformer, mesh: Mesh, config: JobConfig, device: torch
         stages = stages_of_rank(split, pipe.degree, mesh.local_rank("pp"))
         cut_model(model, stages)
     model = materialize(model, device, seed=t.seed)
+    if pretrained and model.config.init_from_hf:
+        load_hf_weights(model, model.config.init_from_hf)
     folds = apply_model_parallel(model, mesh, config.tensor_parallel, config.context_parallel, t.recompute, stages)
     tied_group = None  # first and last pipeline stage, which both hold a tied embedding
     if stages is not None and model.config.tie_embeddings:

@@ -203,10 +203,10 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def load_checkpoint_tokenizer(folder: Path | Manifest):
     """The tokenizer saved in a checkpoint, once its file verifies against the manifest."""
-    from fivefold.data.tokenizer import load_tokenizer_from
+    from fivefold.data.tokenizer import HF_TOKENIZER_FILES, load_tokenizer_from
 
     manifest = folder if isinstance(folder, Manifest) else open_checkpoint(folder)
-    for name in ("tokenizer.json", "tokenizer.txt"):
+    for name in (*HF_TOKENIZER_FILES, "tokenizer.txt"):
         if name in manifest.files:
             manifest.verify(name)
     return load_tokenizer_from(manifest.folder)

@@ -168,7 +168,8 @@ def resume_settings(saved_config: dict[str, Any], saved: TrainerState, config: J
                     dp: int, data_fingerprint: str) -> ResumeSettings:
     """Compare the checkpoint's run with this one; the grad_accum_steps that keeps its global batch."""
     before, now = _flat(saved_config), _flat({**config.to_dict(), "model": model})
-    model_diffs = [k for k in now if k.startswith("model.") and k != "model.name" and k in before and before[k] != now[k]]
+    model_diffs = [k for k in now if k.startswith("model.") and k not in ("model.name", "model.init_from_hf")
+                   and k in before and before[k] != now[k]]
     if model_diffs:
         raise CheckpointError(
             f"the checkpoint was trained with different model settings ({', '.join(model_diffs)}); "
@@ -179,6 +180,8 @@ def resume_settings(saved_config: dict[str, Any], saved: TrainerState, config: J
                        "or its tokenization changed")
     t = config.train
     accum = t.grad_accum_steps
+    if saved.step == 0:  # nothing trained yet (e.g. `fivefold convert --from-hf`): any data and batch may follow
+        return ResumeSettings(accum, [], [])
     global_batch = saved.global_batch or before.get("train.micro_batch_size", 0) * before.get("train.grad_accum_steps", 0)
     configured = saved.grad_accum_configured or before.get("train.grad_accum_steps")
     changed = []

@@ -78,7 +78,8 @@ class Trainer:
         t = config.train
         torch.manual_seed(t.seed)
         self.autocast_dtype = torch.bfloat16 if t.dtype == "bf16" else None
-        self.parallel = parallelize(build_model(self.model_config), self.mesh, config, self.device, self._autocast)
+        self.parallel = parallelize(build_model(self.model_config), self.mesh, config, self.device, self._autocast,
+                                    pretrained=self.checkpoints.resumed_from is None)
         self.model, self.sync, self.step_fn = self.parallel.model, self.parallel.sync, self.parallel.step
         self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * self.dims.dp * t.seq_len
         state = self.checkpoints.restore(self.parallel) or TrainerState(0, 0, t.seed)

@@ -1,0 +1,91 @@
+"""`fivefold convert --from-hf FOLDER --to RUN_DIR`: a Hugging Face model as a step-0 fivefold run.
+
+The run folder gets what any layout resumes from:
+
+    RUN_DIR/
+      step-000000/      a verified checkpoint: the folder's weights, AdamW moments zero (exactly a
+                        fresh optimizer), written by the trainer itself under a one-process layout
+      tokenizer/        the folder's tokenizer files, byte for byte (chat template included)
+      fivefold.toml     the resolved config (model settings from config.json, data.tokenizer =
+                        RUN_DIR/tokenizer, checkpoint.resume = auto)
+
+so `fivefold train --config RUN_DIR/fivefold.toml --nproc-per-node 2 --tensor_parallel.degree 2`
+continues from it at any tp, pp, cp or ZeRO stage (the checkpoint reshards on load). A step-0
+checkpoint has consumed no data, so the data settings and the global batch may change on resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from fivefold.config import JobConfig, load_config
+from fivefold.data.tokenizer import HF_TOKENIZER_FILES
+from fivefold.errors import ConfigError
+
+CONFIG_FILE = "fivefold.toml"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML's
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def config_toml(config: dict[str, dict[str, Any]]) -> str:
+    """A JobConfig dictionary (sections of scalars and lists) as TOML `load_config` reads back."""
+    lines = []
+    for section, values in config.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def import_hf(folder: str | Path, run_dir: str | Path, config_path: str | None = None,
+              overrides: list[str] | None = None) -> Path:
+    """Write RUN_DIR (layout above) from a local Hugging Face folder; returns the checkpoint folder."""
+    from fivefold.train.trainer import Trainer
+
+    folder, run_dir = Path(folder).resolve(), Path(run_dir).resolve()
+    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        raise ConfigError(f"--to {run_dir} exists and is not empty: choose a new folder (nothing is overwritten)")
+    config = load_config(config_path, [*(overrides or []), "--model.init_from_hf", str(folder),
+                                       "--train.output_dir", str(run_dir)])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer_dir = run_dir / "tokenizer"
+    source = Path(config.data.tokenizer)
+    source = source if source.is_dir() else source.parent
+    files = [name for name in HF_TOKENIZER_FILES if (source / name).is_file()]
+    if "tokenizer.json" not in files:
+        raise ConfigError(f"data.tokenizer = {config.data.tokenizer}: no tokenizer.json there to import")
+    tokenizer_dir.mkdir()
+    for name in files:
+        (tokenizer_dir / name).write_bytes((source / name).read_bytes())
+    config.data = dataclasses.replace(config.data, tokenizer=str(tokenizer_dir))
+    config.logging = dataclasses.replace(config.logging, progress=False)
+    trainer = Trainer(config.validate())
+    checkpoint = trainer.save()
+    trainer.checkpoints.wait()
+    trainer.checkpoints.close()
+    trainer.supervisor.finish()
+    saved = trainer.config_dict()
+    saved["model"]["init_from_hf"] = ""  # the weights now live in the checkpoint
+    saved["checkpoint"]["resume"] = "auto"
+    (run_dir / CONFIG_FILE).write_text(f"# written by `fivefold convert --from-hf {folder}`\n" + config_toml(saved))
+    if checkpoint is None:
+        raise ConfigError(f"{folder} holds non-finite weights: nothing was written to {run_dir}/step-000000")
+    return checkpoint
+
+
+def resumable_config(run_dir: str | Path) -> JobConfig:
+    """The config `import_hf` wrote, as `fivefold train --config RUN_DIR/fivefold.toml` reads it."""
+    return load_config(Path(run_dir) / CONFIG_FILE)

@@ -1,0 +1,45 @@
+"""A Hugging Face folder converted once (`fivefold convert --from-hf`) resumes in every layout like in one process.
+
+The step-0 checkpoint (the folder's weights, a fresh AdamW) is resumed for 4 steps in one process
+and at tp 2 + SP, pp 2 and ZeRO-3 dp 2; losses and final weights agree within the harness's
+tolerances. The Llama folder has tied embeddings and Llama 3.1 RoPE scaling; the OLMo 2 folder
+post norms and projection q/k norms (examples/tiny_hf_model.py).
+"""
+
+import dataclasses
+import runpy
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from fivefold.train.import_hf import import_hf, resumable_config  # noqa: E402
+
+from parity.harness import TP_PARAM_ATOL, assert_parity, train_distributed, train_single, with_changes  # noqa: E402
+
+EXAMPLE = runpy.run_path(str(Path(__file__).parents[2] / "examples" / "tiny_hf_model.py"))
+LAYOUTS = {
+    "tp2-sp": dict(tensor_parallel={"degree": 2, "sequence_parallel": True}),
+    "pp2": dict(train={"micro_batch_size": 4, "grad_accum_steps": 2}, pipeline_parallel={"degree": 2}),
+    "zero3-dp2": dict(train={"micro_batch_size": 4}, data_parallel={"shard": 2, "zero_stage": 3}),
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "olmo2"])
+def test_converted_folder_resumes_in_every_layout_like_one_process(tmp_path, corpus_dir, family):
+    folder = EXAMPLE["make_tiny_hf_model"](tmp_path / "hf", family)
+    overrides = ["--data.source", str(corpus_dir), "--data.cache_dir", str(tmp_path / "cache"), "--data.val_fraction", "0.2",
+                 "--train.seq_len", "32", "--train.micro_batch_size", "8", "--train.steps", "4", "--train.eval_every", "0",
+                 "--checkpoint.every", "0", "--optim.lr", "1e-2"]
+    step0 = import_hf(folder, tmp_path / "imported", None, overrides)
+    config = resumable_config(tmp_path / "imported")
+    config.logging = dataclasses.replace(config.logging, progress=False, tensorboard=False, plot=False, sample_prompt="")
+    config.checkpoint = dataclasses.replace(config.checkpoint, resume=str(step0))
+    single = with_changes(config, train={"output_dir": str(tmp_path / "single")})
+    reference = train_single(single)
+    for name, sections in LAYOUTS.items():
+        sections = {key: dict(value) for key, value in sections.items()}
+        sections.setdefault("train", {})["output_dir"] = str(tmp_path / name)
+        diffs = assert_parity(reference, train_distributed(with_changes(single, **sections), 2), param_atol=TP_PARAM_ATOL)
+        print(f"{family} from step 0 at {name}: {diffs}")
