@@ -20,7 +20,8 @@ NEGATIVE_OK = {"data_parallel.replicate": "-1"}  # -1 means "all ranks"; -5 must
 CHOICES = {"data.tokenizer", "train.dtype", "train.device", "train.recompute", "optim.schedule", "data_parallel.param_dtype",
            "data_parallel.mode", "context_parallel.method", "pipeline_parallel.schedule", "pipeline_parallel.balance",
            "gradient_comm.reduce_dtype", "gradient_comm.allreduce_algorithm", "gradient_comm.schedule",
-           "gradient_comm.compression", "parameter_server.sync", "fault.kind"}
+           "gradient_comm.compression", "parameter_server.sync", "fault.kind", "model.attention_bias", "model.qk_norm",
+           "model.norm_position", "model.rope_scaling"}
 
 
 def generated_settings() -> list[tuple[str, str]]:
@@ -88,6 +89,11 @@ def train(corpus_dir, tmp_path, capsys):
     (["--max-restarts", "-1"], ["--max-restarts"]),
     (["--resume", "/no/such/checkpoint"], ["no such folder"]),
     (["--fault.kind", "kill", "--fault.step", "9"], ["fault.step"]),
+    (["--model.sliding_window", "8", "--context_parallel.degree", "2"], ["model.sliding_window", "ulysses"]),
+    (["--model.rope_scaling", "llama3"], ["model.rope_original_max_seq_len"]),
+    (["--model.dim", "30"], ["model.head_dim"]),
+    (["--init-from-hf", "/no/such/hf/folder"], ["model.init_from_hf", "no such folder"]),
+    (["--model.init_from_hf", "/tmp"], ["config.json"]),
 ])
 def test_impossible_runs_are_refused_before_any_work(train, tmp_path, extra, names):
     code, err = train(*extra)

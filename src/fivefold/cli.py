@@ -119,6 +119,7 @@ def _info(args: argparse.Namespace) -> int:
         ("model", model.name),
         ("shape", f"h={model.dim} L={model.n_layers} heads={model.n_heads} {attn_kind} ffn={model.ffn_hidden_dim} "
                   f"V={model.vocab_size}{' tied' if model.tie_embeddings else ''}"),
+        ("options", _model_options(model)),
         ("parameters", f"{n:,}"),
         ("  embedding", f"{counts.embedding:,}"),
         ("  attention", f"{counts.attention:,}"),
@@ -136,6 +137,18 @@ def _info(args: argparse.Namespace) -> int:
     for label, value in rows:
         print(f"{label:<{width}}  {value}")
     return 0
+
+
+def _model_options(model) -> str:
+    """The settings beyond plain Llama, as a short list."""
+    options = [f"head_dim {model.head_dim}"] if model.head_dim else []
+    options += [f"{name.replace('_', ' ')} {getattr(model, name)}" for name, plain in (
+        ("attention_bias", "none"), ("qk_norm", "none"), ("norm_position", "pre")) if getattr(model, name) != plain]
+    options += ["mlp bias"] if model.mlp_bias else []
+    if model.rope_scaling != "none":
+        options.append(f"RoPE {model.rope_scaling} x{model.rope_factor:g}")
+    options += [f"sliding window {model.sliding_window}"] if model.sliding_window else []
+    return ", ".join(options) or "plain Llama"
 
 
 def _convert(args: argparse.Namespace, overrides: list[str]) -> int:

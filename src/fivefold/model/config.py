@@ -5,7 +5,7 @@ rounded up to a multiple of `multiple_of` (Touvron et al. 2023; Llama 3 uses 1.3
 for 8B, which gives 14336).
 
 The options beyond plain Llama are those of the open families fivefold imports (docs/model.md):
-an explicit `head_dim` (Qwen3, Llama 3.2 3B), biases on the attention projections (Qwen2),
+an explicit `head_dim` (Qwen3-32B: 64 heads of 128 on a 5120-wide model), biases on the attention projections (Qwen2),
 query/key RMSNorm per head (Qwen3) or over the whole projection (OLMo 2), norms after the
 attention and MLP instead of before (OLMo 2), RoPE scaling `linear`, `llama3` (Llama 3.1/3.2)
 and `yarn` (Peng et al. 2023), and sliding-window attention (Mistral).
@@ -58,7 +58,7 @@ class ModelConfig:
     init_std: float = 0.02
     """Std of the normal init; residual output projections get init_std / sqrt(2 * n_layers)."""
     head_dim: int = 0
-    """Width of one attention head; 0 means dim / n_heads (Qwen3 and Llama 3.2 3B set it explicitly)."""
+    """Width of one attention head; 0 means dim / n_heads (Qwen3 sets it explicitly)."""
     attention_bias: str = "none"
     """Biases of the attention projections: `none` (Llama), `qkv` (Qwen2: query, key and value), `all` (also the output)."""
     mlp_bias: bool = False
@@ -124,9 +124,9 @@ class ModelConfig:
                 raise ConfigError(f"model.{name} = {getattr(self, name)}: must be >= 0 (0 means automatic)")
         if not self.head_dim and self.dim % self.n_heads:
             raise ConfigError(f"model.dim = {self.dim} is not divisible by model.n_heads = {self.n_heads}: "
-                              "set model.head_size explicitly, or change dim or n_heads")
+                              "set model.head_dim explicitly, or change dim or n_heads")
         if self.head_size % 2:
-            raise ConfigError(f"head dim {self.head_size} (model.head_size, or model.dim / model.n_heads) must be even for RoPE")
+            raise ConfigError(f"head dim {self.head_size} (model.head_dim, or model.dim / model.n_heads) must be even for RoPE")
         if self.n_heads % self.kv_heads:
             raise ConfigError(
                 f"model.n_heads = {self.n_heads} is not a multiple of model.n_kv_heads = {self.kv_heads}: "
