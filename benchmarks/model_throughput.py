@@ -1,11 +1,14 @@
-"""Forward + backward throughput: fivefold's Llama vs Hugging Face `transformers.LlamaForCausalLM`.
+"""Forward + backward throughput: fivefold's model vs Hugging Face `transformers` (the family's own class).
 
 Both models hold the same weights (ours exported to a Hugging Face folder and loaded by
-`from_pretrained`), run the same shapes and dtype in the same process, and are timed in
-alternating rounds so that machine noise hits both alike. Loss is the same fp32 token
-cross-entropy for both. Prints a table and a final `RESULT` line; `--json` for machines.
+`AutoModelForCausalLM.from_pretrained`: LlamaForCausalLM, Qwen2/Qwen3ForCausalLM,
+MistralForCausalLM or Olmo2ForCausalLM as the config needs), run the same shapes and dtype in the
+same process, and are timed in alternating rounds so that machine noise hits both alike. Loss is
+the same fp32 token cross-entropy for both. `--family` puts a family's options on the preset's
+shape (qwen2: qkv biases; qwen3: per-head q/k norm; mistral: a window of seq_len / 4; olmo2:
+projection q/k norm and post norms). Prints a table and a final `RESULT` line; `--json` for machines.
 
-    python benchmarks/model_throughput.py --preset tiny --batch 8 --seq-len 256
+    python benchmarks/model_throughput.py --preset tiny --batch 8 --seq-len 256 [--family qwen3]
 """
 
 from __future__ import annotations
@@ -44,24 +47,30 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--family", choices=("llama", "qwen2", "qwen3", "mistral", "olmo2"), default="llama")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
     import transformers
 
     from fivefold.model import build_model, get_preset, materialize
-    from fivefold.model.hf import save_hf
+    from fivefold.model.hf import ARCHITECTURES, hf_family, save_hf
     from fivefold.plan.flops import flops_per_token
 
+    options = {"llama": {}, "qwen2": {"attention_bias": "qkv"}, "qwen3": {"qk_norm": "head"},
+               "mistral": {"sliding_window": max(1, args.seq_len // 4)},
+               "olmo2": {"qk_norm": "projection", "norm_position": "post"}}[args.family]
     config = get_preset(args.preset)
     config = dataclasses.replace(config, vocab_size=config.vocab_size or args.vocab_size,
-                                 n_layers=args.layers or config.n_layers)
+                                 n_layers=args.layers or config.n_layers, **options)
+    config.validate()
     device = torch.device(args.device)
     autocast = torch.bfloat16 if args.dtype == "bf16" else None
     ours = materialize(build_model(config), device, seed=0)
     with tempfile.TemporaryDirectory() as folder:
         save_hf(ours, folder)
-        theirs = transformers.LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa").to(device)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").to(device)
+    class_name = ARCHITECTURES[hf_family(config)]
     ours.train()
     theirs.train()
     forwards = {"fivefold": ours, "transformers": lambda x: theirs(input_ids=x, use_cache=False).logits}
@@ -90,14 +99,14 @@ def main() -> None:
     ratio = rows["fivefold"]["tokens_per_s"] / rows["transformers"]["tokens_per_s"]
     if args.json:
         print(json.dumps({"config": vars(args), "results": rows, "ratio": ratio}, indent=2))
-    print(f"{config.name}: h={config.dim} L={config.n_layers} V={config.vocab_size}, batch {args.batch} x seq {args.seq_len}, "
+    print(f"{config.name} as {class_name}: h={config.dim} L={config.n_layers} V={config.vocab_size}, batch {args.batch} x seq {args.seq_len}, "
           f"{args.dtype} on {device.type}, median of {args.rounds} alternating rounds")
     print(f"{'implementation':<14} {'step (ms)':>10} {'tokens/s':>12} {'TFLOP/s':>9}")
     for name, row in rows.items():
         print(f"{name:<14} {row['median_s'] * 1e3:>10.1f} {row['tokens_per_s']:>12,.0f} {row['tflops']:>9.3f}")
     agreement = abs(losses["fivefold"] - losses["transformers"]) / abs(losses["transformers"])
     print(f"ratio fivefold / transformers tokens/s: {ratio:.3f}; losses differ by {agreement:.1e} (relative)")
-    print(f"RESULT name=model_throughput preset={args.preset} dtype={args.dtype} device={device.type} "
+    print(f"RESULT name=model_throughput preset={args.preset} family={args.family} dtype={args.dtype} device={device.type} "
           f"fivefold_tok_s={rows['fivefold']['tokens_per_s']:.0f} transformers_tok_s={rows['transformers']['tokens_per_s']:.0f} "
           f"ratio={ratio:.3f} loss_rel_diff={agreement:.3e}")
 

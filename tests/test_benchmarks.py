@@ -11,13 +11,14 @@ ROOT = Path(__file__).parent.parent
 
 
 LOSS_RTOL = 1e-4
-TEXT_FIELDS = {"name", "preset", "dtype", "device"}
+TEXT_FIELDS = {"family", "name", "preset", "dtype", "device"}
 SMALL = ["--layers", "1", "--batch", "1", "--seq-len", "16", "--rounds", "1", "--warmup", "0"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script,extra,expected", [
     ("model_throughput.py", [], "ratio="),
+    ("model_throughput.py", ["--family", "olmo2"], "family=olmo2"),
     ("data_parallel.py", ["--world-sizes", "2"], "ours-zero3_vs_fsdp2_x2_mem="),
     ("tensor_parallel.py", [], "ours-tp_vs_dtensor-tp_time="),
     ("context_parallel.py", ["--seq-lens", "16,32"], "2d_vs_ring_time_s32="),
