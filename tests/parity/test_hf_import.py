@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from fivefold.config import load_config  # noqa: E402
 from fivefold.train.import_hf import import_hf, resumable_config  # noqa: E402
 
 from parity.harness import TP_PARAM_ATOL, assert_parity, train_distributed, train_single, with_changes  # noqa: E402
@@ -43,3 +44,21 @@ def test_converted_folder_resumes_in_every_layout_like_one_process(tmp_path, cor
         sections.setdefault("train", {})["output_dir"] = str(tmp_path / name)
         diffs = assert_parity(reference, train_distributed(with_changes(single, **sections), 2), param_atol=TP_PARAM_ATOL)
         print(f"{family} from step 0 at {name}: {diffs}")
+
+
+def test_init_from_hf_in_each_layout_like_one_process(tmp_path, corpus_dir):
+    """`--init-from-hf` without converting: every rank reads the tensors of its own stages (the tied
+    Llama embedding on the first and the last pipeline stage) before tensor parallelism cuts them."""
+    folder = EXAMPLE["make_tiny_hf_model"](tmp_path / "hf", "llama")
+    overrides = ["--model.init_from_hf", str(folder), "--data.source", str(corpus_dir), "--data.cache_dir",
+                 str(tmp_path / "cache"), "--data.val_fraction", "0.2", "--train.seq_len", "32", "--train.micro_batch_size",
+                 "8", "--train.steps", "3", "--train.eval_every", "0", "--checkpoint.every", "0", "--optim.lr", "1e-2",
+                 "--logging.progress", "false", "--logging.tensorboard", "false", "--logging.plot", "false",
+                 "--logging.sample_prompt", "", "--train.output_dir", str(tmp_path / "single")]
+    single = load_config(None, overrides)
+    reference = train_single(single)
+    for name in ("tp2-sp", "pp2"):
+        sections = {key: dict(value) for key, value in LAYOUTS[name].items()}
+        sections.setdefault("train", {})["output_dir"] = str(tmp_path / name)
+        diffs = assert_parity(reference, train_distributed(with_changes(single, **sections), 2), param_atol=TP_PARAM_ATOL)
+        print(f"init-from-hf llama at {name}: {diffs}")
