@@ -3,27 +3,32 @@
 Korthikanti et al. (2022) count, per layer of a GPT block (16-bit, dropout, GELU MLP of 4h),
 s*b*h*(34 + 5*a*s/h) bytes; with tensor parallelism t: s*b*h*(10 + 24/t + 5*a*s/(h*t)); with
 sequence parallelism too: s*b*h/t*(34 + 5*a*s/h). Our block differs (SwiGLU of width f, RMSNorm
-computed in fp32, no dropout, GQA with n_kv heads of size d = h/a, RoPE, fused SDPA attention
-that keeps the log-sum-exp instead of the s x s score matrix), so we derive its count the same way,
-tensor by tensor, in *elements* (times 4 bytes in fp32):
+computed in fp32, no dropout, GQA with n_kv heads of size d (h/a unless head_dim is set; q = a*d
+is the query width), RoPE, fused SDPA attention that keeps the log-sum-exp instead of the s x s
+score matrix), so we derive its count the same way, tensor by tensor, in *elements* (times 4
+bytes in fp32):
 
     attention norm   input x, 1/rms (s*b), normalised x          2sbh + sb
     q, k, v input    the norm output (shared by the three)        sbh
     RoPE             cos, sin tables of the positions             2sd
-    SDPA             q, k, v, output, log-sum-exp                 2sbh + 2sb*n_kv*d + a*s*b
+    SDPA             q, k, v, output, log-sum-exp                 2sbq + 2sb*n_kv*d + a*s*b
                      (the output is also wo's input: one tensor)
     MLP norm         input, 1/rms, normalised, output             3sbh + sb
     SwiGLU           w1 x, silu(w1 x), w3 x, their product        4sbf
 
-    none:       8sbh + 4sbf + 2sb*n_kv*d + 2sb + asb + 2sd
-    TP t:       6sbh + 2sb + 2sd + (2sbh + 4sbf + asb)/t + 2sb*kv_t*d     (kv_t = max(n_kv/t, 1))
+    none:       6sbh + 2sbq + 4sbf + 2sb*n_kv*d + 2sb + asb + 2sd
+    TP t:       6sbh + 2sb + 2sd + (2sbq + 4sbf + asb)/t + 2sb*kv_t*d     (kv_t = max(n_kv/t, 1))
                 (norms and their outputs replicated; q, output, lse and the MLP split by t)
-    TP + SP:    2sbh + 2sd + (6sbh + 2sb + 4sbf + asb)/t + 2sb*kv_t*d
+    TP + SP:    2sbh + 2sd + (4sbh + 2sbq + 2sb + 4sbf + asb)/t + 2sb*kv_t*d
                 (norms on s/t of the sequence; the all-gathered inputs of q/k/v and w1/w3, 2sbh,
                 are kept whole: Megatron-LM keeps them sharded and gathers again in backward)
     selective:  none - asb (the core is recomputed; q, k, v are its saved inputs, and its
                 output is still kept by wo, so with fused attention only the lse goes)
     full:       sbh + 2sd (the block's input and the RoPE tables; everything else is recomputed)
+
+Derived and measured for the plain Llama block and an explicit head_dim (q != h); the other
+options of the open families (biases, q/k norms, post norms, a sliding window's explicit mask)
+change what autograd keeps and are not counted yet.
 """
 
 from __future__ import annotations
@@ -47,15 +52,15 @@ def block_activation_elements(model: ModelConfig, shape: ActivationShape) -> int
     s, b, t = shape.seq_len, shape.micro_batch, shape.tp
     h, f, a, d = model.dim, model.ffn_hidden_dim, model.n_heads, model.head_size
     kv = max(model.kv_heads // t, 1)
-    sbh, sb = s * b * h, s * b
+    sbh, sb, sbq = s * b * h, s * b, s * b * model.q_dim
     if shape.recompute == "full":
         return (sbh // t if shape.sequence_parallel else sbh) + 2 * s * d
     if t == 1:
-        total = 8 * sbh + 4 * sb * f + 2 * sb * kv * d + 2 * sb + a * sb + 2 * s * d
+        total = 6 * sbh + 2 * sbq + 4 * sb * f + 2 * sb * kv * d + 2 * sb + a * sb + 2 * s * d
     elif shape.sequence_parallel:
-        total = 2 * sbh + 2 * s * d + (6 * sbh + 2 * sb + 4 * sb * f + a * sb) // t + 2 * sb * kv * d
+        total = 2 * sbh + 2 * s * d + (4 * sbh + 2 * sbq + 2 * sb + 4 * sb * f + a * sb) // t + 2 * sb * kv * d
     else:
-        total = 6 * sbh + 2 * sb + 2 * s * d + (2 * sbh + 4 * sb * f + a * sb) // t + 2 * sb * kv * d
+        total = 6 * sbh + 2 * sb + 2 * s * d + (2 * sbq + 4 * sb * f + a * sb) // t + 2 * sb * kv * d
     if shape.recompute == "selective":
         total -= a * sb // t
     return total
