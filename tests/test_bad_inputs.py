@@ -89,7 +89,6 @@ def train(corpus_dir, tmp_path, capsys):
     (["--max-restarts", "-1"], ["--max-restarts"]),
     (["--resume", "/no/such/checkpoint"], ["no such folder"]),
     (["--fault.kind", "kill", "--fault.step", "9"], ["fault.step"]),
-    (["--model.sliding_window", "8", "--context_parallel.degree", "2"], ["model.sliding_window", "ulysses"]),
     (["--model.rope_scaling", "llama3"], ["model.rope_original_max_seq_len"]),
     (["--model.dim", "30"], ["model.head_dim"]),
     (["--init-from-hf", "/no/such/hf/folder"], ["model.init_from_hf", "no such folder"]),

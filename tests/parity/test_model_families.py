@@ -8,7 +8,7 @@ harness's tolerances). What each layout must get right for each family:
     llama3.1  llama3 RoPE scaling (factor 8 over a 16-token original context, so it changes angles at seq 32)
     qwen2     q/k/v biases: split with the rows of column-parallel layers
     qwen3     per-head q/k RMSNorm (gain replicated, gradient summed over TP) and head_dim 12 != dim / heads
-    mistral   sliding window 8 < seq_len 32 (and Ulysses context parallelism, the CP method that supports it)
+    mistral   sliding window 8 < seq_len 32 (and every context-parallel method)
     olmo2     q/k RMSNorm over the whole projection (sum of squares all-reduced over TP), norms after each
               branch (the branch input enters the TP region by a hook)
 """
@@ -46,12 +46,16 @@ def test_family_trains_like_one_process_in_every_fold(base, tmp_path, family):
         print(f"{family} {name}: {diffs}")
 
 
-def test_sliding_window_with_ulysses_context_parallelism(base, tmp_path):
+@pytest.mark.parametrize("method,cp,heads", [("ulysses", 2, 1), ("ring", 2, 1), ("ring", 4, 1), ("2d", 4, 2)])
+def test_sliding_window_with_context_parallelism(base, tmp_path, method, cp, heads):
+    """Window 8 over seq 32: Ulysses attends whole sequences; ring attention masks each visiting zigzag
+    block by its positions (at cp 4 the chunks are 4 long, so some blocks are out of every query's
+    window and skipped)."""
     single = with_changes(base, model=FAMILIES["mistral"])
     config = with_changes(single, train={"output_dir": str(tmp_path / "cp")},
-                          context_parallel={"degree": 2, "method": "ulysses"})
-    diffs = assert_parity(train_single(single), train_distributed(config, 2), param_atol=TP_PARAM_ATOL)
-    print(f"mistral ulysses cp2: {diffs}")
+                          context_parallel={"degree": cp, "method": method, "heads": heads})
+    diffs = assert_parity(train_single(single), train_distributed(config, cp), param_atol=TP_PARAM_ATOL)
+    print(f"mistral {method} cp{cp}: {diffs}")
 
 
 @pytest.mark.parametrize("family", ["qwen2", "olmo2"])

@@ -25,6 +25,11 @@ reassembles exactly the ring rank's zigzag sequence. Token positions travel with
 (RoPE reads them), and labels are sharded the same way; the trainer weights the loss by the
 token count summed over data- and context-parallel ranks, and sums gradients over both.
 
+A sliding window (model.sliding_window, Mistral) is exact under every method: Ulysses attends
+whole sequences of its heads with the window mask; ring attention masks each (local queries,
+visiting block) pair by the tokens' positions, skips a block no local query may see (it still
+travels on), and runs masked blocks on the einsum kernel.
+
 Communication per attention layer and micro-batch, per rank, in elements (b batch, s sequence,
 h query width, k key/value width): ring 2(3R-2)/R b s k (forward R-1 key/value blocks, backward
 R-1 blocks and R gradient blocks), Ulysses 4 (U-1)/U^2 b s (h + k) (q, k, v and the output, each
@@ -100,9 +105,6 @@ def check_context_parallel(config: ModelConfig, cp: int, method: str, cp_heads: 
                           "load-balanced chunks: make seq_len a multiple of 2 x cp")
     if seq_len % cp:
         raise ConfigError(f"context_parallel.degree = {cp} must divide train.seq_len = {seq_len}")
-    if config.sliding_window and layout.ring > 1:
-        raise ConfigError(f"model.sliding_window = {config.sliding_window} with context_parallel.method = {method}: "
-                          "ring attention's blocks have no window mask; use context_parallel.method = ulysses")
     local_heads = config.n_heads // tp
     if layout.heads > 1 and local_heads % layout.heads:
         raise ConfigError(f"{method} attention splits the {local_heads} query heads per tensor-parallel rank "
@@ -198,11 +200,53 @@ def _grouped(q, kv_heads):
     return q.reshape(b, kv_heads, h // kv_heads, s, d)
 
 
-def _masked_scores(q, k, scale, causal):
+def _masked_scores(q, k, scale, causal, visible: torch.Tensor | None = None):
+    """Scores q k^T * scale, -inf where masked: causally, or outside `visible` (sq, sk) when given."""
     s = torch.einsum("bngqd,bnkd->bngqk", _grouped(q, k.shape[1]), k) * scale
+    if visible is not None:
+        return s.masked_fill(~visible, float("-inf"))
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s
+
+
+def _zigzag_positions(ring_rank: int, ring: int, chunk: int, device) -> torch.Tensor:
+    """Token positions a ring rank holds: chunks ring_rank and 2 ring - 1 - ring_rank of the sequence."""
+    second = 2 * ring - 1 - ring_rank
+    return torch.cat((torch.arange(ring_rank * chunk, (ring_rank + 1) * chunk, device=device),
+                      torch.arange(second * chunk, (second + 1) * chunk, device=device)))
+
+
+def _window_visible(step: int, ring_rank: int, ring: int, chunk: int, window: int, device) -> torch.Tensor:
+    """(local queries, visiting keys) pairs a sliding window of `window` positions leaves visible."""
+    q_pos = _zigzag_positions(ring_rank, ring, chunk, device)
+    k_pos = _zigzag_positions((ring_rank - step) % ring, ring, chunk, device)
+    distance = q_pos[:, None] - k_pos[None, :]
+    return (distance >= 0) & (distance < window)
+
+
+def _windowed_block_forward(q, k, v, scale, visible):
+    """(out, lse) of one block under an arbitrary mask: rows that see no key get out 0 and lse -inf."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = _masked_scores(q.to(acc), k.to(acc), scale, False, visible)
+    lse = torch.logsumexp(s, dim=-1)
+    weights = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # -inf - -inf on fully masked rows
+    out = torch.einsum("bngqk,bnkd->bngqd", weights, v.to(acc))
+    return out.flatten(1, 2), lse.flatten(1, 2)
+
+
+def _windowed_block_backward(q, k, v, out, dout, lse, scale, visible):
+    """(dq, dk, dv) of one block under an arbitrary mask, given the final out and lse (finite: every
+    query sees itself)."""
+    acc = lse.dtype
+    q, k, v, dout = q.to(acc), k.to(acc), v.to(acc), _grouped(dout.to(acc), k.shape[1])
+    p = torch.exp(_masked_scores(q, k, scale, False, visible) - _grouped(lse.unsqueeze(-1), k.shape[1]))
+    delta = (dout * _grouped(out.to(acc), k.shape[1])).sum(-1, keepdim=True)
+    ds = p * (torch.einsum("bngqd,bnkd->bngqk", dout, v) - delta)
+    dq = torch.einsum("bngqk,bnkd->bngqd", ds, k) * scale
+    dk = torch.einsum("bngqk,bngqd->bnkd", ds, _grouped(q, k.shape[1])) * scale
+    dv = torch.einsum("bngqk,bngqd->bnkd", p, dout)
+    return dq.flatten(1, 2), dk, dv
 
 
 def _block_forward(q, k, v, scale, causal):
@@ -276,10 +320,15 @@ def _visible(step: int, ring_rank: int, ring: int, half: int):
 
 
 class _RingAttention(torch.autograd.Function):
-    """Causal attention over the zigzag-sharded sequence of a ring of ranks (GQA kept unexpanded)."""
+    """Causal attention over the zigzag-sharded sequence of a ring of ranks (GQA kept unexpanded).
+
+    With a sliding window (window > 0) each (queries, visiting block) pair gets the mask of its
+    token positions, a block no query of this rank may see is skipped (it still travels on), and
+    the masked blocks run on the einsum kernel (the fused one takes only a causal flag).
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, groups: ContextParallelGroups):
+    def forward(ctx, q, k, v, groups: ContextParallelGroups, window: int = 0):
         ring = _Ring(groups)
         scale = 1.0 / math.sqrt(q.shape[-1])
         half = q.shape[2] // 2
@@ -288,17 +337,26 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             if step < ring.size - 1:
                 incoming, works = ring.start(block, _KV_TAG)
-            rows, cols, causal = _visible(step, groups.ring_rank, ring.size, half)
-            block_out, block_lse = _block_forward(q[..., rows, :], block[0][..., cols, :], block[1][..., cols, :],
-                                                  scale, causal)
-            if out is None:
-                out, lse = block_out, block_lse
+            if window:
+                visible = _window_visible(step, groups.ring_rank, ring.size, half, window, q.device)
+                if visible.any():
+                    block_out, block_lse = _windowed_block_forward(q, block[0], block[1], scale, visible)
+                    if out is None:
+                        out, lse = block_out, block_lse
+                    else:
+                        _merge(out, lse, block_out, block_lse)
             else:
-                _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
+                rows, cols, causal = _visible(step, groups.ring_rank, ring.size, half)
+                block_out, block_lse = _block_forward(q[..., rows, :], block[0][..., cols, :], block[1][..., cols, :],
+                                                      scale, causal)
+                if out is None:
+                    out, lse = block_out, block_lse
+                else:
+                    _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
             if step < ring.size - 1:
                 _wait(works)
                 block = incoming
-        ctx.groups, ctx.scale = groups, scale
+        ctx.groups, ctx.scale, ctx.window = groups, scale, window
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -315,13 +373,20 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             if step < ring.size - 1:
                 incoming, works = ring.start(block, _KV_TAG)
-            rows, cols, causal = _visible(step, groups.ring_rank, ring.size, half)
-            dq_part, dk, dv = _block_backward(q[..., rows, :], block[0][..., cols, :], block[1][..., cols, :],
-                                              out[..., rows, :], dout[..., rows, :], lse[..., rows], scale, causal)
-            dq[..., rows, :] += dq_part
             grads = torch.zeros(block.shape, dtype=lse.dtype, device=q.device)  # this block's, accumulated on the way
-            grads[0][..., cols, :] = dk
-            grads[1][..., cols, :] = dv
+            if ctx.window:
+                visible = _window_visible(step, groups.ring_rank, ring.size, half, ctx.window, q.device)
+                if visible.any():
+                    dq_part, grads[0], grads[1] = _windowed_block_backward(q, block[0], block[1], out, dout, lse,
+                                                                           scale, visible)
+                    dq += dq_part
+            else:
+                rows, cols, causal = _visible(step, groups.ring_rank, ring.size, half)
+                dq_part, dk, dv = _block_backward(q[..., rows, :], block[0][..., cols, :], block[1][..., cols, :],
+                                                  out[..., rows, :], dout[..., rows, :], lse[..., rows], scale, causal)
+                dq[..., rows, :] += dq_part
+                grads[0][..., cols, :] = dk
+                grads[1][..., cols, :] = dv
             if pending is not None:  # the earlier ranks' share of this block's gradient
                 _wait(pending[1])
                 grads += pending[0]
@@ -331,7 +396,7 @@ class _RingAttention(torch.autograd.Function):
                 block = incoming
         _wait(pending[1])
         own = pending[0]
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
 
 
 # ----------------------------------------------------------------------------- the attention core
@@ -352,7 +417,7 @@ class ContextParallelAttention:
                 k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
             q, k, v = (_SeqToHeads.apply(t, groups.head_group) for t in (q, k, v))
         if layout.ring > 1:
-            out = _RingAttention.apply(q, k, v, groups)
+            out = _RingAttention.apply(q, k, v, groups, window)
         else:  # after the all-to-all this rank holds its heads over the whole sequence, in order
             out = attention_core(q, k, v, 0, window)
         if layout.heads > 1:
