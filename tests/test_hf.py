@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from fivefold.errors import CheckpointError  # noqa: E402
 from fivefold.model import build_model, materialize  # noqa: E402
 from fivefold.model.generate import generate  # noqa: E402
-from fivefold.model.hf import config_from_hf, hf_family, load_hf, save_hf  # noqa: E402
+from fivefold.model.hf import config_from_hf, fivefold_to_hf_name, hf_family, load_hf, save_hf  # noqa: E402
 
 from conftest import micro_model  # noqa: E402
 
@@ -167,3 +167,17 @@ def test_config_from_hf_reads_llama31_scaling():
                              "rope_theta": 500000.0})
     assert (config.rope_scaling, config.rope_factor, config.rope_original_max_seq_len) == ("llama3", 8.0, 8192)
     assert config.rope_theta == 500000.0
+
+
+def test_sharded_bf16_folder_imports_exactly(tmp_path):
+    """Published checkpoints are bf16 and sharded (model.safetensors.index.json): each tensor is read
+    from its shard and widened to fp32 exactly."""
+    reference = hf_model(tmp_path / "fp32", "qwen3").to(torch.bfloat16)
+    reference.save_pretrained(tmp_path / "hf", max_shard_size="50KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
+    ours = load_hf(tmp_path / "hf")
+    theirs = reference.state_dict()
+    for name, value in ours.state_dict().items():
+        expected = theirs[fivefold_to_hf_name(name, "qwen3")]
+        assert value.dtype == torch.float32 and torch.equal(value, expected.float()), name
