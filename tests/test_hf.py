@@ -42,6 +42,11 @@ FAMILIES = {
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
     "llama-yarn": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32})),
+    "llama-llama3-factors": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, rope_parameters={
+        **LLAMA31_ROPE, "low_freq_factor": 0.5, "high_freq_factor": 8.0})),
+    "llama-yarn-explicit": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 2048,
+        "beta_fast": 8.0, "beta_slow": 2.0, "attention_factor": 1.3})),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),
     "qwen2-sliding": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, use_sliding_window=True,
                                                                sliding_window=8, max_window_layers=0)),

@@ -225,50 +225,34 @@ def _window_visible(step: int, ring_rank: int, ring: int, chunk: int, window: in
     return (distance >= 0) & (distance < window)
 
 
-def _windowed_block_forward(q, k, v, scale, visible):
-    """(out, lse) of one block under an arbitrary mask: rows that see no key get out 0 and lse -inf."""
+def _block_forward(q, k, v, scale, causal, visible: torch.Tensor | None = None):
+    """(out, lse) of queries q (b, h, sq, d) against keys/values (b, kv, sk, d), in the accumulation dtype.
+
+    With `visible` (an arbitrary (sq, sk) mask, sliding windows) the einsum kernel runs, and rows that
+    see no key get out 0 and lse -inf (they add nothing when merged).
+    """
     acc = torch.promote_types(q.dtype, torch.float32)
-    s = _masked_scores(q.to(acc), k.to(acc), scale, False, visible)
+    if visible is None and _fused(q):
+        out, lse = _FUSED_FORWARD(q, k, v, 0.0, causal, scale=scale)
+        return out.to(acc), lse.to(acc)
+    s = _masked_scores(q.to(acc), k.to(acc), scale, causal, visible)
     lse = torch.logsumexp(s, dim=-1)
-    weights = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # -inf - -inf on fully masked rows
+    weights = torch.exp(s - lse.unsqueeze(-1))
+    if visible is not None:
+        weights = weights.nan_to_num(0.0)  # -inf - -inf on rows that see nothing here
     out = torch.einsum("bngqk,bnkd->bngqd", weights, v.to(acc))
     return out.flatten(1, 2), lse.flatten(1, 2)
 
 
-def _windowed_block_backward(q, k, v, out, dout, lse, scale, visible):
-    """(dq, dk, dv) of one block under an arbitrary mask, given the final out and lse (finite: every
-    query sees itself)."""
+def _block_backward(q, k, v, out, dout, lse, scale, causal, visible: torch.Tensor | None = None):
+    """(dq, dk, dv) of one block, given the final out and lse of these query rows (finite: every query
+    sees at least itself somewhere)."""
     acc = lse.dtype
-    q, k, v, dout = q.to(acc), k.to(acc), v.to(acc), _grouped(dout.to(acc), k.shape[1])
-    p = torch.exp(_masked_scores(q, k, scale, False, visible) - _grouped(lse.unsqueeze(-1), k.shape[1]))
-    delta = (dout * _grouped(out.to(acc), k.shape[1])).sum(-1, keepdim=True)
-    ds = p * (torch.einsum("bngqd,bnkd->bngqk", dout, v) - delta)
-    dq = torch.einsum("bngqk,bnkd->bngqd", ds, k) * scale
-    dk = torch.einsum("bngqk,bngqd->bnkd", ds, _grouped(q, k.shape[1])) * scale
-    dv = torch.einsum("bngqk,bngqd->bnkd", p, dout)
-    return dq.flatten(1, 2), dk, dv
-
-
-def _block_forward(q, k, v, scale, causal):
-    """(out, lse) of queries q (b, h, sq, d) against keys/values (b, kv, sk, d), in the accumulation dtype."""
-    acc = torch.promote_types(q.dtype, torch.float32)
-    if _fused(q):
-        out, lse = _FUSED_FORWARD(q, k, v, 0.0, causal, scale=scale)
-        return out.to(acc), lse.to(acc)
-    s = _masked_scores(q.to(acc), k.to(acc), scale, causal)
-    lse = torch.logsumexp(s, dim=-1)
-    out = torch.einsum("bngqk,bnkd->bngqd", torch.exp(s - lse.unsqueeze(-1)), v.to(acc))
-    return out.flatten(1, 2), lse.flatten(1, 2)
-
-
-def _block_backward(q, k, v, out, dout, lse, scale, causal):
-    """(dq, dk, dv) of one block, given the final out and lse of these query rows."""
-    acc = lse.dtype
-    if _fused(q):
+    if visible is None and _fused(q):
         dq, dk, dv = _FUSED_BACKWARD(dout.contiguous(), q, k, v, out.to(q.dtype), lse, 0.0, causal, scale=scale)
         return dq.to(acc), dk.to(acc), dv.to(acc)
     q, k, v, dout = q.to(acc), k.to(acc), v.to(acc), _grouped(dout.to(acc), k.shape[1])
-    p = torch.exp(_masked_scores(q, k, scale, causal) - _grouped(lse.unsqueeze(-1), k.shape[1]))
+    p = torch.exp(_masked_scores(q, k, scale, causal, visible) - _grouped(lse.unsqueeze(-1), k.shape[1]))
     delta = (dout * _grouped(out.to(acc), k.shape[1])).sum(-1, keepdim=True)
     ds = p * (torch.einsum("bngqd,bnkd->bngqk", dout, v) - delta)
     dq = torch.einsum("bngqk,bnkd->bngqd", ds, k) * scale
@@ -340,7 +324,7 @@ class _RingAttention(torch.autograd.Function):
             if window:
                 visible = _window_visible(step, groups.ring_rank, ring.size, half, window, q.device)
                 if visible.any():
-                    block_out, block_lse = _windowed_block_forward(q, block[0], block[1], scale, visible)
+                    block_out, block_lse = _block_forward(q, block[0], block[1], scale, False, visible)
                     if out is None:
                         out, lse = block_out, block_lse
                     else:
@@ -377,8 +361,8 @@ class _RingAttention(torch.autograd.Function):
             if ctx.window:
                 visible = _window_visible(step, groups.ring_rank, ring.size, half, ctx.window, q.device)
                 if visible.any():
-                    dq_part, grads[0], grads[1] = _windowed_block_backward(q, block[0], block[1], out, dout, lse,
-                                                                           scale, visible)
+                    dq_part, grads[0], grads[1] = _block_backward(q, block[0], block[1], out, dout, lse, scale, False,
+                                                                  visible)
                     dq += dq_part
             else:
                 rows, cols, causal = _visible(step, groups.ring_rank, ring.size, half)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.config import JobConfig, load_config
-from fivefold.data.tokenizer import HF_TOKENIZER_FILES
+from fivefold.data.tokenizer import BPETokenizer
 from fivefold.errors import ConfigError
 
 CONFIG_FILE = "fivefold.toml"
@@ -62,14 +62,9 @@ def import_hf(folder: str | Path, run_dir: str | Path, config_path: str | None =
                                        "--train.output_dir", str(run_dir)])
     run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = run_dir / "tokenizer"
-    source = Path(config.data.tokenizer)
-    source = source if source.is_dir() else source.parent
-    files = [name for name in HF_TOKENIZER_FILES if (source / name).is_file()]
-    if "tokenizer.json" not in files:
-        raise ConfigError(f"data.tokenizer = {config.data.tokenizer}: no tokenizer.json there to import")
+    tokenizer = BPETokenizer.load(config.data.tokenizer)  # a folder's files are kept byte for byte
     tokenizer_dir.mkdir()
-    for name in files:
-        (tokenizer_dir / name).write_bytes((source / name).read_bytes())
+    tokenizer.save(tokenizer_dir)
     config.data = dataclasses.replace(config.data, tokenizer=str(tokenizer_dir))
     config.logging = dataclasses.replace(config.logging, progress=False)
     trainer = Trainer(config.validate())

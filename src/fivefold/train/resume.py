@@ -174,14 +174,14 @@ def resume_settings(saved_config: dict[str, Any], saved: TrainerState, config: J
         raise CheckpointError(
             f"the checkpoint was trained with different model settings ({', '.join(model_diffs)}); "
             "resume with the same model config or start a new train.output_dir")
+    if saved.step == 0:  # nothing trained yet (e.g. `fivefold convert --from-hf`): any data and batch may follow
+        return ResumeSettings(config.train.grad_accum_steps, [], [])
     refused = [f"{k}: {before[k]!r} -> {now[k]!r}" for k in DATA_SETTINGS if k in before and before[k] != now[k]]
     if saved.data_fingerprint and saved.data_fingerprint != data_fingerprint:
         refused.append(f"the training tokens (fingerprint {saved.data_fingerprint} -> {data_fingerprint}): the corpus "
                        "or its tokenization changed")
     t = config.train
     accum = t.grad_accum_steps
-    if saved.step == 0:  # nothing trained yet (e.g. `fivefold convert --from-hf`): any data and batch may follow
-        return ResumeSettings(accum, [], [])
     global_batch = saved.global_batch or before.get("train.micro_batch_size", 0) * before.get("train.grad_accum_steps", 0)
     configured = saved.grad_accum_configured or before.get("train.grad_accum_steps")
     changed = []
