@@ -5,11 +5,14 @@ rank j. In step k = 1 .. p-1 rank i sends chunk (i+k) mod p to rank i+k and rece
 (i-k) mod p from rank i-k: every rank sends and receives once per step.
 
 Cost: (p-1) (alpha + n/p beta), n the bytes of one rank's input.
+
+`pairwise_all_to_all_v` is the same exchange with uneven chunks (expert-parallel token dispatch).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from fivefold.comm.p2p import Ranks, exchange
 
@@ -24,4 +27,31 @@ def pairwise_all_to_all(output: torch.Tensor, input: torch.Tensor, ranks: Ranks)
     out[i] = inp[i]
     for k in range(1, p):
         exchange(inp[(i + k) % p], i + k, out[(i - k) % p], i - k, ranks)
+    return output
+
+
+def pairwise_all_to_all_v(output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                          input_splits: list[int], ranks: Ranks) -> torch.Tensor:
+    """all_to_all_single with uneven splits along dim 0 (the expert dispatch's exchange).
+
+    Same pairwise order as `pairwise_all_to_all`; both sides know every size in advance (the
+    counts are exchanged first), so a step whose message is empty posts nothing for it, and a
+    rank with no tokens at all still takes part in every step it is owed data in.
+    """
+    p, i = ranks.size, ranks.index
+    send_at = [0, *torch.tensor(input_splits).cumsum(0).tolist()]
+    recv_at = [0, *torch.tensor(output_splits).cumsum(0).tolist()]
+    output[recv_at[i] : recv_at[i + 1]] = input[send_at[i] : send_at[i + 1]]
+    for k in range(1, p):
+        to, source = (i + k) % p, (i - k) % p
+        ops = []
+        if input_splits[to]:
+            ops.append(dist.P2POp(dist.isend, input[send_at[to] : send_at[to + 1]].contiguous(),
+                                  ranks.global_rank(to), ranks.group))
+        incoming = output[recv_at[source] : recv_at[source + 1]]
+        if output_splits[source]:
+            ops.append(dist.P2POp(dist.irecv, incoming, ranks.global_rank(source), ranks.group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
     return output

@@ -13,6 +13,7 @@ from fivefold.config.schema import (
     ContextParallelConfig,
     DataConfig,
     DataParallelConfig,
+    ExpertParallelConfig,
     GradientCommConfig,
     JobConfig,
     LoggingConfig,
@@ -24,7 +25,7 @@ from fivefold.config.schema import (
     check_choice,
 )
 
-__all__ = ["RENAMED", "SECTIONS", "CheckpointConfig", "ContextParallelConfig", "DataConfig", "DataParallelConfig",
+__all__ = ["RENAMED", "SECTIONS", "CheckpointConfig", "ContextParallelConfig", "DataConfig", "DataParallelConfig", "ExpertParallelConfig",
            "GradientCommConfig", "JobConfig", "LoggingConfig", "OptimConfig", "ParameterServerConfig",
            "PipelineParallelConfig", "TensorParallelConfig", "TrainConfig", "check_choice", "config_from_dict",
            "describe_config", "load_config", "parse_overrides"]

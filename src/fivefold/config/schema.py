@@ -255,6 +255,19 @@ class TensorParallelConfig:
 
 
 @dataclass
+class ExpertParallelConfig:
+    degree: int = 1
+    """Expert-parallel degree: each mixture-of-experts layer's experts are split over this many ranks, tokens sent to them by all-to-all (docs/moe.md)."""
+    alltoall: str = "torch"
+    """Token dispatch: `torch` (torch.distributed.all_to_all_single) or `pairwise` (fivefold's hand-written pairwise exchange, comm/alltoall.py)."""
+    kernel: str = "auto"
+    """Local experts: `grouped` (one grouped GEMM per projection), `loop` (one matmul per expert), `auto` (grouped where torch has it and widths allow)."""
+
+    def validate(self) -> None:
+        _positive("expert_parallel", self, "degree")
+
+
+@dataclass
 class ContextParallelConfig:
     degree: int = 1
     """Context-parallel degree: each sequence is split over this many ranks (load-balanced causal chunks)."""
@@ -413,6 +426,7 @@ class JobConfig:
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
     pipeline_parallel: PipelineParallelConfig = field(default_factory=PipelineParallelConfig)
+    expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
     gradient_comm: GradientCommConfig = field(default_factory=GradientCommConfig)
     parameter_server: ParameterServerConfig = field(default_factory=ParameterServerConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)

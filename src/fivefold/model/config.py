@@ -9,6 +9,11 @@ an explicit `head_dim` (Qwen3-32B: 64 heads of 128 on a 5120-wide model), biases
 query/key RMSNorm per head (Qwen3) or over the whole projection (OLMo 2), norms after the
 attention and MLP instead of before (OLMo 2), RoPE scaling `linear`, `llama3` (Llama 3.1/3.2)
 and `yarn` (Peng et al. 2023), and sliding-window attention (Mistral).
+
+Mixture-of-experts (model/moe.py): with `n_experts` > 0 the MLP of the chosen layers (every
+`moe_layer_freq`-th, after the first `moe_first_dense`) is a routed block of that many SwiGLU
+experts of width `moe_ffn_dim`, top-`moe_top_k` routing, optional shared experts, and the
+balancing losses and capacity of docs/moe.md.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ CHOICES = {
     "qk_norm": ("none", "head", "projection"),
     "norm_position": ("pre", "post"),
     "rope_scaling": ("none", "linear", "llama3", "yarn"),
+    "moe_score": ("softmax", "sigmoid"),
+    "moe_aux_loss": ("none", "switch", "sequence"),
+    "moe_drop_policy": ("probability", "position"),
 }
 
 
@@ -85,6 +93,40 @@ class ModelConfig:
     """yarn: scale of cos/sin (attention temperature); 0 means 0.1 * ln(rope_factor) + 1."""
     sliding_window: int = 0
     """Each query attends to at most this many positions (itself included); 0 means full causal attention (Mistral v0.1: 4096)."""
+    n_experts: int = 0
+    """Routed experts E of each mixture-of-experts layer; 0 is a dense model (docs/moe.md)."""
+    moe_top_k: int = 2
+    """Experts each token is sent to."""
+    moe_ffn_dim: int = 0
+    """SwiGLU hidden size of one expert; 0 means ffn_hidden_dim."""
+    moe_shared_experts: int = 0
+    """Shared experts every token passes through (DeepSeek, Qwen-MoE), held as one SwiGLU of width moe_shared_experts x moe_ffn_dim."""
+    moe_shared_ffn_dim: int = 0
+    """Width of the shared-expert SwiGLU; 0 means moe_shared_experts x moe_ffn_dim (Qwen2-MoE sets its own)."""
+    moe_shared_gate: bool = False
+    """Qwen2-MoE: the shared experts' output is scaled by sigmoid(x . w) of a learned vector w."""
+    moe_layer_freq: int = 1
+    """Layer i (0-based) is a MoE layer when (i + 1) is a multiple of this and i >= moe_first_dense."""
+    moe_first_dense: int = 0
+    """The first this many layers keep a dense MLP (DeepSeek-V3: 3)."""
+    moe_score: str = "softmax"
+    """Router scores: `softmax` over the experts (Mixtral, Qwen) or `sigmoid` per expert (DeepSeek-V3)."""
+    moe_norm_topk: bool = True
+    """Renormalise the chosen top-k scores to sum to 1 (Mixtral, Qwen3-MoE, DeepSeek-V3; Qwen2-MoE: false)."""
+    moe_route_scale: float = 1.0
+    """Factor on the routed experts' weights (DeepSeek-V3's routed_scaling_factor 2.5)."""
+    moe_aux_loss: str = "none"
+    """Load-balancing loss: `switch` (Fedus et al. 2021, over each micro-batch), `sequence` (DeepSeek-V3's sequence-wise loss)."""
+    moe_aux_coeff: float = 0.01
+    """Weight of the load-balancing loss."""
+    moe_z_loss_coeff: float = 0.0
+    """Weight of the router z-loss, mean of logsumexp(logits)^2 (Zoph et al. 2022); 0 is off."""
+    moe_bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias on the selection scores, moved by this much per step towards even load; 0 is off."""
+    moe_capacity_factor: float = 0.0
+    """Tokens an expert takes per sequence: ceil(factor x seq x top_k / E), the rest dropped; 0 is dropless."""
+    moe_drop_policy: str = "probability"
+    """Which tokens over capacity are dropped: the lowest-scored (`probability`) or the latest in the sequence (`position`)."""
     init_from_hf: str = ""
     """A local Hugging Face model folder: shape, weights and tokenizer are taken from it (`fivefold train --init-from-hf`)."""
 
@@ -115,11 +157,28 @@ class ModelConfig:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
+    @property
+    def expert_hidden_dim(self) -> int:
+        return self.moe_ffn_dim or self.ffn_hidden_dim
+
+    @property
+    def shared_hidden_dim(self) -> int:
+        return self.moe_shared_ffn_dim or self.moe_shared_experts * self.expert_hidden_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` holds a mixture-of-experts MLP."""
+        return self.n_experts > 0 and layer >= self.moe_first_dense and (layer + 1) % self.moe_layer_freq == 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
+
     def validate(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"model.{name} = {getattr(self, name)}: must be a positive integer")
-        for name in ("n_kv_heads", "vocab_size", "ffn_dim", "head_dim", "sliding_window", "rope_original_max_seq_len"):
+        for name in ("n_kv_heads", "vocab_size", "ffn_dim", "head_dim", "sliding_window", "rope_original_max_seq_len",
+                     "n_experts", "moe_ffn_dim", "moe_shared_experts", "moe_shared_ffn_dim", "moe_first_dense"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model.{name} = {getattr(self, name)}: must be >= 0 (0 means automatic)")
         if not self.head_dim and self.dim % self.n_heads:
@@ -148,3 +207,24 @@ class ModelConfig:
         if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ConfigError(f"model.rope_high_freq_factor = {self.rope_high_freq_factor} must exceed "
                               f"model.rope_low_freq_factor = {self.rope_low_freq_factor}")
+        self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        if self.n_experts == 0:
+            return
+        if not 1 <= self.moe_top_k <= self.n_experts:
+            raise ConfigError(f"model.moe_top_k = {self.moe_top_k}: must lie in 1 .. model.n_experts = {self.n_experts}")
+        if self.moe_layer_freq < 1:
+            raise ConfigError(f"model.moe_layer_freq = {self.moe_layer_freq}: must be a positive integer")
+        if not self.moe_layers:
+            raise ConfigError(f"model.n_experts = {self.n_experts} but no layer is a MoE layer (moe_first_dense = "
+                              f"{self.moe_first_dense}, moe_layer_freq = {self.moe_layer_freq}, n_layers = {self.n_layers}): "
+                              "lower moe_first_dense or moe_layer_freq")
+        for name in ("moe_aux_coeff", "moe_z_loss_coeff", "moe_bias_update_rate", "moe_capacity_factor"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"model.{name} = {value}: must be a finite number >= 0")
+        if not (math.isfinite(self.moe_route_scale) and self.moe_route_scale > 0):
+            raise ConfigError(f"model.moe_route_scale = {self.moe_route_scale}: must be a positive finite number")
+        if self.moe_shared_gate and not self.shared_hidden_dim:
+            raise ConfigError("model.moe_shared_gate gates the shared experts: set model.moe_shared_experts (or moe_shared_ffn_dim)")

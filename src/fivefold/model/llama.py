@@ -8,7 +8,7 @@ interpolation, Chen et al. 2023; Llama 3.1's `llama3`; YaRN, Peng et al. 2023), 
 attention (Ainslie et al. 2023) with `n_kv_heads` covering MHA, GQA and MQA, optional biases
 (Qwen2), query/key RMSNorm (Qwen3 per head, OLMo 2 over the projection; Dehghani et al. 2023),
 an optional sliding window (Mistral; Beltagy et al. 2020), and `scaled_dot_product_attention`
-for the core.
+for the core. Blocks chosen by the config hold a mixture-of-experts MLP (model/moe.py).
 
 The model is built on the meta device and materialised with `materialize`, so that later
 parallel code can place or shard weights before any memory is spent. Each weight is drawn
@@ -26,10 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.model.config import ModelConfig
+from fivefold.model.moe import MoE
 from fivefold.errors import ConfigError
 
 # Residual-branch output projections get the GPT-2 / GPT-NeoX depth-scaled init.
-_RESIDUAL_OUTPUTS = ("attention.wo.weight", "feed_forward.w2.weight")
+# (Every SwiGLU's w2: the dense MLP's, each expert's and the shared experts'.)
+_RESIDUAL_OUTPUTS = ("attention.wo.weight", ".w2.weight")
 
 
 class RMSNorm(nn.Module):
@@ -228,7 +230,10 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config, layer_id)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim, config.mlp_bias)
+        if config.is_moe_layer(layer_id):
+            self.feed_forward = MoE(config, layer_id)
+        else:
+            self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim, config.mlp_bias)
         self.post_norm = config.norm_position == "post"
 
     def forward(self, x, cos, sin, cache: KVCache | None = None):
@@ -282,9 +287,12 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self) -> None:
-        """(Re)compute the RoPE tables on the device the model lives on."""
+        """(Re)compute the RoPE tables on the device the model lives on; zero the experts' balancing biases."""
         cos, sin = rope_tables(self.config, self.rope_cos.device)
         self.rope_cos, self.rope_sin = cos, sin
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.expert_bias.zero_()
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

@@ -6,7 +6,8 @@ and, with tensor parallelism, the TP rank whose piece it is) and a kind:
     optim/<piece>/exp_avg      AdamW first moment, same layout
     optim/<piece>/exp_avg_sq   AdamW second moment
     optim/<piece>/step         AdamW step count (a scalar)
-where <piece> is `layers.3/decay`, or `tp1/layers.3/decay` for TP rank 1's piece when tp > 1.
+where <piece> is `layers.3/decay`, or `tp1/layers.3/decay` for TP rank 1's piece when tp > 1 (an
+expert's group, `layers.3.feed_forward.experts.5/decay`, never carries a TP rank: it is held whole).
 Pipeline stages need no key of their own: groups are named by the modules they hold, which
 keep their global names on whichever stage holds them, so any pp degree reads any other's keys.
 
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from fivefold.errors import CheckpointError
-from fivefold.parallel.flat_groups import GroupLayout, flat_group_layout
+from fivefold.parallel.flat_groups import GroupLayout, flat_group_layout, is_expert_group
 from fivefold.parallel.tensor_parallel import TPSpec, tp_spec
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -38,6 +39,11 @@ class ShardKey:
 
     group: str
     tp_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        # An expert is held whole by whichever rank owns it (never split over TP): one key at any layout.
+        if self.tp_rank is not None and is_expert_group(self.group):
+            object.__setattr__(self, "tp_rank", None)
 
     @property
     def name(self) -> str:

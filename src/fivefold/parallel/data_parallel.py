@@ -84,10 +84,10 @@ def make_buckets(params: list[nn.Parameter], bucket_cap_mb: float, dtype: torch.
 
 
 @torch.no_grad()
-def broadcast_module(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """Copy the parameters and buffers of the group's first rank to every rank of the group."""
+def broadcast_module(model: nn.Module, group: dist.ProcessGroup, params: list[nn.Parameter] | None = None) -> None:
+    """Copy the parameters (or just `params`) and buffers of the group's first rank to every rank of the group."""
     src = dist.get_global_rank(group, 0)
-    for tensor in [*model.parameters(), *model.buffers()]:
+    for tensor in [*(model.parameters() if params is None else params), *model.buffers()]:
         dist.broadcast(tensor, src=src, group=group)
 
 
@@ -141,6 +141,7 @@ class DataParallel(SkipOnAccumulation):
         bucket_cap_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
         reducer: Reducer | None = None,
+        params: list[nn.Parameter] | None = None,
     ):
         self.model = model
         self.group = group
@@ -148,7 +149,8 @@ class DataParallel(SkipOnAccumulation):
         self._thread = None if self.reducer.asynchronous else CommThread()
         self.last_wire_bytes = 0  # bytes this rank sent in the last step's reductions
         self.overlap = OverlapMeter()  # measured when reductions run on the communication thread
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        # `params`: a subset (dense weights over the data-parallel group, experts over their own group)
+        self.params = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
         if len({p.dtype for p in self.params}) > 1 and reduce_dtype is None:
             raise ConfigError("parameters of several dtypes need an explicit reduce_dtype (gradient_comm.reduce_dtype)")
         self.buckets = make_buckets(self.params, bucket_cap_mb, reduce_dtype)
@@ -159,7 +161,7 @@ class DataParallel(SkipOnAccumulation):
 
     def broadcast_parameters(self) -> None:
         """Make every rank start from the group's first rank's weights."""
-        broadcast_module(self.model, self.group)
+        broadcast_module(self.model, self.group, self.params)
 
     @torch.no_grad()
     def _on_grad_ready(self, param: nn.Parameter) -> None:
@@ -241,27 +243,37 @@ class DDPSync(GradientSync):
     kind = "ddp"
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ddp: DataParallel | None, norm: GradNorm,
-                 tied_group: dist.ProcessGroup | None = None, loss_group: dist.ProcessGroup | None = None):
+                 tied_group: dist.ProcessGroup | None = None, loss_group: dist.ProcessGroup | None = None,
+                 expert_ddp: DataParallel | None = None):
         super().__init__(model, norm, tied_group, loss_group)
-        self.optimizer, self.ddp = optimizer, ddp
+        self.optimizer, self.ddp, self.expert_ddp = optimizer, ddp, expert_ddp  # experts: over their EDP group
         self.overlap = ddp.overlap if ddp is not None else None
         self.reports_wire_bytes = ddp is not None
 
     def no_sync(self):
-        return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for ddp in (self.ddp, self.expert_ddp):
+            if ddp is not None:
+                stack.enter_context(ddp.no_sync())
+        return stack
 
     def _finish(self) -> None:
-        if self.ddp is not None:
-            self.ddp.finish_gradient_sync()
-            self.wire_bytes = self.ddp.last_wire_bytes
+        self.wire_bytes = 0
+        for ddp in (self.ddp, self.expert_ddp):
+            if ddp is not None:
+                ddp.finish_gradient_sync()
+                self.wire_bytes += ddp.last_wire_bytes
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if not self.norm.groups and self.norm.weight is None:
+        if not self.norm.groups and self.norm.weight is None and not self.norm.moe:
             return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        squares = sum(float(p.grad.double().pow(2).sum()) * self.norm.of(p) for p in params)
-        norm = self.norm.total(squares, params[0].device if params else torch.device("cpu"))
+        dense = [p for p in params if not self.norm.is_expert(p)]
+        squares = sum(float(p.grad.double().pow(2).sum()) * self.norm.of(p) for p in dense)
+        expert_squares = sum(float(p.grad.double().pow(2).sum()) for p in params if self.norm.is_expert(p))
+        norm = self.norm.total(squares, params[0].device if params else torch.device("cpu"),
+                               expert_squares=expert_squares)
         clip_([p.grad for p in params], norm, max_norm)
         return norm
 
@@ -269,7 +281,8 @@ class DDPSync(GradientSync):
         if self.ddp is None:
             return "no data parallelism"
         reducer = getattr(self.ddp.reducer, "describe", lambda: type(self.ddp.reducer).__name__)()
-        return f"DDP, {len(self.ddp.buckets)} buckets, reducer {reducer}"
+        experts = "" if self.expert_ddp is None else f" (+ {len(self.expert_ddp.buckets)} expert buckets over their EDP group)"
+        return f"DDP, {len(self.ddp.buckets)} buckets{experts}, reducer {reducer}"
 
     def model_state_tensors(self) -> tuple[list, list, list]:
         params = list(self.model.parameters())
@@ -286,5 +299,6 @@ class DDPSync(GradientSync):
         load_whole_pieces(self.model, self.optimizer, pieces)
 
     def remove(self) -> None:
-        if self.ddp is not None:
-            self.ddp.remove()
+        for ddp in (self.ddp, self.expert_ddp):
+            if ddp is not None:
+                ddp.remove()

@@ -9,6 +9,10 @@ ZeRO (parallel/zero.py) pads each group to a multiple of its shard count and spl
 checkpoint (train/train_state.py) stores weights and optimizer moments per group, unpadded, so
 the same checkpoint loads at any shard count, any ZeRO stage, or without ZeRO. The layout is a
 pure function of the model, never of the world size.
+
+Each routed expert of a mixture-of-experts layer is a group of its own (`layers.3.feed_forward.experts.5/decay`),
+still in its block's unit: an expert-parallel rank holds only some experts, and naming each by its
+global index lets any expert-parallel degree read any other's checkpoint, as pipeline stages do.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ def flat_group_layout(model: nn.Module) -> list[GroupLayout]:
         if p.requires_grad:
             unit = owner.get(id(p), root)
             unit_name = blocks[unit][0] if unit < root else name.split(".")[0]
+            if ".experts." in name:
+                unit_name = expert_module_name(name)
             members.setdefault((unit, unit_name, p.ndim >= 2), []).append((name, p))
     layout = []
     module_order = {name: i for i, name in enumerate(dict.fromkeys(name for _, name, _ in members))}
@@ -70,6 +76,16 @@ def flat_group_layout(model: nn.Module) -> list[GroupLayout]:
         layout.append(GroupLayout(f"{unit_name}/{'decay' if decay else 'no_decay'}", unit, decay,
                                   tuple(n for n, _ in params), tuple(p.shape for _, p in params)))
     return layout
+
+
+def expert_module_name(name: str) -> str:
+    """`layers.3.feed_forward.experts.5` of `layers.3.feed_forward.experts.5.w1.weight`."""
+    head, _, tail = name.partition(".experts.")
+    return f"{head}.experts.{tail.split('.')[0]}"
+
+
+def is_expert_group(key: str) -> bool:
+    return ".experts." in key
 
 
 def flatten(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:

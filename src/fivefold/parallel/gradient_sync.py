@@ -43,21 +43,41 @@ from fivefold.reliability.activity import phase
 
 @dataclass(frozen=True)
 class GradNorm:
-    """Where the other parts of the model live, and how much each local value counts in the norm."""
+    """Where the other parts of the model live, and how much each local value counts in the norm.
+
+    Routed experts (mixture-of-experts) are counted apart: each is held whole by one rank of every
+    expert-data-parallel group, so their squares are summed over the expert-parallel group and the
+    pipeline, never over tensor-parallel ranks (which hold other experts, or the same ones).
+    """
 
     groups: tuple[dist.ProcessGroup, ...] = ()  # tensor-parallel and pipeline groups
     weight: Callable[[nn.Parameter], float] | None = None  # None: every value counts once
+    moe: bool = False  # the model has routed experts (every rank then reduces the experts' part)
+    expert_groups: tuple[dist.ProcessGroup, ...] = ()  # expert-parallel and pipeline groups
+    experts: frozenset[int] = frozenset()  # ids of this rank's expert parameters
 
     def of(self, param: nn.Parameter) -> float:
         return 1.0 if self.weight is None else self.weight(param)
 
-    def total(self, local_squares: float, device: torch.device, extra: tuple = ()) -> float:
-        """sqrt of the squares summed over `extra` groups (ZeRO's shards) and the model-part groups."""
+    def is_expert(self, param: nn.Parameter) -> bool:
+        return id(param) in self.experts
+
+    def total(self, local_squares: float, device: torch.device, extra: tuple = (), expert_squares: float = 0.0,
+              expert_extra: tuple = ()) -> float:
+        """sqrt of the squares summed over `extra` groups (ZeRO's shards) and the model-part groups,
+        plus the experts' squares summed over `expert_extra` and the expert groups."""
         total = torch.tensor(local_squares, dtype=torch.float64, device=device)
         for group in (*extra, *self.groups):
             if group is not None:
                 with phase("gradient-norm all-reduce", comm=True):
                     dist.all_reduce(total, group=group)
+        if self.moe:
+            experts = torch.tensor(expert_squares, dtype=torch.float64, device=device)
+            for group in (*expert_extra, *self.expert_groups):
+                if group is not None:
+                    with phase("gradient-norm all-reduce", comm=True):
+                        dist.all_reduce(experts, group=group)
+            total += experts
         return float(total.sqrt())
 
 
@@ -75,7 +95,7 @@ def step_tensor(value: float) -> torch.Tensor:
 class GradientSync(abc.ABC):
     """One data-parallel scheme, attached to this rank's model part."""
 
-    gathers_in_forward = False  # ZeRO-3: every rank must run each forward (evaluation, generation)
+    gathers_in_forward = False  # ZeRO-3, expert parallelism: every rank must run each forward (evaluation, generation)
     kind = "sync"
     reports_wire_bytes = False  # whether wire_bytes counts this scheme's gradient traffic
     collective_checkpoint = False  # True: every rank holds only its shard, so loading is collective

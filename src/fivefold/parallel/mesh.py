@@ -10,7 +10,10 @@ The mesh is a `torch.distributed.device_mesh.DeviceMesh` with these names, plus 
 dimensions: `dp` = (dp_replicate, dp_shard), over which batches are split; `dp_cp` =
 (dp_replicate, dp_shard, cp), over which gradients are summed and the loss is token-weighted
 (context-parallel ranks hold the same weights and different tokens); and `dp_shard_cp` =
-(dp_shard, cp), over which ZeRO shards model states (as torchtitan's FSDP does).
+(dp_shard, cp), over which ZeRO shards model states (as torchtitan's FSDP does); `dp_cp_tp` and `cp_tp`,
+the ranks holding distinct tokens of one micro-batch or one sequence under sequence parallelism (the
+mixture-of-experts routing statistics; expert-parallel groups are cut from them by
+parallel/expert_parallel.py).
 
 Every process group of a run is created here (picotron's and torchtitan's rule: one place owns
 the topology). Folds that need groups the grid does not name, such as ring attention's head and
@@ -37,7 +40,8 @@ from fivefold.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-             "dp_shard_cp": ("dp_shard", "cp")}
+             "dp_shard_cp": ("dp_shard", "cp"), "dp_cp_tp": ("dp_replicate", "dp_shard", "cp", "tp"),
+             "cp_tp": ("cp", "tp")}
 
 
 @dataclass(frozen=True)

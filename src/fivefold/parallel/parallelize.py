@@ -6,7 +6,8 @@ The order (torchtitan's parallelize_llama, with the pipeline cut first as Megatr
   2. materialise the kept weights on the device (same seed, same values as one process), or read
      them from the Hugging Face folder of model.init_from_hf (only the tensors this rank's stages hold);
   3. tensor (and sequence) parallelism swaps the layers and slices the weights;
-  4. context parallelism replaces the attention cores;
+  4. context parallelism replaces the attention cores; expert parallelism (cut before materialising,
+     like the pipeline) gets its all-to-all dispatch and every MoE layer its routing groups;
   5. activation recomputation wraps blocks or attention cores (so a recomputed core reruns its
      context-parallel communication too);
   6. data parallelism: `apply_data_parallel` picks the GradientSync (DDP with its reducer and
@@ -17,6 +18,7 @@ The result is frozen: the training loop reads it and never branches on which fol
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,6 +36,15 @@ from fivefold.parallel.checkpoint_layout import CheckpointLayout, local_layout
 from fivefold.parallel.comm_schedule import PriorityDataParallel, PrioritySync
 from fivefold.parallel.context_parallel import ContextParallelLayout, apply_context_parallel, build_context_parallel_groups
 from fivefold.parallel.data_parallel import DataParallel, DDPSync
+from fivefold.parallel.expert_parallel import (
+    AllToAllMeter,
+    ExpertGroups,
+    apply_expert_parallel,
+    apply_routing_groups,
+    build_expert_groups,
+    cut_experts,
+    is_expert_parameter,
+)
 from fivefold.parallel.gradient_sync import GradientSync, GradNorm
 from fivefold.parallel.mesh import Mesh
 from fivefold.parallel.parameter_server import ParameterServerSync, ServerClient, ServerLayout
@@ -113,6 +124,8 @@ class Parallelized:
     local_layout: CheckpointLayout  # this rank's pieces
     parameters: int  # Ψ on this rank: its tensor-parallel shard and pipeline stages, before ZeRO
     dp_rank: int  # which slice of each global batch this rank takes
+    experts: ExpertGroups | None = None  # expert-parallel groups (models with routed experts)
+    alltoall: AllToAllMeter | None = None  # time and bytes of the expert dispatch
 
 
 def apply_model_parallel(model: Transformer, mesh: Mesh, tensor: TensorParallelConfig = TensorParallelConfig(),
@@ -136,8 +149,12 @@ def apply_model_parallel(model: Transformer, mesh: Mesh, tensor: TensorParallelC
 
 
 def apply_data_parallel(model: Transformer, mesh: Mesh, config: JobConfig, norm: GradNorm,
-                        tied_group: dist.ProcessGroup | None = None) -> GradientSync:
-    """The gradient sync for this run: a parameter-server worker, ZeRO, or DDP (FIFO or priority)."""
+                        tied_group: dist.ProcessGroup | None = None, experts: ExpertGroups | None = None) -> GradientSync:
+    """The gradient sync for this run: a parameter-server worker, ZeRO, or DDP (FIFO or priority).
+
+    With routed experts, their gradients are summed over their expert-data-parallel group, the
+    other parameters' over the data-parallel group as usual.
+    """
     dp, comm, loss_group = config.data_parallel, config.gradient_comm, mesh.group("dp_cp")
     if dp.mode == "ps":
         sizes = [p.numel() for p in model.parameters() if p.requires_grad]
@@ -150,8 +167,16 @@ def apply_data_parallel(model: Transformer, mesh: Mesh, config: JobConfig, norm:
         optimizer = build_adamw(zero.master_parameters(True), zero.master_parameters(False), config.optim)
         device_mesh = mesh.device_mesh["dp_replicate", "dp_shard_cp"]
         return ZeroSync(zero, optimizer, norm, device_mesh, tied_group, loss_group)
-    ddp = None
+    ddp = expert_ddp = None
     priority = comm.schedule == "priority"
+    named = list(model.named_parameters())
+    expert_params = [p for n, p in named if is_expert_parameter(n)]
+    dense = [p for n, p in named if not is_expert_parameter(n)] if expert_params else None
+    if experts is not None and experts.edp_group is not None and expert_params:
+        reducer = build_reducer(experts.edp_group, comm.allreduce_algorithm, comm.compression, comm.node_size,
+                                block=comm.compression_block, topk_ratio=comm.topk_ratio,
+                                powersgd_rank=comm.powersgd_rank, seed=config.train.seed)
+        expert_ddp = DataParallel(model, experts.edp_group, comm.bucket_mb, reduce_dtype, reducer, expert_params)
     if loss_group is not None:
         # the priority schedule's thread outlives the step: it gets a group of its own
         group = mesh.private_copy(loss_group) if priority else loss_group
@@ -161,9 +186,10 @@ def apply_data_parallel(model: Transformer, mesh: Mesh, config: JobConfig, norm:
         if priority:
             ddp = PriorityDataParallel(model, group, comm.bucket_mb, reduce_dtype, reducer, comm.slice_mb)
         else:
-            ddp = DataParallel(model, loss_group, comm.bucket_mb, reduce_dtype, reducer)
-    sync_type = PrioritySync if priority and ddp is not None else DDPSync
-    return sync_type(model, build_optimizer(model, config.optim), ddp, norm, tied_group, loss_group)
+            ddp = DataParallel(model, loss_group, comm.bucket_mb, reduce_dtype, reducer, dense)
+    if priority and ddp is not None:
+        return PrioritySync(model, build_optimizer(model, config.optim), ddp, norm, tied_group, loss_group)
+    return DDPSync(model, build_optimizer(model, config.optim), ddp, norm, tied_group, loss_group, expert_ddp)
 
 
 def build_step(model: Transformer, folds: ModelParallel, sync: GradientSync, mesh: Mesh, config: JobConfig,
@@ -182,9 +208,9 @@ def build_step(model: Transformer, folds: ModelParallel, sync: GradientSync, mes
     return PipelineStep(executor, pipe.schedule, sync, mesh.group("pp"), dp_rank, dp, mesh.group("dp_cp"))
 
 
-def gather_layout(local: CheckpointLayout, mesh: Mesh) -> CheckpointLayout:
-    """Every tensor-parallel piece and pipeline stage's groups (collective when the model is split)."""
-    if mesh.dims.tp == 1 and mesh.dims.pp == 1:
+def gather_layout(local: CheckpointLayout, mesh: Mesh, ep: int = 1) -> CheckpointLayout:
+    """Every tensor-parallel piece, pipeline stage's and expert's groups (collective when the model is split)."""
+    if mesh.dims.tp == 1 and mesh.dims.pp == 1 and ep == 1:
         return local
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local.to_json())
@@ -206,16 +232,32 @@ def parallelize(model: Transformer, mesh: Mesh, config: JobConfig, device: torch
         split = check_pipeline(model.config, pipe, t.seq_len, t.grad_accum_steps)
         stages = stages_of_rank(split, pipe.degree, mesh.local_rank("pp"))
         cut_model(model, stages)
+    experts, ep = None, config.expert_parallel
+    sequence_parallel = config.tensor_parallel.sequence_parallel and config.tensor_parallel.degree > 1
+    if model.config.n_experts:  # keep only this rank's experts
+        experts = build_expert_groups(mesh, ep.degree, sequence_parallel)
+        if ep.degree > 1:
+            cut_experts(model, ep.degree, experts.ep_rank)
     model = materialize(model, device, seed=t.seed)
     if pretrained and model.config.init_from_hf:
         load_hf_weights(model, model.config.init_from_hf)
     folds = apply_model_parallel(model, mesh, config.tensor_parallel, config.context_parallel, t.recompute, stages)
+    norm = folds.grad_norm()
+    meter = AllToAllMeter()
+    if experts is not None:
+        apply_routing_groups(model, mesh, sequence_parallel, ep.kernel, 1.0 / t.grad_accum_steps)
+        apply_expert_parallel(model, experts, ep.alltoall, meter)
+        expert_ids = frozenset(id(p) for n, p in model.named_parameters() if is_expert_parameter(n))
+        norm = dataclasses.replace(norm, moe=True, experts=expert_ids,
+                                   expert_groups=tuple(g for g in (experts.ep_group, mesh.group("pp")) if g is not None))
     tied_group = None  # first and last pipeline stage, which both hold a tied embedding
     if stages is not None and model.config.tie_embeddings:
         tied_group = mesh.subgroup(tied_embedding_rows(mesh.rank_table("pp"), (len(split) - 1) % pipe.degree))
     local = local_layout(model, folds.checkpoint_tp_rank)  # before ZeRO empties the parameters
     parameters = sum(p.numel() for p in model.parameters())
-    sync = apply_data_parallel(model, mesh, config, folds.grad_norm(), tied_group)
+    sync = apply_data_parallel(model, mesh, config, norm, tied_group, experts)
+    if ep.degree > 1:
+        sync.gathers_in_forward = True  # every expert-parallel peer must run each forward (its all-to-alls)
     step = build_step(model, folds, sync, mesh, config, stages, autocast)
     return Parallelized(model, folds, sync, step, tuple(map(tuple, split)) if split else None,
-                        gather_layout(local, mesh), local, parameters, mesh.local_rank("dp"))
+                        gather_layout(local, mesh, ep.degree), local, parameters, mesh.local_rank("dp"), experts, meter)

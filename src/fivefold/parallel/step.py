@@ -146,6 +146,9 @@ class PipelineStep:
         mine = [batches[i] for i in range(self.dp_rank, len(batches), self.dp)]
         totals = torch.zeros(2, dtype=torch.float64, device=batches[0][0].device)
         totals[0] += self.executor.forward_only([MicroBatch(*b) for b in mine])
+        missing = -(-len(batches) // self.dp) - len(mine)
+        if missing and self.sync.gathers_in_forward:  # peers need this rank in every forward: run one, discard it
+            self.executor.forward_only([MicroBatch(*batches[0])] * missing)
         totals[1] += target_tokens(mine)
         _sum(totals, self.data_group, "evaluation all-reduce")
         totals[0] = _sum(totals[0].clone(), self.pp_group, "evaluation all-reduce")

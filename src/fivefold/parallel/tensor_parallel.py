@@ -37,6 +37,10 @@ The options of the open model families (model/config.py) split like this:
     post norms  (norm_position = post): the attention and MLP inputs enter the region through a
                 forward pre-hook, and the norms run after the row-parallel exit, on replicated
                 activations (or, with SP, on this rank's part of the sequence)
+    MoE MLPs    stay outside the region (no column/row split): the routed experts run on replicated
+                tokens (each TP rank the same), or with SP on this rank's part of the sequence, split
+                over ranks by expert parallelism (parallel/expert_parallel.py); the router and shared
+                experts are replicated, with SP their gradient summed over the group
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from torch import nn
 from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
 from fivefold.model.llama import RMSNorm
+from fivefold.model.moe import MoE
 from fivefold.parallel.collectives import all_gather_flat, conjugate_function, reduce_scatter_flat
 from fivefold.reliability.activity import phase
 
@@ -400,6 +405,16 @@ def _kv_linear(linear: nn.Linear, config: ModelConfig, group) -> ColumnParallelL
     return ColumnParallelLinear(linear, rows, spec, group, replica_slot=slot)
 
 
+class _ReplicaGradSum:
+    """A MoE layer's `replicated`: its router and shared experts' gradients summed over the group (SP)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        return _SumGradOverReplicas.apply(weight, self.group, 0, 1)
+
+
 def _enter_region_hook(group, sequence_parallel: bool):
     """Forward pre-hook: the branch input (first argument) enters the TP region (post-norm blocks)."""
     enter = gather_from_sequence_parallel_region if sequence_parallel else copy_to_tensor_parallel_region
@@ -422,6 +437,7 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
 
     for block in model.layers.values():
         attention, mlp = block.attention, block.feed_forward
+        moe = isinstance(mlp, MoE)
         attention.wq = column(attention.wq)
         attention.wk = _kv_linear(attention.wk, config, group)
         attention.wv = _kv_linear(attention.wv, config, group)
@@ -434,16 +450,21 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
                                               TPSpec(0, everyone, config.q_dim), group)
             rows, spec, slot = _kv_rows(config, group)
             attention.k_norm = ProjectionNorm(attention.k_norm, rows, spec, group, slot)
-        mlp.w1, mlp.w3 = column(mlp.w1), column(mlp.w3)
-        mlp.w2 = RowParallelLinear(mlp.w2, group, sequence_parallel)
+        if moe:  # outside the TP region: on replicated tokens, or with SP on this rank's (parallel/expert_parallel.py)
+            if sequence_parallel:
+                mlp.replicated = _ReplicaGradSum(group)
+        else:
+            mlp.w1, mlp.w3 = column(mlp.w1), column(mlp.w3)
+            mlp.w2 = RowParallelLinear(mlp.w2, group, sequence_parallel)
         if config.norm_position == "post":
             for branch in (attention, mlp):
-                branch.register_forward_pre_hook(_enter_region_hook(group, sequence_parallel))
+                if branch is not mlp or not moe:
+                    branch.register_forward_pre_hook(_enter_region_hook(group, sequence_parallel))
             block.attention_norm = SequenceShardNorm(block.attention_norm, group, sequence_parallel)
             block.ffn_norm = SequenceShardNorm(block.ffn_norm, group, sequence_parallel)
         else:
             block.attention_norm = ParallelRMSNorm(block.attention_norm, group, sequence_parallel)
-            block.ffn_norm = ParallelRMSNorm(block.ffn_norm, group, sequence_parallel)
+            block.ffn_norm = (SequenceShardNorm if moe else ParallelRMSNorm)(block.ffn_norm, group, sequence_parallel)
     # A pipeline stage may hold neither the embedding nor the head.
     if model.tok_embeddings is not None:
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, sequence_parallel)

@@ -19,7 +19,9 @@ from fivefold.config import JobConfig, check_choice
 from fivefold.errors import ConfigError
 from fivefold.reliability.faults import FAULT_KINDS
 from fivefold.parallel.comm_schedule import SCHEDULES as COMM_SCHEDULES
+from fivefold.model.moe import EXPERT_KERNELS
 from fivefold.parallel.context_parallel import check_context_parallel
+from fivefold.parallel.expert_parallel import check_expert_parallel
 from fivefold.parallel.parameter_server import SYNC_MODES
 from fivefold.parallel.pipeline.schedules import SCHEDULES as PIPELINE_SCHEDULES
 from fivefold.parallel.pipeline.stages import BALANCE_BY, check_pipeline
@@ -47,4 +49,26 @@ def check_config(config: JobConfig) -> JobConfig:
     check_choice("pipeline_parallel.balance", config.pipeline_parallel.balance, BALANCE_BY)
     if config.pipeline_parallel.degree > 1:
         check_pipeline(config.model, config.pipeline_parallel, t.seq_len, t.grad_accum_steps)
+    check_moe(config)
     return config
+
+
+def check_moe(config: JobConfig) -> None:
+    """Mixture-of-experts settings against the folds they meet."""
+    ep, model = config.expert_parallel, config.model
+    check_choice("expert_parallel.kernel", ep.kernel, EXPERT_KERNELS)
+    check_expert_parallel(model, ep.degree, ep.alltoall)
+    if not model.n_experts:
+        return
+    if config.data_parallel.mode == "ps":
+        raise ConfigError("model.n_experts > 0 with data_parallel.mode = ps: parameter servers hold whole dense models; "
+                          "use data_parallel.mode = ddp (or ZeRO) for mixture-of-experts models")
+    if config.gradient_comm.schedule == "priority":
+        raise ConfigError("gradient_comm.schedule = priority re-orders one dense all-reduce stream; routed experts are "
+                          "reduced over their own group: use schedule = fifo with model.n_experts > 0")
+    split_sequence = config.context_parallel.degree > 1 or (config.tensor_parallel.sequence_parallel
+                                                             and config.tensor_parallel.degree > 1)
+    if model.moe_capacity_factor and split_sequence:
+        raise ConfigError(f"model.moe_capacity_factor = {model.moe_capacity_factor} ranks each sequence's tokens per "
+                          "expert, but context or sequence parallelism splits the sequence over ranks: use dropless "
+                          "routing (moe_capacity_factor = 0) with them, or turn them off")

@@ -270,7 +270,8 @@ class Trainer:
         metrics_path = self.output_dir / "metrics.jsonl"
         plot = plot_losses(metrics_path, self.output_dir / "loss.png", baseline) if self.is_rank0 and log.plot else None
         # A sync that gathers weights inside forward (ZeRO-3) needs every rank to generate.
-        split = self.dims.tp > 1 or self.dims.cp > 1 or self.dims.pp > 1  # no rank holds the whole model or sequence
+        split = (self.dims.tp > 1 or self.dims.cp > 1 or self.dims.pp > 1
+                 or self.config.expert_parallel.degree > 1)  # no rank holds the whole model or sequence
         asked = bool(log.sample_prompt and log.sample_tokens)
         if asked and split:
             self._print("sample: generation runs in one process; use `fivefold generate --checkpoint` on this run")

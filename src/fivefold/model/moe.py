@@ -1,0 +1,365 @@
+"""Mixture-of-experts MLP: top-k routing over SwiGLU experts (Shazeer et al. 2017; Fedus et al. 2021, Switch
+Transformer; Jiang et al. 2024, Mixtral; DeepSeek-AI 2024, DeepSeek-V3).
+
+    scores    router logits x W_r^T in fp32 -> softmax over the E experts, or a sigmoid per expert
+    select    the top-k experts of (scores + bias); the bias is DeepSeek-V3's auxiliary-loss-free
+              balancing term (a buffer moved after each step towards even load; it changes which
+              experts are chosen, never the weights)
+    weights   the chosen scores, renormalised to sum to 1 (moe_norm_topk), times moe_route_scale
+    capacity  with moe_capacity_factor c > 0, expert e takes at most ceil(c * S * k / E) of one
+              sequence's S tokens; the others are dropped for that expert (lowest score first, or
+              latest position first). Deciding per sequence makes the drops the same under any
+              batch split, data or expert parallelism
+    experts   assignments sorted by expert, each expert's contiguous rows through its SwiGLU
+              (`ExpertKernel`: one grouped GEMM, or one matmul per expert; never a loop over tokens),
+              then weighted and summed back per token
+    shared    optional shared experts every token passes through (DeepSeek, Qwen-MoE), optionally
+              gated by sigmoid(x . w) (Qwen2-MoE)
+
+Balancing losses, added to the objective with weight moe_aux_coeff (and moe_z_loss_coeff):
+    switch    E * sum_i f_i P_i over the tokens of one micro-batch of the whole job, f_i the fraction
+              of the k*T assignments that chose expert i and P_i the mean probability of expert i
+    sequence  the same over each sequence, averaged over the sequences (DeepSeek-V3)
+    z-loss    mean over tokens of logsumexp(logits)^2 (Zoph et al. 2022, ST-MoE)
+Counts that span ranks (a micro-batch split over data-parallel ranks, a sequence over context or
+sequence-parallel ranks) are all-reduced over `RoutingGroups`, and each rank adds the terms of its
+own tokens' probabilities, so the sum over ranks is exactly the single-process loss and its gradient
+needs no collective. The loss enters backward through `_AttachLoss` on the block output (as
+Megatron-Core's auxiliary-loss scaler does), so the model still returns plain logits.
+
+Where the expert computation runs is the dispatcher's business: `LocalDispatch` here, expert
+parallelism's all-to-all in parallel/expert_parallel.py. Experts are modules keyed by their global
+index (`experts.5.w1.weight`, Hugging Face's Mixtral names), so an expert-parallel rank keeps only its
+own and checkpoints name every expert the same way at any expert-parallel degree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.model.config import ModelConfig
+
+EXPERT_KERNELS = ("auto", "grouped", "loop")
+
+
+def _identity(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
+class SwiGLU(nn.Module):
+    """One expert (or the shared experts): w2(silu(w1 x) * w3 x), no biases."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+@dataclass
+class RoutingGroups:
+    """Ranks whose tokens one routing statistic covers (set by parallel code; all None in one process).
+
+    tokens:   the ranks holding distinct tokens of one micro-batch (data x context, x tensor with SP)
+    sequence: the ranks holding distinct parts of one sequence (context, x tensor with SP)
+    """
+
+    tokens: dist.ProcessGroup | None = None
+    token_ranks: int = 1
+    sequence: dist.ProcessGroup | None = None
+    sequence_ranks: int = 1
+
+
+@dataclass
+class RoutingStats:
+    """What one MoE layer measured since the last `take` (filled during backward, so recomputation counts once)."""
+
+    experts: int
+    load: torch.Tensor = None  # assignments per expert, before drops (float64)
+    dropped: float = 0.0
+    assignments: float = 0.0
+    aux_loss: float = 0.0
+    z_loss: float = 0.0
+    micro_batches: int = 0
+    max_received: int = 0  # most rows one expert-parallel rank received in a dispatch
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.load = torch.zeros(self.experts, dtype=torch.float64, device="cpu")
+
+    def record(self, load: torch.Tensor, dropped: int, assignments: int, aux: float, z: float) -> None:
+        self.load += load.detach().to("cpu", torch.float64)
+        self.dropped += dropped
+        self.assignments += assignments
+        self.aux_loss += aux
+        self.z_loss += z
+        self.micro_batches += 1
+
+    def take(self) -> "RoutingStats":
+        out = RoutingStats(self.experts)
+        out.load, out.dropped, out.assignments = self.load.clone(), self.dropped, self.assignments
+        out.aux_loss, out.z_loss, out.micro_batches, out.max_received = (self.aux_loss, self.z_loss, self.micro_batches,
+                                                                        self.max_received)
+        self.__init__(self.experts)
+        return out
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Forward: identity on the block output. Backward: the auxiliary loss gets gradient `scale`, and the
+    layer's routing statistics are recorded (once per micro-batch even when the block is recomputed)."""
+
+    @staticmethod
+    def forward(ctx, out, loss, scale, stats, record):
+        ctx.scale, ctx.stats, ctx.record = scale, stats, record
+        ctx.loss_shape = loss.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.stats.record(*ctx.record)
+        return grad, torch.full(ctx.loss_shape, ctx.scale, dtype=torch.float32, device=grad.device), None, None, None
+
+
+def _all_reduce(value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(value, group=group)
+    return value
+
+
+def capacity_mask(experts: torch.Tensor, weights: torch.Tensor, n_experts: int, capacity: int,
+                  policy: str) -> torch.Tensor:
+    """Which (token, choice) assignments of each sequence fit their expert's capacity.
+
+    experts, weights: (batch, seq, k). Within one sequence and one expert, assignments are ranked by
+    weight (policy `probability`, ties to the earlier position) or by position (`position`); the first
+    `capacity` are kept. Vectorised: two stable sorts, no loop over tokens.
+    """
+    batch, seq, k = experts.shape
+    flat = experts.reshape(batch, seq * k)
+    if policy == "probability":
+        priority = torch.argsort(-weights.reshape(batch, seq * k), dim=1, stable=True)
+    else:
+        priority = torch.arange(seq * k, device=flat.device).expand(batch, -1)
+    by_expert = torch.argsort(flat.gather(1, priority), dim=1, stable=True)
+    order = priority.gather(1, by_expert)  # assignments grouped by expert, best first within each
+    grouped = flat.gather(1, order)
+    counts = F.one_hot(flat, n_experts).sum(1)  # (batch, E)
+    starts = counts.cumsum(1) - counts
+    rank = torch.arange(seq * k, device=flat.device) - starts.gather(1, grouped)
+    keep = torch.zeros_like(flat, dtype=torch.bool)
+    keep.scatter_(1, order, rank < capacity)
+    return keep.view(batch, seq, k)
+
+
+def expert_capacity(config: ModelConfig, seq: int) -> int:
+    """Assignments one expert takes from one sequence of `seq` tokens (0: dropless)."""
+    if not config.moe_capacity_factor:
+        return 0
+    return math.ceil(config.moe_capacity_factor * seq * config.moe_top_k / config.n_experts)
+
+
+class ExpertKernel:
+    """Runs a list of experts over rows already sorted by expert (`counts[i]` rows for expert i).
+
+    `grouped` stacks the experts' weights and calls torch's grouped GEMM (`torch._grouped_mm`), one
+    kernel per projection; `loop` runs one matmul per expert on its slice. `auto` takes `grouped` where
+    torch has it and the widths meet its 16-byte alignment, else `loop` (benchmarks/moe_experts.py
+    measures both).
+    """
+
+    def __init__(self, kind: str = "auto"):
+        if kind not in EXPERT_KERNELS:
+            raise ValueError(f"expert kernel {kind!r}: one of {EXPERT_KERNELS}")
+        self.kind = kind
+
+    def resolve(self, x: torch.Tensor, experts: list[SwiGLU]) -> str:
+        if self.kind != "auto":
+            return self.kind
+        if not hasattr(torch, "_grouped_mm") or not experts:
+            return "loop"
+        align = 16 // x.element_size()
+        dim, hidden = experts[0].w1.in_features, experts[0].w1.out_features
+        return "grouped" if dim % align == 0 and hidden % align == 0 else "loop"
+
+    def __call__(self, x: torch.Tensor, counts: list[int], experts: list[SwiGLU]) -> torch.Tensor:
+        if x.shape[0] == 0:
+            # keep every expert weight in the graph, so its gradient is a (zero) tensor on every rank
+            return x + 0.0 * sum(p.sum() for e in experts for p in e.parameters())
+        if self.resolve(x, experts) == "grouped":
+            return self._grouped(x, counts, experts)
+        outputs, start = [], 0
+        for expert, n in zip(experts, counts):
+            if n:
+                outputs.append(expert(x[start : start + n]))
+            start += n
+        return torch.cat(outputs)
+
+    @staticmethod
+    def _grouped(x: torch.Tensor, counts: list[int], experts: list[SwiGLU]) -> torch.Tensor:
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+
+        def stacked(name: str) -> torch.Tensor:
+            return torch.stack([getattr(e, name).weight for e in experts]).transpose(1, 2)
+
+        gate = _GroupedMM.apply(x, stacked("w1"), offsets)
+        up = _GroupedMM.apply(x, stacked("w3"), offsets)
+        return _GroupedMM.apply(F.silu(gate) * up, stacked("w2"), offsets)
+
+
+class _GroupedMM(torch.autograd.Function):
+    """torch._grouped_mm with a contiguous incoming gradient (its CPU backward rejects expanded ones)."""
+
+    @staticmethod
+    def forward(ctx, x, weights, offsets):
+        ctx.save_for_backward(x, weights, offsets)
+        return torch._grouped_mm(x, weights, offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weights, offsets = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = torch._grouped_mm(grad, weights.transpose(1, 2), offs=offsets)
+        grad_w = torch._grouped_mm(x.t(), grad, offs=offsets)
+        return grad_x, grad_w, None
+
+
+@dataclass
+class Routing:
+    """One micro-batch's routing: flat (T, k) expert ids and weights, and which assignments are kept."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    keep: torch.Tensor | None
+
+    def sorted_assignments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(assignment indices sorted by expert, stable; their expert ids) of the kept assignments."""
+        flat = self.experts.reshape(-1)
+        chosen = torch.arange(flat.numel(), device=flat.device)
+        if self.keep is not None:
+            chosen = chosen[self.keep.reshape(-1)]
+        ids = flat[chosen]
+        order = torch.argsort(ids, stable=True)
+        return chosen[order], ids[order]
+
+
+class LocalDispatch:
+    """All experts on this rank: permute by expert, run them, weight and sum back."""
+
+    def __call__(self, x: torch.Tensor, routing: Routing, moe: "MoE") -> torch.Tensor:
+        assignments, ids = routing.sorted_assignments()
+        k = routing.experts.shape[1]
+        tokens = assignments // k
+        counts = torch.bincount(ids, minlength=moe.n_experts).tolist()
+        out = moe.kernel(x[tokens], counts, moe.local_experts())
+        return combine(x, out, tokens, routing.weights.reshape(-1)[assignments])
+
+
+def combine(x: torch.Tensor, expert_out: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum over each token's kept assignments of weight * expert output, in x's dtype."""
+    weighted = (expert_out.float() * weights.unsqueeze(1)).to(x.dtype)
+    return torch.zeros_like(x).index_add(0, tokens, weighted)
+
+
+class MoE(nn.Module):
+    """The routed (and shared) experts of one block, in place of its dense MLP."""
+
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.config, self.layer_id = config, layer_id
+        self.n_experts, self.top_k = config.n_experts, config.moe_top_k
+        self.router = nn.Linear(config.dim, config.n_experts, bias=False)
+        self.experts = nn.ModuleDict({str(i): SwiGLU(config.dim, config.expert_hidden_dim)
+                                      for i in range(config.n_experts)})
+        self.shared = SwiGLU(config.dim, config.shared_hidden_dim) if config.shared_hidden_dim else None
+        self.shared_gate = nn.Linear(config.dim, 1, bias=False) if config.moe_shared_gate else None
+        self.register_buffer("expert_bias", torch.zeros(config.n_experts), persistent=False)
+        self.dispatch = LocalDispatch()
+        self.kernel = ExpertKernel()
+        self.groups = RoutingGroups()
+        self.loss_scale = 1.0  # gradient of the balancing loss: 1 / micro-batches per step (set by the trainer)
+        self.stats = RoutingStats(config.n_experts)
+        # Every rank holds the router and shared experts whole; under sequence parallelism the parallel
+        # code makes this sum their gradient over the tensor-parallel ranks (each saw other tokens).
+        self.replicated = _identity
+
+    def local_experts(self) -> list[SwiGLU]:
+        """This rank's experts in ascending global index."""
+        return [self.experts[k] for k in sorted(self.experts, key=int)]
+
+    def route(self, x: torch.Tensor) -> tuple[Routing, torch.Tensor, torch.Tensor]:
+        """(routing, fp32 logits, fp32 scores) of x (batch, seq, dim)."""
+        batch, seq, _ = x.shape
+        logits = F.linear(x.reshape(batch * seq, -1).float(), self.replicated(self.router.weight).float())
+        scores = logits.softmax(-1) if self.config.moe_score == "softmax" else logits.sigmoid()
+        select = scores + self.expert_bias if self.config.moe_bias_update_rate else scores
+        experts = select.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.config.moe_norm_topk and self.top_k > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if self.config.moe_score == "sigmoid" else 0.0))
+        weights = weights * self.config.moe_route_scale
+        keep = None
+        capacity = expert_capacity(self.config, seq * self.groups.sequence_ranks)
+        if capacity:
+            keep = capacity_mask(experts.view(batch, seq, -1), weights.view(batch, seq, -1).detach(),
+                                 self.n_experts, capacity, self.config.moe_drop_policy).view(batch * seq, -1)
+        return Routing(experts, weights, keep), logits, scores
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        flat = x.reshape(batch * seq, dim)
+        routing, logits, scores = self.route(x)
+        out = self.dispatch(flat, routing, self)
+        if self.shared is not None:
+            w = self.replicated
+            s = self.shared
+            shared = F.linear(F.silu(F.linear(flat, w(s.w1.weight))) * F.linear(flat, w(s.w3.weight)), w(s.w2.weight))
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(F.linear(flat, w(self.shared_gate.weight))) * shared
+            out = out + shared
+        if torch.is_grad_enabled() and out.requires_grad:
+            loss, record = self.balancing_loss(routing, logits, scores, batch, seq)
+            out = _AttachLoss.apply(out, loss, self.loss_scale, self.stats, record)
+        return out.view(batch, seq, dim)
+
+    def balancing_loss(self, routing: Routing, logits: torch.Tensor, scores: torch.Tensor, batch: int, seq: int):
+        """This rank's share of the balancing losses (fp32 scalar) and what the layer's statistics record."""
+        c, E, k = self.config, self.n_experts, self.top_k
+        g = self.groups
+        load = torch.bincount(routing.experts.reshape(-1), minlength=E).double()
+        dropped = 0 if routing.keep is None else int((~routing.keep).sum())
+        loss = logits.new_zeros(())
+        aux = z = 0.0
+        if c.moe_aux_loss != "none":
+            probs = scores if c.moe_score == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
+            if c.moe_aux_loss == "switch":
+                counts = _all_reduce(load.clone(), g.tokens).float()
+                tokens = batch * seq * g.token_ranks
+                term = E * (counts / (tokens * k) * probs.sum(0) / tokens).sum()
+            else:
+                per_seq = F.one_hot(routing.experts.view(batch, seq * k), E).sum(1).float()  # (batch, E)
+                counts = _all_reduce(per_seq, g.sequence)
+                length = seq * g.sequence_ranks
+                sequences = batch * (g.token_ranks // g.sequence_ranks)
+                term = E * (counts / (length * k) * probs.view(batch, seq, E).sum(1) / length).sum() / sequences
+            loss = loss + c.moe_aux_coeff * term
+            aux = float(term.detach())
+        if c.moe_z_loss_coeff:
+            term = torch.logsumexp(logits, dim=-1).pow(2).sum() / (batch * seq * g.token_ranks)
+            loss = loss + c.moe_z_loss_coeff * term
+            z = float(term.detach())
+        return loss, (load, dropped, routing.experts.numel(), aux, z)
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """DeepSeek-V3's auxiliary-loss-free step: raise the bias of under-loaded experts, lower the over-loaded."""
+        load = load.to(self.expert_bias.device, torch.float32)
+        self.expert_bias += self.config.moe_bias_update_rate * torch.sign(load.mean() - load)
