@@ -20,6 +20,10 @@ LAYOUTS = {
     "ep2-tp2-sp": (2, dict(tensor_parallel={"degree": 2, "sequence_parallel": True}, expert_parallel={"degree": 2})),
     "ep2-tp2-dp2": (4, dict(train={"micro_batch_size": 4}, tensor_parallel={"degree": 2}, expert_parallel={"degree": 2})),
     "ep2-cp2": (2, dict(context_parallel={"degree": 2}, expert_parallel={"degree": 2})),
+    "ep2-zero3-dp4": (4, dict(train={"micro_batch_size": 2}, data_parallel={"shard": 4, "zero_stage": 3},
+                              expert_parallel={"degree": 2})),
+    "ep2-zero1-dp4": (4, dict(train={"micro_batch_size": 2}, data_parallel={"shard": 4, "zero_stage": 1},
+                              expert_parallel={"degree": 2})),
     "ep2-pp2": (4, dict(train={"micro_batch_size": 4}, pipeline_parallel={"degree": 2, "schedule": "1f1b"},
                         expert_parallel={"degree": 2})),
 }
@@ -34,3 +38,53 @@ def test_moe_layout_trains_like_one_process(base, tmp_path, name):
     config = with_changes(single, **sections)
     diffs = assert_parity(train_single(single), train_distributed(config, world), param_atol=TP_PARAM_ATOL)
     print(f"{name}: {diffs}")
+
+
+VARIANTS = {
+    # sigmoid scores + DeepSeek's bias balancing + sequence-wise loss + route scale, not renormalised
+    "sigmoid-bias-sequence": dict(MOE, moe_score="sigmoid", moe_norm_topk=False, moe_route_scale=2.5,
+                                  moe_aux_loss="sequence", moe_bias_update_rate=0.01),
+    # capacity 1.0 per sequence drops assignments; by probability and by position
+    "capacity-probability": dict(MOE, moe_capacity_factor=1.0, moe_drop_policy="probability"),
+    "capacity-position": dict(MOE, moe_capacity_factor=0.5, moe_drop_policy="position", moe_shared_experts=0),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_routing_variants_at_ep2_dp4(base, tmp_path, variant):
+    """Drops are decided per sequence, so one process and 4 ranks (EP 2 x EDP 2) drop the same assignments;
+    the bias moves identically on every rank from the all-reduced load."""
+    single = with_changes(base, model=VARIANTS[variant])
+    config = with_changes(single, train={"micro_batch_size": 2, "output_dir": str(tmp_path / variant)},
+                          expert_parallel={"degree": 2})
+    diffs = assert_parity(train_single(single), train_distributed(config, 4), param_atol=TP_PARAM_ATOL)
+    print(f"{variant}: {diffs}")
+
+
+def _train(config, world_size):
+    return train_single(config) if world_size == 1 else train_distributed(config, world_size)
+
+
+@pytest.mark.parametrize("saved,resumed", [
+    ((4, dict(train={"micro_batch_size": 1}, expert_parallel={"degree": 4})), (1, {})),
+    ((4, dict(train={"micro_batch_size": 2}, pipeline_parallel={"degree": 2}, expert_parallel={"degree": 2})),
+     (2, dict(train={"micro_batch_size": 2}, expert_parallel={"degree": 2}))),
+], ids=["ep4-to-ep1", "ep2xpp2-to-ep2"])
+def test_resume_at_another_expert_parallel_degree(base, tmp_path, saved, resumed):
+    """Each expert is its own checkpoint group named by its global index, so any EP degree reads any other's;
+    the balancing biases travel in trainer.json. Saved at step 2 of 4, resumed, compared with the straight run."""
+    model = dict(MOE, moe_bias_update_rate=0.01)
+    (saved_world, saved_sections), (resumed_world, resumed_sections) = saved, resumed
+    train = {"micro_batch_size": 4, "grad_accum_steps": 2}  # the global micro-batches every layout shares
+    single = with_changes(base, model=model, train=train)
+    straight = train_single(single)
+    sections = {k: dict(v) for k, v in saved_sections.items()}
+    sections["train"] = {**sections.get("train", {}), "output_dir": str(tmp_path / "saved")}
+    first = with_changes(single, **sections, checkpoint={"every": 2, "keep_last": 2})
+    _train(with_changes(first, train={"steps": 2}), saved_world)
+    sections = {k: dict(v) for k, v in resumed_sections.items()}
+    sections["train"] = {**sections.get("train", {}), "output_dir": str(tmp_path / "resumed")}
+    again = with_changes(single, **sections, checkpoint={"resume": str(tmp_path / "saved" / "step-000002")})
+    losses, weights = _train(again, resumed_world)
+    diffs = assert_parity(straight, (straight[0][:2] + losses, weights), param_atol=TP_PARAM_ATOL)
+    print(f"{saved_sections} -> {resumed_sections}: {diffs}")

@@ -198,8 +198,8 @@ class ExpertKernel:
             return self._grouped(x, counts, experts)
         outputs, start = [], 0
         for expert, n in zip(experts, counts):
-            if n:
-                outputs.append(expert(x[start : start + n]))
+            # an expert without rows still runs (on none), so its gradient exists (zeros) on every rank
+            outputs.append(expert(x[start : start + n]))
             start += n
         return torch.cat(outputs)
 

@@ -3,7 +3,9 @@
 Llama 3 shapes are from Meta's model cards / params.json (Dubey et al. 2024, Table 3); Llama
 3.1 adds the `llama3` RoPE scaling (factor 8 over an 8192 context) and Llama 3.2 1B/3B tie their
 embeddings (factor 32). Qwen2.5, Qwen3 and Mistral shapes are those of their published
-config.json files (Qwen2.5-7B, Qwen3-8B/32B, Mistral-7B-v0.1).
+config.json files (Qwen2.5-7B, Qwen3-8B/32B, Mistral-7B-v0.1). The mixture-of-experts shapes are
+those of Mixtral-8x7B-v0.1, Qwen1.5-MoE-A2.7B (Qwen2-MoE architecture: 60 experts, a gated shared
+expert) and Qwen3-30B-A3B; `tiny-moe` is the CPU demo (configs/tiny-moe.toml).
 `gpt3-175b` keeps GPT-3's h=12288, L=96, a=96, V=50257, s=2048 and tied embeddings
 (Brown et al. 2020) but, being a Llama-style block, uses SwiGLU with ffn = 8h/3 so the
 MLP has GPT-3's 8h^2 parameters.
@@ -23,6 +25,11 @@ _LLAMA31_ROPE = dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_facto
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
         name="tiny", dim=256, n_layers=6, n_heads=8, n_kv_heads=4, multiple_of=64, max_seq_len=1024, rope_theta=10000.0
+    ),
+    "tiny-moe": ModelConfig(
+        name="tiny-moe", dim=256, n_layers=6, n_heads=8, n_kv_heads=4, multiple_of=64, max_seq_len=1024,
+        n_experts=8, moe_top_k=2, moe_ffn_dim=256, moe_shared_experts=1, moe_aux_loss="switch", moe_aux_coeff=0.01,
+        moe_z_loss_coeff=0.001,
     ),
     "small": ModelConfig(
         name="small", dim=768, n_layers=12, n_heads=12, n_kv_heads=4, multiple_of=256, max_seq_len=2048
@@ -74,6 +81,22 @@ PRESETS: dict[str, ModelConfig] = {
     "mistral-7b": ModelConfig(
         name="mistral-7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000, ffn_dim=14336,
         norm_eps=1e-5, rope_theta=10000.0, max_seq_len=32768, sliding_window=4096,
+    ),
+    "mixtral-8x7b": ModelConfig(
+        name="mixtral-8x7b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000, ffn_dim=14336,
+        norm_eps=1e-5, rope_theta=1000000.0, max_seq_len=32768, n_experts=8, moe_top_k=2, moe_aux_loss="switch",
+        moe_aux_coeff=0.02,
+    ),
+    "qwen1.5-moe-a2.7b": ModelConfig(
+        name="qwen1.5-moe-a2.7b", dim=2048, n_layers=24, n_heads=16, n_kv_heads=16, vocab_size=151936, ffn_dim=5632,
+        norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=8192, attention_bias="qkv", n_experts=60, moe_top_k=4,
+        moe_ffn_dim=1408, moe_shared_ffn_dim=5632, moe_shared_gate=True, moe_norm_topk=False, moe_aux_loss="switch",
+        moe_aux_coeff=0.001,
+    ),
+    "qwen3-30b-a3b": ModelConfig(
+        name="qwen3-30b-a3b", dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, vocab_size=151936,
+        ffn_dim=6144, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960, qk_norm="head", n_experts=128,
+        moe_top_k=8, moe_ffn_dim=768, moe_aux_loss="switch", moe_aux_coeff=0.001,
     ),
     "gpt3-175b": ModelConfig(
         name="gpt3-175b", dim=12288, n_layers=96, n_heads=96, vocab_size=50257, ffn_dim=32768,

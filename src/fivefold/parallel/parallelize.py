@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fivefold.comm.reducers import build_reducer
 from fivefold.config import ContextParallelConfig, JobConfig, TensorParallelConfig
@@ -35,7 +36,9 @@ from fivefold.optim import build_adamw, build_optimizer
 from fivefold.parallel.checkpoint_layout import CheckpointLayout, local_layout
 from fivefold.parallel.comm_schedule import PriorityDataParallel, PrioritySync
 from fivefold.parallel.context_parallel import ContextParallelLayout, apply_context_parallel, build_context_parallel_groups
+from fivefold.errors import ConfigError
 from fivefold.parallel.data_parallel import DataParallel, DDPSync
+from fivefold.parallel.flat_groups import is_expert_group
 from fivefold.parallel.expert_parallel import (
     AllToAllMeter,
     ExpertGroups,
@@ -162,11 +165,27 @@ def apply_data_parallel(model: Transformer, mesh: Mesh, config: JobConfig, norm:
         return ParameterServerSync(model, ServerClient(model, layout), config.parameter_server.sync, mesh.group("workers"))
     reduce_dtype = DTYPES[comm.reduce_dtype]
     if dp.zero_stage > 0:
+        moe = experts is not None
         zero = ZeroDataParallel(model, mesh.group("dp_shard_cp"), mesh.group("dp_replicate"), dp.zero_stage,
-                                DTYPES[dp.param_dtype], reduce_dtype, dp.offload, norm=norm)
-        optimizer = build_adamw(zero.master_parameters(True), zero.master_parameters(False), config.optim)
+                                DTYPES[dp.param_dtype], reduce_dtype, dp.offload, norm=norm,
+                                select=(lambda key: not is_expert_group(key)) if moe else None)
+        parts = [zero]
+        expert_part = None
+        if moe:
+            if experts.edp_group is None:
+                raise ConfigError(
+                    f"data_parallel.zero_stage = {dp.zero_stage} shards the experts over their expert-data-parallel group, "
+                    f"but expert_parallel.degree = {config.expert_parallel.degree} leaves each expert on one rank: lower "
+                    "expert_parallel.degree or raise the data-parallel degree")
+            expert_zero = ZeroDataParallel(model, experts.edp_group, None, dp.zero_stage, DTYPES[dp.param_dtype],
+                                           reduce_dtype, dp.offload, select=is_expert_group)
+            parts.append(expert_zero)
+            expert_part = (expert_zero, DeviceMesh.from_group(experts.edp_group, mesh.device_mesh.device_type))
+        decay = [p for z in parts for p in z.master_parameters(True)]
+        no_decay = [p for z in parts for p in z.master_parameters(False)]
+        optimizer = build_adamw(decay, no_decay, config.optim)
         device_mesh = mesh.device_mesh["dp_replicate", "dp_shard_cp"]
-        return ZeroSync(zero, optimizer, norm, device_mesh, tied_group, loss_group)
+        return ZeroSync(zero, optimizer, norm, device_mesh, tied_group, loss_group, expert_part)
     ddp = expert_ddp = None
     priority = comm.schedule == "priority"
     named = list(model.named_parameters())

@@ -29,7 +29,9 @@ the replicas.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -95,6 +97,7 @@ class ZeroDataParallel(SkipOnAccumulation):
         reduce_dtype: torch.dtype = torch.float32,
         offload: bool = False,
         norm: GradNorm = GradNorm(),
+        select: Callable[[str], bool] | None = None,
     ):
         if stage not in (1, 2, 3):
             raise ConfigError(f"data_parallel.zero_stage = {stage}: ZeRO stages are 1, 2 or 3")
@@ -110,6 +113,7 @@ class ZeroDataParallel(SkipOnAccumulation):
         # Other ranks holding other parts of the model (tensor-parallel pieces, pipeline stages) and
         # the weight each parameter's squares get (1 / copies), for the global gradient norm.
         self.norm = norm
+        self.select = select  # which flat groups (by key) this instance owns; None: all
         self._broadcast_parameters()
         self.units = [block for _, block in units(model)]
         self.groups = self._build_groups()
@@ -126,15 +130,19 @@ class ZeroDataParallel(SkipOnAccumulation):
             self._install_stage3_hooks()
 
     # ----------------------------------------------------------------- set-up
+    def _layouts(self) -> list[GroupLayout]:
+        return [g for g in flat_group_layout(self.model) if self.select is None or self.select(g.key)]
+
     def _broadcast_parameters(self) -> None:
+        params = dict(self.model.named_parameters())
+        mine = [params[n] for g in self._layouts() for n in g.names]
         for group in (self.shard_group, self.replicate_group):
             if group is not None:
-                broadcast_module(self.model, group)
+                broadcast_module(self.model, group, mine)
 
     def _build_groups(self) -> list[FlatGroup]:
         params = dict(self.model.named_parameters())
-        return [_make_group(layout, [params[n] for n in layout.names], self.shards)
-                for layout in flat_group_layout(self.model)]
+        return [_make_group(layout, [params[n] for n in layout.names], self.shards) for layout in self._layouts()]
 
     @torch.no_grad()
     def _shard_group(self, g: FlatGroup) -> None:
@@ -287,12 +295,15 @@ class ZeroDataParallel(SkipOnAccumulation):
             self._free(len(self.units))
 
     # ---------------------------------------------------------------- the step
+    def local_squares(self) -> float:
+        """This rank's shards' weighted sum of squared gradients."""
+        return sum(float(g.grad_shard.double().pow(2).sum() if g.norm_weights is None
+                         else (g.grad_shard.double().pow(2) * g.norm_weights).sum()) for g in self.groups)
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Global L2 norm of the gradient from the shards; scale the shards if it exceeds max_norm."""
-        local = sum(float(g.grad_shard.double().pow(2).sum() if g.norm_weights is None
-                          else (g.grad_shard.double().pow(2) * g.norm_weights).sum()) for g in self.groups)
-        norm = self.norm.total(local, self.device, extra=(self.shard_group,))  # shards, then the model's parts
+        norm = self.norm.total(self.local_squares(), self.device, extra=(self.shard_group,))  # shards, then the parts
         clip_([g.grad_shard for g in self.groups], norm, max_norm)
         return norm
 
@@ -343,34 +354,56 @@ class ZeroSync(GradientSync):
 
     Checkpoint tensors are DTensors over (dp_replicate, dp_shard x cp) wrapping this rank's unpadded
     shard of every flat group, so DCP writes the shards in parallel with no gather and reads back
-    whatever another layout's shards cover.
+    whatever another layout's shards cover. Routed experts (mixture-of-experts) are a second ZeRO
+    instance, `experts`, sharded over their expert-data-parallel group (a 1-D mesh of its own).
     """
 
     kind = "zero"
     collective_checkpoint = True
 
     def __init__(self, zero: ZeroDataParallel, optimizer: torch.optim.Optimizer, norm: GradNorm, device_mesh,
-                 tied_group: dist.ProcessGroup | None = None, loss_group: dist.ProcessGroup | None = None):
+                 tied_group: dist.ProcessGroup | None = None, loss_group: dist.ProcessGroup | None = None,
+                 experts: tuple[ZeroDataParallel, object] | None = None):
         super().__init__(zero.model, norm, tied_group, loss_group)
         self.zero, self.optimizer, self.device_mesh = zero, optimizer, device_mesh
         self.gathers_in_forward = zero.stage == 3
+        self.parts = [(zero, device_mesh, [Replicate(), Shard(0)])]
+        if experts is not None:
+            self.parts.append((experts[0], experts[1], [Shard(0)]))
+
+    @property
+    def zeros(self) -> list[ZeroDataParallel]:
+        return [z for z, _, _ in self.parts]
 
     def no_sync(self):
-        return self.zero.no_sync()
+        stack = contextlib.ExitStack()
+        for z in self.zeros:
+            stack.enter_context(z.no_sync())
+        return stack
 
     def _finish(self) -> None:
-        self.zero.finish_gradient_sync()
+        for z in self.zeros:
+            z.finish_gradient_sync()
 
+    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
-        return self.zero.clip_grad_norm_(max_norm)
+        if len(self.parts) == 1:
+            return self.zero.clip_grad_norm_(max_norm)
+        experts = self.zeros[1]
+        norm = self.norm.total(self.zero.local_squares(), self.zero.device, extra=(self.zero.shard_group,),
+                               expert_squares=experts.local_squares(), expert_extra=(experts.shard_group,))
+        clip_([g.grad_shard for z in self.zeros for g in z.groups], norm, max_norm)
+        return norm
 
     def step(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
-        self.zero.prepare_step()
+        for z in self.zeros:
+            z.prepare_step()
         self.optimizer.step()
 
     def after_step(self) -> None:
-        self.zero.after_step()
+        for z in self.zeros:
+            z.after_step()
         self.optimizer.zero_grad(set_to_none=True)
 
     @property
@@ -379,16 +412,17 @@ class ZeroSync(GradientSync):
 
     def describe(self) -> str:
         z = self.zero
-        return (f"ZeRO-{z.stage} over {z.shards} ranks, {len(z.groups)} flat groups"
+        experts = "" if len(self.parts) == 1 else f" (experts over {self.zeros[1].shards} ranks of their EDP group)"
+        return (f"ZeRO-{z.stage} over {z.shards} ranks{experts}, {sum(len(x.groups) for x in self.zeros)} flat groups"
                 f"{', bf16 weights + fp32 masters' if self.mixed_precision else ''}{', offloaded to CPU' if z.offload else ''}")
 
     def expected_model_states(self, parameters: int) -> ModelStateBytes:
         return zero_model_states(parameters, self.zero.stage, self.zero.shards, self.mixed_precision)
 
     def model_state_tensors(self) -> tuple[list, list, list]:
-        z = self.zero
-        params = [g.flat for g in z.groups] + [g.local for g in z.groups] + list(self.model.parameters())
-        grads = [g.flat_grad for g in z.groups] + [g.grad_shard for g in z.groups]
+        groups = [g for z in self.zeros for g in z.groups]
+        params = [g.flat for g in groups] + [g.local for g in groups] + list(self.model.parameters())
+        grads = [g.flat_grad for g in groups] + [g.grad_shard for g in groups]
         masters = [p for group in self.optimizer.param_groups for p in group["params"]]
         transient = {id(p.grad) for p in masters}  # the fp32 gradient copy handed to the optimizer
         states = [t for state in self.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
@@ -396,37 +430,40 @@ class ZeroSync(GradientSync):
 
     def state_dict(self, tp_rank: int | None, fresh: bool = False) -> dict[str, torch.Tensor]:
         """This rank's unpadded shard of every group as DTensors; with `fresh`, zero buffers for DCP to load into."""
-        z, out = self.zero, {}
-        for g in z.groups:
-            lo, hi = z.owned_range(g)
-            n = hi - lo
-            state = self.optimizer.state.get(g.master, {})
-            key = ShardKey(g.layout.key, tp_rank)
-            locals_ = {"model": g.master.detach()[:n]}
-            for moment in MOMENTS:
-                locals_[moment] = state[moment][:n] if moment in state else torch.zeros(n)
-            for kind, local in locals_.items():
-                local = torch.zeros(n, dtype=torch.float32, device=z.device) if fresh else local.to(z.device)
-                out[key.tensor(kind)] = DTensor.from_local(local, self.device_mesh, [Replicate(), Shard(0)],
-                                                           run_check=False, shape=(g.numel,), stride=(1,))
-            out[key.tensor("step")] = step_tensor(0.0 if fresh else float(state.get("step", 0.0)))
+        out = {}
+        for z, mesh, placements in self.parts:
+            for g in z.groups:
+                lo, hi = z.owned_range(g)
+                n = hi - lo
+                state = self.optimizer.state.get(g.master, {})
+                key = ShardKey(g.layout.key, tp_rank)
+                locals_ = {"model": g.master.detach()[:n]}
+                for moment in MOMENTS:
+                    locals_[moment] = state[moment][:n] if moment in state else torch.zeros(n)
+                for kind, local in locals_.items():
+                    local = torch.zeros(n, dtype=torch.float32, device=z.device) if fresh else local.to(z.device)
+                    out[key.tensor(kind)] = DTensor.from_local(local, mesh, placements, run_check=False,
+                                                               shape=(g.numel,), stride=(1,))
+                out[key.tensor("step")] = step_tensor(0.0 if fresh else float(state.get("step", 0.0)))
         return out
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor], tp_rank: int | None) -> None:
-        for g in self.zero.groups:
-            key = ShardKey(g.layout.key, tp_rank)
-            self._set_shard(g, {kind: state[key.tensor(kind)].to_local() for kind in ("model", *MOMENTS)},
-                            state[key.tensor("step")])
-        self.zero.publish_masters()
+        for z in self.zeros:
+            for g in z.groups:
+                key = ShardKey(g.layout.key, tp_rank)
+                self._set_shard(g, {kind: state[key.tensor(kind)].to_local() for kind in ("model", *MOMENTS)},
+                                state[key.tensor("step")])
+            z.publish_masters()
 
     @torch.no_grad()
     def load_pieces(self, pieces: dict[str, dict[str, torch.Tensor]]) -> None:
-        for g in self.zero.groups:
-            lo, hi = self.zero.owned_range(g)
-            piece = pieces[g.layout.key]
-            self._set_shard(g, {kind: piece[kind][lo:hi] for kind in ("model", *MOMENTS)}, piece["step"])
-        self.zero.publish_masters()
+        for z in self.zeros:
+            for g in z.groups:
+                lo, hi = z.owned_range(g)
+                piece = pieces[g.layout.key]
+                self._set_shard(g, {kind: piece[kind][lo:hi] for kind in ("model", *MOMENTS)}, piece["step"])
+            z.publish_masters()
 
     def _set_shard(self, g: FlatGroup, values: dict[str, torch.Tensor], step: torch.Tensor) -> None:
         n = values["model"].numel()

@@ -10,6 +10,11 @@ where N_matmul are the parameters used in matrix multiplies (every weight except
 embedding lookup and the norm gains; a tied head counts once, as the head), and the second
 term is attention's QK^T and AV products, fwd + bwd, with H heads of size Q over context T.
 Causal masking is not subtracted, as in PaLM and in PyTorch's FLOP counter.
+
+Mixture-of-experts layers count all E experts, the shared experts and the router in the total, and
+only the top-k experts (plus shared experts and router) in what one token multiplies by, so FLOPs
+per token use the active count (the "activated parameters" of Mixtral's and DeepSeek's reports).
+Dropped assignments (capacity) are not subtracted.
 """
 
 from __future__ import annotations
@@ -27,15 +32,25 @@ class ParameterCount:
     norms: int
     head: int
     biases: int = 0
+    mlp_active: int = -1  # MLP parameters one token uses (MoE: top-k experts, shared experts, router); -1: all
 
     @property
     def total(self) -> int:
         return self.embedding + self.attention + self.mlp + self.norms + self.head + self.biases
 
     @property
+    def active(self) -> int:
+        """Parameters one token uses (a mixture-of-experts model's "activated" count; the total when dense)."""
+        return self.total - self.mlp + self.mlp_used
+
+    @property
+    def mlp_used(self) -> int:
+        return self.mlp if self.mlp_active < 0 else self.mlp_active
+
+    @property
     def matmul(self) -> int:
-        """Parameters that take part in matrix multiplies (the head, even when tied; not biases)."""
-        return self.attention + self.mlp + (self.head or self.embedding)
+        """Parameters one token multiplies by (the head, even when tied; not biases; MoE: the active experts)."""
+        return self.attention + self.mlp_used + (self.head or self.embedding)
 
 
 def count_parameters(config: ModelConfig) -> ParameterCount:
@@ -44,13 +59,21 @@ def count_parameters(config: ModelConfig) -> ParameterCount:
     qk_norms = {"none": 0, "head": 2 * config.head_size, "projection": q + kv}[config.qk_norm]
     attention_biases = {"none": 0, "qkv": q + 2 * kv, "all": q + 2 * kv + h}[config.attention_bias]
     mlp_biases = 2 * f + h if config.mlp_bias else 0
+    moe = len(config.moe_layers)
+    dense = layers - moe
+    expert = 3 * h * config.expert_hidden_dim
+    shared = 3 * h * config.shared_hidden_dim + (h if config.moe_shared_gate else 0)
+    router = h * config.n_experts
+    mlp = dense * 3 * h * f + moe * (config.n_experts * expert + shared + router)
+    mlp_active = dense * 3 * h * f + moe * (config.moe_top_k * expert + shared + router)
     return ParameterCount(
         embedding=config.vocab_size * h,
         attention=layers * (2 * h * q + 2 * h * kv),
-        mlp=layers * 3 * h * f,
+        mlp=mlp,
+        mlp_active=mlp_active if moe else -1,
         norms=(2 * layers + 1) * h + layers * qk_norms,
         head=0 if config.tie_embeddings else config.vocab_size * h,
-        biases=layers * (attention_biases + mlp_biases),
+        biases=layers * attention_biases + dense * mlp_biases,
     )
 
 

@@ -62,6 +62,7 @@ class TrainerState:
     rollbacks: int = 0  # times the guard rolled back to a checkpoint
     lr_scale: float = 1.0  # learning-rate factor after rollbacks
     data_offset: int = 0  # steps of data skipped after rollbacks (the sampler reads step + data_offset)
+    expert_bias: dict = dataclasses.field(default_factory=dict)  # MoE layer -> auxiliary-loss-free balancing bias
 
     @classmethod
     def from_json(cls, data: dict, source: str) -> "TrainerState":
@@ -73,6 +74,10 @@ class TrainerState:
                          "skipped_steps", "rollbacks", "data_offset"):
                 if not isinstance(getattr(state, name), int) or getattr(state, name) < 0:
                     raise ValueError(f"{name} = {getattr(state, name)!r}")
+            bias = state.expert_bias
+            if not isinstance(bias, dict) or not all(isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)
+                                                     for v in bias.values()):
+                raise ValueError(f"expert_bias = {bias!r}")
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"{source}: trainer.json holds an invalid trainer state ({exc})") from exc
         return state

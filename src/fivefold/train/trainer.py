@@ -48,6 +48,7 @@ from fivefold.train.distributed import all_reduce_sum, init_distributed, local_d
 from fivefold.train.feasibility import check_eval_windows, check_fits
 from fivefold.train.metrics import MetricsLogger, peak_tflops, plot_losses
 from fivefold.train.reporting import Reporter, TrainResult, completed_result
+from fivefold.train.routing_report import RoutingReport, plot_expert_load
 from fivefold.train.setup import cap_threads, prepare_data_once, resolve_device, resolve_model_config
 
 
@@ -81,8 +82,10 @@ class Trainer:
         self.parallel = parallelize(build_model(self.model_config), self.mesh, config, self.device, self._autocast,
                                     pretrained=self.checkpoints.resumed_from is None)
         self.model, self.sync, self.step_fn = self.parallel.model, self.parallel.sync, self.parallel.step
+        self.routing = RoutingReport(self.model, self.mesh.group("pp"), self.parallel.alltoall)
         self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * self.dims.dp * t.seq_len
         state = self.checkpoints.restore(self.parallel) or TrainerState(0, 0, t.seed)
+        self.routing.load_biases(state.expert_bias)
         self.state = dataclasses.replace(state, seed=t.seed, global_batch=t.micro_batch_size * t.grad_accum_steps * self.dims.dp,
                                          data_parallel=self.dims.dp, data_fingerprint=self.data.fingerprint,
                                          grad_accum_configured=state.grad_accum_configured or configured_accum)
@@ -151,6 +154,8 @@ class Trainer:
             self.state.skipped_steps += 1
             metrics["skipped"] = self.check.reason
         metrics["skipped_steps"] = self.state.skipped_steps
+        if self.routing.active:
+            metrics.update(self.routing.after_step(logged, update_bias=not self.check.bad))
         metrics.update(self.report.step_metrics(self.state.step, self.tokens_per_step, logged))
         return metrics
 
@@ -173,6 +178,8 @@ class Trainer:
         if self.config.guard.enabled and not states_finite(params + optimizer_states, self.mesh.trainer_group(),
                                                            self.dims.world_size > 1):
             return None
+        if self.routing.active:
+            self.state.expert_bias = self.routing.biases()
         with announce(f"saving checkpoint step {self.state.step}", self._print):
             return self.checkpoints.save(self.parallel, self.state, self.config_dict(), self.data.tokenizer)
 
@@ -256,6 +263,7 @@ class Trainer:
 
     def _roll_back(self, step: int, reason: str, first_bad: int) -> bool:
         self.state = self.checkpoints.rollback(self.parallel, self.state, step, reason, first_bad)
+        self.routing.load_biases(self.state.expert_bias)
         return True
 
     def _already_complete(self) -> TrainResult:
@@ -269,6 +277,10 @@ class Trainer:
         baseline = unigram_cross_entropy(self.data.train_tokens, self.data.val_tokens, self.data.tokenizer.vocab_size)
         metrics_path = self.output_dir / "metrics.jsonl"
         plot = plot_losses(metrics_path, self.output_dir / "loss.png", baseline) if self.is_rank0 and log.plot else None
+        if self.is_rank0 and log.plot and self.model_config.n_experts:
+            load_plot = plot_expert_load(metrics_path, self.output_dir / "expert_load.png")
+            if load_plot:
+                self._print(f"expert load: {load_plot}")
         # A sync that gathers weights inside forward (ZeRO-3) needs every rank to generate.
         split = (self.dims.tp > 1 or self.dims.cp > 1 or self.dims.pp > 1
                  or self.config.expert_parallel.degree > 1)  # no rank holds the whole model or sequence

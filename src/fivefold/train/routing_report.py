@@ -1,0 +1,135 @@
+"""Mixture-of-experts bookkeeping of the training loop: expert load, balancing losses, all-to-all cost,
+the auxiliary-loss-free bias step (DeepSeek-V3), and the expert-load heat map.
+
+After every optimizer step each MoE layer's routing statistics (recorded during backward, so a
+recomputed block counts once) are summed over the ranks that hold the step's distinct tokens, in one
+all-reduce for all of a stage's layers. With `model.moe_bias_update_rate` > 0 each layer's bias then
+moves towards even load (every rank of the stage computes the same update from the same counts). On
+logged steps the stages' summaries are gathered to rank 0 for metrics.jsonl:
+
+    moe_load          {layer: assignments per expert}, over the step (before drops)
+    moe_imbalance     max over layers of (max expert load / mean expert load)
+    moe_dropped       fraction of assignments dropped by capacity, over all layers
+    moe_aux_loss      balancing loss, mean over layers and micro-batches (the value its coefficient multiplies)
+    moe_z_loss        router z-loss, likewise
+    moe_alltoall_ms / moe_alltoall_bytes   this rank's token all-to-all time and bytes sent in the step
+    moe_max_received  most rows one dispatch delivered to this rank (compare with the bound at start-up)
+
+`plot_expert_load` draws moe_load over the steps as one heat map per layer (expert_load.png).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fivefold.model.moe import MoE
+from fivefold.parallel.expert_parallel import AllToAllMeter, moe_layers
+
+
+class RoutingReport:
+    """Per-step routing statistics and bias updates of this rank's MoE layers."""
+
+    def __init__(self, model: torch.nn.Module, pp_group: dist.ProcessGroup | None, meter: AllToAllMeter | None):
+        self.layers: list[MoE] = moe_layers(model)
+        self.pp_group, self.meter = pp_group, meter
+
+    @property
+    def active(self) -> bool:
+        return bool(self.layers) or self.pp_group is not None and self.meter is not None
+
+    @torch.no_grad()
+    def after_step(self, logged: bool, update_bias: bool) -> dict:
+        summaries = {}
+        if self.layers:
+            taken = [m.stats.take() for m in self.layers]
+            width = self.layers[0].n_experts + 4
+            packed = torch.zeros(len(taken), width, dtype=torch.float64)
+            for row, st in zip(packed, taken):
+                row[: st.experts] = st.load
+                row[st.experts :] = torch.tensor([st.dropped, st.assignments, st.aux_loss, st.z_loss])
+            group = self.layers[0].groups.tokens
+            if group is not None:
+                dist.all_reduce(packed, group=group)
+            for m, row, st in zip(self.layers, packed, taken):
+                load = row[: m.n_experts]
+                if update_bias and m.config.moe_bias_update_rate:
+                    m.update_bias(load)
+                micro = max(st.micro_batches, 1)
+                summaries[str(m.layer_id)] = {"load": load.tolist(), "dropped": float(row[-4]),
+                                              "assignments": float(row[-3]), "aux": float(row[-2]) / micro,
+                                              "z": float(row[-1]) / micro, "max_received": st.max_received}
+        seconds, sent, _ = self.meter.take() if self.meter is not None else (0.0, 0, 0)
+        if not logged:
+            return {}
+        if self.pp_group is not None:
+            everyone: list = [None] * dist.get_world_size(self.pp_group)
+            dist.all_gather_object(everyone, summaries, group=self.pp_group)
+            summaries = {k: v for part in everyone for k, v in part.items()}
+        if not summaries:
+            return {}
+        layers = [summaries[k] for k in sorted(summaries, key=int)]
+        imbalance = max(max(s["load"]) / (sum(s["load"]) / len(s["load"])) if sum(s["load"]) else 1.0 for s in layers)
+        assignments = sum(s["assignments"] for s in layers)
+        return {"moe_load": {k: summaries[k]["load"] for k in sorted(summaries, key=int)},
+                "moe_imbalance": imbalance,
+                "moe_dropped": sum(s["dropped"] for s in layers) / assignments if assignments else 0.0,
+                "moe_aux_loss": sum(s["aux"] for s in layers) / len(layers),
+                "moe_z_loss": sum(s["z"] for s in layers) / len(layers),
+                "moe_alltoall_ms": seconds * 1e3, "moe_alltoall_bytes": sent,
+                "moe_max_received": max(s["max_received"] for s in layers)}
+
+    def biases(self) -> dict[str, list[float]]:
+        """Every stage's layers' balancing biases (collective over the pipeline group)."""
+        mine = {str(m.layer_id): m.expert_bias.tolist() for m in self.layers if m.config.moe_bias_update_rate}
+        if self.pp_group is None:
+            return mine
+        everyone: list = [None] * dist.get_world_size(self.pp_group)
+        dist.all_gather_object(everyone, mine, group=self.pp_group)
+        return {k: v for part in everyone for k, v in part.items()}
+
+    @torch.no_grad()
+    def load_biases(self, biases: dict[str, list[float]]) -> None:
+        for m in self.layers:
+            if str(m.layer_id) in biases:
+                m.expert_bias.copy_(torch.tensor(biases[str(m.layer_id)], dtype=m.expert_bias.dtype))
+
+
+def plot_expert_load(metrics_path: Path, png_path: Path) -> Path | None:
+    """Heat maps of each MoE layer's share of assignments per expert over the logged steps."""
+    records = []
+    with open(metrics_path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("moe_load"), dict):
+                records.append(record)
+    if not records:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = sorted(records[-1]["moe_load"], key=int)
+    fig, axes = plt.subplots(len(layers), 1, figsize=(8, 1.2 + 1.8 * len(layers)), squeeze=False)
+    steps = [r["step"] for r in records]
+    for ax, layer in zip(axes[:, 0], layers):
+        rows = [r["moe_load"].get(layer) for r in records]
+        loads = torch.tensor([row for row in rows if row is not None], dtype=torch.float64)
+        share = loads / loads.sum(1, keepdim=True).clamp(min=1)
+        image = ax.imshow(share.T.numpy(), aspect="auto", origin="lower", cmap="viridis",
+                          extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, share.shape[1] - 0.5))
+        ax.set_ylabel(f"layer {layer}\nexpert")
+        fig.colorbar(image, ax=ax, label="share of tokens")
+    axes[-1, 0].set_xlabel("step")
+    fig.suptitle("expert load (share of routed assignments)")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path
