@@ -303,7 +303,7 @@ class MoE(nn.Module):
         select = scores + self.expert_bias if self.config.moe_bias_update_rate else scores
         experts = select.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, experts)
-        if self.config.moe_norm_topk and self.top_k > 1:
+        if self.config.moe_norm_topk:
             weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if self.config.moe_score == "sigmoid" else 0.0))
         weights = weights * self.config.moe_route_scale
         keep = None

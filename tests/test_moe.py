@@ -1,0 +1,256 @@
+"""The mixture-of-experts block on one process: routing, kernels, losses, capacity, counts, presets, bad input."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fivefold.config import JobConfig
+from fivefold.errors import ConfigError
+from fivefold.model.config import ModelConfig
+from fivefold.model.llama import build_model, materialize
+from fivefold.model.moe import MoE, capacity_mask
+from fivefold.model.presets import get_preset
+from fivefold.parallel.validate import check_config
+from fivefold.plan.flops import count_parameters, flops_per_token
+
+
+def moe_config(**changes) -> ModelConfig:
+    base = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=16, n_experts=4, moe_top_k=2,
+                       moe_ffn_dim=24)
+    config = dataclasses.replace(base, **changes)
+    config.validate()
+    return config
+
+
+def block(config: ModelConfig, seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(config, 0)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return moe
+
+
+def reference_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token, choice by choice: the textbook definition the block must equal."""
+    c = moe.config
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.zeros_like(flat)
+    for t, token in enumerate(flat):
+        logits = moe.router.weight.float() @ token.float()
+        scores = logits.softmax(-1) if c.moe_score == "softmax" else logits.sigmoid()
+        chosen = torch.topk(scores + moe.expert_bias, c.moe_top_k).indices
+        weights = scores[chosen]
+        if c.moe_norm_topk:
+            weights = weights / weights.sum()
+        for e, w in zip(chosen.tolist(), weights * c.moe_route_scale):
+            expert = moe.experts[str(e)]
+            out[t] += w * expert.w2(F.silu(expert.w1(token)) * expert.w3(token))
+        if moe.shared is not None:
+            shared = moe.shared.w2(F.silu(moe.shared.w1(token)) * moe.shared.w3(token))
+            if moe.shared_gate is not None:
+                shared = torch.sigmoid(moe.shared_gate.weight @ token) * shared
+            out[t] += shared
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    {"moe_score": "sigmoid", "moe_norm_topk": False, "moe_route_scale": 2.5, "moe_bias_update_rate": 0.1},
+    {"moe_shared_experts": 1, "moe_top_k": 1},
+    {"moe_shared_ffn_dim": 40, "moe_shared_gate": True, "moe_norm_topk": False},
+], ids=["softmax", "sigmoid-bias-scale", "shared-top1", "qwen2-gated-shared"])
+@pytest.mark.parametrize("kernel", ["loop", "grouped"])
+def test_block_equals_the_token_by_token_definition(changes, kernel):
+    moe = block(moe_config(**changes))
+    moe.kernel.kind = kernel
+    if moe.config.moe_bias_update_rate:
+        moe.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))
+    x = torch.randn(2, 5, 32)
+    torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_and_loop_kernels_give_the_same_gradients():
+    config = moe_config()
+    grads = {}
+    for kernel in ("loop", "grouped"):
+        moe = block(config)
+        moe.kernel.kind = kernel
+        x = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        (moe(x) ** 2).sum().backward()
+        grads[kernel] = [x.grad, *(p.grad for p in moe.parameters())]
+    for a, b in zip(grads["loop"], grads["grouped"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_an_expert_without_tokens_gets_a_zero_gradient():
+    """Every rank must produce every expert's gradient (ZeRO reduce-scatters and DDP buckets wait for it)."""
+    moe = block(moe_config())
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[0, 0] = moe.router.weight[1, 0] = 50.0  # every token with x0 > 0 picks experts 0, 1
+    x = torch.randn(1, 6, 32).abs()
+    moe(x).sum().backward()
+    assert moe.experts["3"].w1.weight.grad is not None and not moe.experts["3"].w1.weight.grad.any()
+    assert moe.experts["0"].w1.weight.grad.any()
+
+
+def test_switch_and_sequence_losses_and_z_loss_match_their_formulas():
+    config = moe_config(moe_aux_loss="switch", moe_z_loss_coeff=0.1)
+    moe = block(config)
+    x = torch.randn(2, 6, 32)
+    routing, logits, scores = moe.route(x)
+    loss, record = moe.balancing_loss(routing, logits, scores, 2, 6)
+    E, k, T = 4, 2, 12
+    f = torch.bincount(routing.experts.reshape(-1), minlength=E).float() / (T * k)
+    P = scores.mean(0)
+    switch = E * (f * P).sum()
+    z = torch.logsumexp(logits, -1).pow(2).mean()
+    torch.testing.assert_close(loss, config.moe_aux_coeff * switch + 0.1 * z)
+    assert record[3] == pytest.approx(float(switch.detach())) and record[4] == pytest.approx(float(z.detach()))
+
+    moe.config = dataclasses.replace(config, moe_aux_loss="sequence", moe_z_loss_coeff=0.0)
+    loss, _ = moe.balancing_loss(routing, logits, scores, 2, 6)
+    per_sequence = []
+    for b in range(2):
+        ids = routing.experts.view(2, 6, k)[b].reshape(-1)
+        f = torch.bincount(ids, minlength=E).float() / (6 * k)
+        per_sequence.append(E * (f * scores.view(2, 6, E)[b].mean(0)).sum())
+    torch.testing.assert_close(loss, config.moe_aux_coeff * torch.stack(per_sequence).mean())
+
+
+def test_balancing_loss_gets_its_gradient_scaled_by_the_micro_batch_share():
+    """The loss rides on the output: d(objective)/d(router) includes coeff * d(aux) * loss_scale."""
+    config = moe_config(moe_aux_loss="switch", moe_aux_coeff=1.0)
+    moe = block(config)
+    x = torch.randn(2, 6, 32)
+    moe.loss_scale = 0.5
+    (moe(x).sum() * 0).backward()  # only the balancing loss's gradient reaches the router
+    with_aux = moe.router.weight.grad.clone()
+    moe.zero_grad()
+    routing, logits, scores = moe.route(x)
+    (0.5 * moe.balancing_loss(routing, logits, scores, 2, 6)[0]).backward()
+    torch.testing.assert_close(with_aux, moe.router.weight.grad)
+    stats = moe.stats.take()
+    assert stats.micro_batches == 1 and stats.load.sum() == 2 * 6 * 2
+
+
+def test_capacity_keeps_the_best_scored_or_the_earliest_per_sequence_and_expert():
+    experts = torch.tensor([[[0], [0], [0], [1]]])
+    weights = torch.tensor([[[0.2], [0.9], [0.5], [0.7]]])
+    by_probability = capacity_mask(experts, weights, 2, 2, "probability")
+    by_position = capacity_mask(experts, weights, 2, 2, "position")
+    assert by_probability.view(-1).tolist() == [False, True, True, True]
+    assert by_position.view(-1).tolist() == [True, True, False, True]
+
+
+def test_dropped_assignments_contribute_nothing():
+    config = moe_config(moe_capacity_factor=0.25, moe_drop_policy="position", moe_top_k=1)
+    moe = block(config)
+    x = torch.randn(1, 8, 32)
+    routing, _, _ = moe.route(x)
+    capacity = math.ceil(0.25 * 8 * 1 / 4)
+    kept = routing.keep.view(-1)
+    assert all(int(((routing.experts.view(-1) == e) & kept).sum()) <= capacity for e in range(4))
+    out = moe(x).view(8, 32)
+    assert not out[~kept].any()  # no shared expert: a fully dropped token's MLP output is zero
+
+
+def test_bias_step_raises_underloaded_experts():
+    moe = block(moe_config(moe_bias_update_rate=0.01))
+    moe.update_bias(torch.tensor([10.0, 0.0, 5.0, 5.0]))
+    assert moe.expert_bias.tolist() == pytest.approx([-0.01, 0.01, 0.0, 0.0])
+
+
+def test_moe_layer_choice():
+    config = moe_config(n_layers=6, moe_first_dense=1, moe_layer_freq=2)
+    assert config.moe_layers == [1, 3, 5]
+    model = build_model(config)
+    assert [isinstance(model.layers[str(i)].feed_forward, MoE) for i in range(6)] == [False, True, False, True, False, True]
+
+
+def test_parameter_count_equals_the_instantiated_model():
+    config = moe_config(n_layers=4, moe_first_dense=1, moe_shared_experts=1, moe_shared_gate=True, qk_norm="head")
+    model = materialize(build_model(config))
+    count = count_parameters(config)
+    assert count.total == sum(p.numel() for p in model.parameters())
+    per_expert = 3 * 32 * 24
+    assert count.total - count.active == 3 * (4 - 2) * per_expert  # 3 MoE layers, 2 of 4 experts idle per token
+    assert flops_per_token(config, 16) - flops_per_token(dataclasses.replace(config, moe_top_k=1), 16) == 6 * 3 * per_expert
+
+
+@pytest.mark.parametrize("name,total,active", [
+    ("mixtral-8x7b", 46.7e9, 12.9e9),  # Mistral AI's announcement: 46.7B total, 12.9B per token
+    ("qwen1.5-moe-a2.7b", 14.3e9, 2.7e9),  # model card: 14.3B total, 2.7B activated
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9),  # model card: 30.5B total, 3.3B activated
+])
+def test_published_moe_sizes(name, total, active):
+    """Published one-decimal figures, rounded or truncated: the exact count lies in [figure - 0.05B, figure + 0.1B)."""
+    count = count_parameters(get_preset(name))
+    assert total - 0.05e9 <= count.total < total + 0.1e9
+    assert active - 0.05e9 <= count.active < active + 0.1e9
+
+
+def _hf_models():
+    transformers = pytest.importorskip("transformers")
+    small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=64)
+    return {
+        "mixtral": (transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **small, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)),
+            moe_config(n_kv_heads=2, moe_ffn_dim=24)),
+        "qwen2_moe": (transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **small, intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=4,
+            num_experts_per_tok=2, norm_topk_prob=False)),
+            moe_config(n_kv_heads=2, moe_ffn_dim=24, moe_shared_ffn_dim=40, moe_shared_gate=True, moe_norm_topk=False,
+                       attention_bias="qkv")),
+        "qwen3_moe": (transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **small, head_dim=8, intermediate_size=48, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+            norm_topk_prob=True)),
+            moe_config(n_kv_heads=2, moe_ffn_dim=24, qk_norm="head")),
+    }
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_parameter_count_equals_transformers(family):
+    hf, ours = _hf_models()[family]
+    assert count_parameters(ours).total == sum(p.numel() for p in hf.parameters())
+
+
+def test_block_equals_transformers_mixtral_block_with_the_same_weights():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    hf_config = transformers.MixtralConfig(hidden_size=32, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)
+    theirs = MixtralSparseMoeBlock(hf_config)
+    ours = block(moe_config())
+    with torch.no_grad():
+        theirs.gate.weight.copy_(ours.router.weight)
+        for e in range(4):
+            expert = ours.experts[str(e)]
+            theirs.experts.gate_up_proj[e].copy_(torch.cat([expert.w1.weight, expert.w3.weight]))
+            theirs.experts.down_proj[e].copy_(expert.w2.weight)
+    x = torch.randn(2, 5, 32)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"model": {"n_experts": 4, "moe_top_k": 5}}, "moe_top_k"),
+    ({"model": {"n_experts": 4, "moe_first_dense": 9}}, "no layer is a MoE layer"),
+    ({"model": {"n_experts": 4, "moe_score": "tanh"}}, "moe_score"),
+    ({"expert_parallel": {"degree": 2}}, "has none"),
+    ({"model": {"n_experts": 3}, "expert_parallel": {"degree": 2}}, "not divisible"),
+    ({"model": {"n_experts": 4}, "expert_parallel": {"alltoall": "magic"}}, "expert_parallel.alltoall"),
+    ({"model": {"n_experts": 4}, "expert_parallel": {"kernel": "magic"}}, "expert_parallel.kernel"),
+    ({"model": {"n_experts": 4, "moe_capacity_factor": 1.0}, "context_parallel": {"degree": 2}}, "dropless"),
+    ({"model": {"n_experts": 4}, "data_parallel": {"mode": "ps"}, "parameter_server": {"servers": 1}}, "ps"),
+    ({"model": {"n_experts": 4, "moe_aux_coeff": -1.0}}, "moe_aux_coeff"),
+], ids=lambda v: str(v)[:40])
+def test_bad_moe_settings_are_refused_before_any_work(changes, match):
+    config = JobConfig()
+    for section, values in changes.items():
+        setattr(config, section, dataclasses.replace(getattr(config, section), **values))
+    with pytest.raises(ConfigError, match=match):
+        check_config(config.validate())
