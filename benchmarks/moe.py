@@ -118,7 +118,7 @@ def _expert_parallel(rank: int, world_size: int, args) -> dict:
     wrapped = {name: (lambda tokens, s=s: s(tokens[:, :-1], tokens[:, 1:])) for name, s in steps.items()}
     ms, _, losses = timed_rounds(wrapped, make_batch, args.warmup, args.rounds)
     names = list(steps)
-    return {**{f"{n}_ms": v for n, v in ms.items()},
+    return {**{f"{n}_x{world_size}_ms" if n == "ep1" else f"{n}_ms": v for n, v in ms.items()},
             "loss_rel_diff": loss_rel_diff(losses, [(names[1], names[0]), (names[2], names[0])]),
             f"ep{world_size}_vs_ep1": ms[names[1]] / ms[names[0]],
             f"pairwise_vs_torch_x{world_size}": ms[names[2]] / ms[names[1]]}

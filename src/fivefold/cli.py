@@ -120,10 +120,10 @@ def _info(args: argparse.Namespace) -> int:
         ("shape", f"h={model.dim} L={model.n_layers} heads={model.n_heads} {attn_kind} ffn={model.ffn_hidden_dim} "
                   f"V={model.vocab_size}{' tied' if model.tie_embeddings else ''}"),
         ("options", _model_options(model)),
-        ("parameters", f"{n:,}"),
+        ("parameters", f"{n:,}" + (f" ({counts.active:,} per token)" if model.n_experts else "")),
         ("  embedding", f"{counts.embedding:,}"),
         ("  attention", f"{counts.attention:,}"),
-        ("  mlp", f"{counts.mlp:,}"),
+        ("  mlp", f"{counts.mlp:,}" + (f" (all experts; {counts.mlp_used:,} per token)" if model.n_experts else "")),
         ("  norms", f"{counts.norms:,}"),
         ("  biases", f"{counts.biases:,}"),
         ("  output head", f"{counts.head:,}" + (" (tied to embedding)" if model.tie_embeddings else "")),
@@ -148,6 +148,10 @@ def _model_options(model) -> str:
     if model.rope_scaling != "none":
         options.append(f"RoPE {model.rope_scaling} x{model.rope_factor:g}")
     options += [f"sliding window {model.sliding_window}"] if model.sliding_window else []
+    if model.n_experts:
+        shared = f" + shared {model.shared_hidden_dim}" if model.shared_hidden_dim else ""
+        options.append(f"MoE {model.n_experts} experts x {model.expert_hidden_dim} top-{model.moe_top_k}{shared} in "
+                       f"{len(model.moe_layers)} of {model.n_layers} layers, {model.moe_score} router")
     return ", ".join(options) or "plain Llama"
 
 
