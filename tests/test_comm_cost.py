@@ -37,3 +37,17 @@ def test_fit_recovers_alpha_and_beta():
     assert link.alpha == pytest.approx(2e-5) and link.beta == pytest.approx(3e-10)
     with pytest.raises(ValueError, match="two or more"):
         fit_link([1e3], [1e-5])
+
+
+def test_uneven_all_to_all_prices_each_step_by_its_larger_message():
+    from fivefold.comm.cost import Link, dispatch_bytes, uneven_all_to_all
+
+    # 3 ranks, 1 expert each: rank 0 sends 5 rows to expert 1, rank 2 sends 2 rows to expert 0
+    matrix = dispatch_bytes([[0, 5, 0], [0, 0, 0], [2, 0, 0]], 1, 10)
+    assert matrix == [[0, 50, 0], [0, 0, 0], [20, 0, 0]]
+    link = Link(alpha=1.0, beta=0.1)
+    # rank 0, step 1: sends 50 to rank 1 while receiving 20 from rank 2: 1 + 0.1 x 50 = 6.0; step 2 empty.
+    # rank 1 receives the 50 (6.0), rank 2 sends the 20 (3.0): the slowest takes 6.0
+    assert uneven_all_to_all(matrix, link) == pytest.approx(6.0)
+    assert uneven_all_to_all(dispatch_bytes([[0, 5, 0], [0, 0, 0], [0, 2, 0]], 1, 10), link) == pytest.approx(9.0)  # rank 1 receives both: 6 + 3
+    assert uneven_all_to_all([[0, 0], [0, 0]], link) == 0.0

@@ -5,7 +5,8 @@ all of them in one process (the reference), and checks its own rows' outputs, it
 gradients and its expert's weight gradient (summed over every rank's tokens) against it, for both
 all-to-all backends and routings where one expert gets every token, a rank has no tokens at all, an
 expert gets none, and one rank sends everything to a single peer. The rows a rank receives stay
-within the documented bound ep x T x min(k, E/ep).
+within the documented bound ep x T x min(k, E/ep), and the bytes each rank sent equal the cost model's
+matrix of bytes per rank pair (comm/cost.py's dispatch_bytes) built from the routing counts.
 """
 
 from __future__ import annotations
@@ -75,6 +76,14 @@ def _check(rank: int, world_size: int, scenario: str, backend: str) -> int:
     torch.testing.assert_close(x.grad, ref_x.grad[rows], rtol=1e-5, atol=1e-5)
     for mine, theirs in zip(local.experts[str(rank)].parameters(), full.experts[str(rank)].parameters()):
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-5)
+    # the cost model's bytes per rank pair, from the routing counts, equal what the runtime sent:
+    # dispatch (matrix row) and combine (column) in forward, the same again in backward
+    from fivefold.comm.cost import dispatch_bytes
+
+    counts = [torch.bincount(e[1].reshape(-1), minlength=4).tolist() for e in everyone]
+    matrix = dispatch_bytes(counts, 1, DIM * 4)
+    expected = 2 * sum(matrix[rank][j] + matrix[j][rank] for j in range(world_size) if j != rank)
+    assert local.dispatch.meter.bytes_sent == expected, (local.dispatch.meter.bytes_sent, expected)
     bound = 4 * TOKENS * min(K, 1)
     assert local.stats.max_received <= bound, (local.stats.max_received, bound)
     return local.stats.max_received

@@ -9,6 +9,9 @@ inter-node link. `predict(algorithm, n, p, cluster)` gives the time of an all-re
 seconds) pairs by least squares. `predict_collective` covers the other collectives
 (reduce-scatter, all-gather, broadcast, all-to-all) that `fivefold bench comm` measures.
 
+`uneven_all_to_all` prices an expert dispatch from the exact bytes per rank pair (`dispatch_bytes`,
+from the routing counts), which the runtime's own byte count is tested against.
+
 `traffic` gives the model's count of what the busiest rank sends (messages, bytes): the
 coefficients of alpha and beta in the formulas above for the non-pipelined algorithms. Tests count
 the messages the runtime really posts and compare.
@@ -179,6 +182,35 @@ def broadcast(algorithm: str, n: float, p: int, link: Link, element_bytes: int =
 
 def all_to_all(n: float, p: int, link: Link) -> float:
     return (p - 1) * link.message(n / p)
+
+
+def dispatch_bytes(counts: list[list[int]], experts_per_rank: int, row_bytes: int) -> list[list[int]]:
+    """Bytes rank i sends rank j in an expert dispatch: counts[i][e] rows from rank i to expert e, held by
+    rank e // experts_per_rank (the combine sends the transpose back)."""
+    p = len(counts)
+    out = [[0] * p for _ in range(p)]
+    for i, row in enumerate(counts):
+        for e, rows in enumerate(row):
+            out[i][e // experts_per_rank] += rows * row_bytes
+    return out
+
+
+def uneven_all_to_all(matrix: list[list[int]], link: Link) -> float:
+    """Pairwise exchange of an uneven all-to-all, matrix[i][j] the bytes rank i sends rank j.
+
+    Step k, rank i sends to i + k and receives from i - k; a step costs a rank alpha plus the beta of
+    its larger message (send and receive overlap), an empty step nothing. The slowest rank sets the time.
+    """
+    p = len(matrix)
+    worst = 0.0
+    for i in range(p):
+        total = 0.0
+        for k in range(1, p):
+            largest = max(matrix[i][(i + k) % p], matrix[(i - k) % p][i])
+            if largest:
+                total += link.message(largest)
+        worst = max(worst, total)
+    return worst
 
 
 def predict_collective(collective: str, algorithm: str, n: float, p: int, cluster: Cluster) -> float:
