@@ -30,6 +30,11 @@ SHAPES = {  # each family's own options, on a model of a few hundred thousand pa
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=64)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=24, norm_topk_prob=True)),
 }
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face interop for five families: a random transformers model and its fivefold import give
+"""Hugging Face interop for five dense and three mixture-of-experts families: a random transformers model and its fivefold import give
 the same logits; export -> import is bit-exact; our export loads in transformers with the same logits
 and the same greedy continuation.
 
@@ -57,6 +57,14 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=8)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=4)),
     "olmo2-GQA": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=2)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_key_value_heads=2, intermediate_size=48,
+                                                            num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_key_value_heads=2, intermediate_size=96, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[0])),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_key_value_heads=2, head_dim=24, intermediate_size=96, moe_intermediate_size=48, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True)),
 }
 
 
@@ -93,7 +101,8 @@ def test_imported_model_gives_same_logits_and_round_trips(tmp_path, name):
     assert again.config == ours.config
 
 
-@pytest.mark.parametrize("name", ["llama3.1-rope", "qwen2-sliding", "qwen3", "mistral", "olmo2"])
+@pytest.mark.parametrize("name", ["llama3.1-rope", "qwen2-sliding", "qwen3", "mistral", "olmo2", "mixtral",
+                                  "qwen2_moe", "qwen3_moe"])
 def test_export_loads_in_transformers_with_same_logits_and_greedy_text(tmp_path, name):
     hf_model(tmp_path / "hf", name)
     ours = load_hf(tmp_path / "hf").eval()
@@ -158,10 +167,24 @@ def test_missing_or_extra_tensors_and_folders_are_named(tmp_path):
     (dict(qk_norm="head", attention_bias="qkv"), "attention_bias"),
     (dict(attention_bias="qkv", mlp_bias=True), "mlp_bias"),
     (dict(sliding_window=8, attention_bias="all"), "attention_bias"),
+    (dict(n_experts=4, moe_score="sigmoid"), "moe_score"),  # DeepSeek-style routing: no such class here
+    (dict(n_experts=4, moe_shared_experts=1), "moe_shared_gate"),  # tiny-moe's ungated shared expert
+    (dict(n_experts=4, moe_norm_topk=False), "moe_norm_topk"),
+    (dict(n_experts=4, moe_bias_update_rate=0.01), "moe_bias_update_rate"),
 ])
 def test_export_refuses_combinations_no_family_has(changes, setting):
     with pytest.raises(CheckpointError, match=f"model.{setting}"):
         hf_family(micro_model(vocab_size=50, **changes))
+
+
+def test_moe_layers_other_than_leading_dense_ones_are_refused():
+    hf = {"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4,
+          "intermediate_size": 128, "vocab_size": 10, "num_experts": 4, "num_experts_per_tok": 2,
+          "moe_intermediate_size": 32, "mlp_only_layers": [1, 3]}
+    with pytest.raises(CheckpointError, match="mlp_only_layers"):
+        config_from_hf(hf)
+    config = config_from_hf({**hf, "mlp_only_layers": [0], "decoder_sparse_step": 1})
+    assert config.moe_layers == [1, 2, 3]
 
 
 def test_config_from_hf_reads_llama31_scaling():

@@ -189,8 +189,10 @@ def parse_overrides(args: list[str]) -> dict[str, dict[str, str]]:
     return out
 
 
-# Model settings a user may change on a model taken from a Hugging Face folder: they change no weight.
-HF_INIT_FREE = ("init_from_hf", "name", "max_seq_len", "init_std")
+# Model settings a user may change on a model taken from a Hugging Face folder: they change no weight
+# (the mixture-of-experts balancing and capacity settings are training choices, not the architecture).
+HF_INIT_FREE = ("init_from_hf", "name", "max_seq_len", "init_std", "moe_aux_loss", "moe_aux_coeff", "moe_z_loss_coeff",
+                "moe_bias_update_rate", "moe_capacity_factor", "moe_drop_policy")
 
 
 def _given(sections: dict[str, Any], section: str) -> set[str]:

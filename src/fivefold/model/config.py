@@ -210,12 +210,13 @@ class ModelConfig:
         self._validate_moe()
 
     def _validate_moe(self) -> None:
+        for name in ("moe_top_k", "moe_layer_freq"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name} = {getattr(self, name)}: must be a positive integer")
         if self.n_experts == 0:
             return
-        if not 1 <= self.moe_top_k <= self.n_experts:
+        if self.moe_top_k > self.n_experts:
             raise ConfigError(f"model.moe_top_k = {self.moe_top_k}: must lie in 1 .. model.n_experts = {self.n_experts}")
-        if self.moe_layer_freq < 1:
-            raise ConfigError(f"model.moe_layer_freq = {self.moe_layer_freq}: must be a positive integer")
         if not self.moe_layers:
             raise ConfigError(f"model.n_experts = {self.n_experts} but no layer is a MoE layer (moe_first_dense = "
                               f"{self.moe_first_dense}, moe_layer_freq = {self.moe_layer_freq}, n_layers = {self.n_layers}): "

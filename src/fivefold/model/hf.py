@@ -5,6 +5,10 @@
     Qwen3ForCausalLM    per-head query/key RMSNorm; explicit head_dim
     MistralForCausalLM  sliding-window attention
     Olmo2ForCausalLM    RMSNorm over the whole q/k projections; norms after attention and MLP
+    MixtralForCausalLM  mixture of experts: softmax top-k, renormalised, every layer
+    Qwen2MoeForCausalLM mixture of experts with a sigmoid-gated shared expert, q/k/v biases,
+                        decoder_sparse_step / leading mlp_only_layers
+    Qwen3MoeForCausalLM mixture of experts with per-head q/k RMSNorm
 
 Our RoPE uses the same half-split convention as `transformers`, so conversion is a renaming of
 tensors, with no permutation of the query/key projections:
@@ -15,6 +19,11 @@ tensors, with no permutation of the query/key projections:
     pre-norm families: model.layers.i.{input,post_attention}_layernorm <-> layers.i.{attention,ffn}_norm
     OLMo 2:            model.layers.i.{post_attention,post_feedforward}_layernorm <-> layers.i.{attention,ffn}_norm
     model.norm <-> norm;  lm_head <-> output (absent when embeddings are tied)
+    Mixtral:  model.layers.i.block_sparse_moe.gate <-> layers.i.feed_forward.router,
+              ....block_sparse_moe.experts.e.w{1,2,3} <-> layers.i.feed_forward.experts.e.w{1,2,3}
+    Qwen-MoE: model.layers.i.mlp.gate <-> ...router, mlp.experts.e.{gate,up,down}_proj <-> experts.e.w{1,3,2},
+              mlp.shared_expert.* <-> feed_forward.shared.*, mlp.shared_expert_gate <-> feed_forward.shared_gate
+(on disk transformers keeps one tensor per expert, which is our layout too).
 Only what the model can represent is accepted: another model_type, a non-SiLU activation, RoPE
 scaling of another kind (dynamic, longrope, DeepSeek's mscale), partial rotary embeddings or a
 mix of sliding and full attention layers is refused by name. Export picks the family that
@@ -45,7 +54,11 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # config.json keys a family may leave out, with the value its transformers class then uses.
 _DEFAULTS = {
     "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
@@ -53,7 +66,11 @@ _DEFAULTS = {
     "qwen3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "head_dim": 128},
     "mistral": {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "sliding_window": 4096},
     "olmo2": {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048},
+    "mixtral": {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072},
+    "qwen2_moe": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
+    "qwen3_moe": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
 }
+_PROJECTIONS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _ATTENTION_MAP = {
     "self_attn.q_proj": "attention.wq",
     "self_attn.k_proj": "attention.wk",
@@ -71,7 +88,35 @@ _TOP_MAP = {"model.embed_tokens": "tok_embeddings", "model.norm": "norm", "lm_he
 
 
 def _layer_map(family: str) -> dict[str, str]:
-    return {**_ATTENTION_MAP, **(_POST_NORMS if family == "olmo2" else _PRE_NORMS)}
+    out = {**_ATTENTION_MAP, **(_POST_NORMS if family == "olmo2" else _PRE_NORMS)}
+    if family == "mixtral":
+        out["block_sparse_moe.gate"] = "feed_forward.router"
+    elif family in MOE_FAMILIES:
+        out["mlp.gate"] = "feed_forward.router"
+        out["mlp.shared_expert_gate"] = "feed_forward.shared_gate"
+        out.update({f"mlp.shared_expert.{hf}": f"feed_forward.shared.{ours}" for hf, ours in _PROJECTIONS.items()})
+    return out
+
+
+def _expert_to_fivefold(inner: str, family: str) -> str | None:
+    """`feed_forward.experts.5.w1` of a Hugging Face expert tensor's name inside a layer (None if it is none)."""
+    prefix = "block_sparse_moe.experts." if family == "mixtral" else "mlp.experts."
+    if family not in MOE_FAMILIES or not inner.startswith(prefix):
+        return None
+    index, _, proj = inner[len(prefix):].partition(".")
+    proj = proj if family == "mixtral" else _PROJECTIONS.get(proj, "")
+    if not index.isdigit() or proj not in ("w1", "w2", "w3"):
+        return None
+    return f"feed_forward.experts.{index}.{proj}"
+
+
+def _expert_to_hf(inner: str, family: str) -> str | None:
+    if family not in MOE_FAMILIES or not inner.startswith("feed_forward.experts."):
+        return None
+    index, _, proj = inner[len("feed_forward.experts."):].partition(".")
+    if family == "mixtral":
+        return f"block_sparse_moe.experts.{index}.{proj}"
+    return f"mlp.experts.{index}.{ {v: k for k, v in _PROJECTIONS.items()}[proj] }"
 
 
 def hf_to_fivefold_name(name: str, family: str = "llama") -> str:
@@ -84,6 +129,9 @@ def hf_to_fivefold_name(name: str, family: str = "llama") -> str:
         layer_map = _layer_map(family)
         if inner in layer_map:
             return f"layers.{parts[2]}.{layer_map[inner]}.{leaf}"
+        expert = _expert_to_fivefold(inner, family)
+        if expert:
+            return f"layers.{parts[2]}.{expert}.{leaf}"
     raise CheckpointError(f"Hugging Face tensor {name!r} has no fivefold counterpart in a {ARCHITECTURES[family]}")
 
 
@@ -97,6 +145,9 @@ def fivefold_to_hf_name(name: str, family: str = "llama") -> str:
     for hf, ours in _layer_map(family).items():
         if ours == inner:
             return f"model.layers.{parts[1]}.{hf}.{leaf}"
+    expert = _expert_to_hf(inner, family)
+    if expert:
+        return f"model.layers.{parts[1]}.{expert}.{leaf}"
     raise CheckpointError(f"fivefold tensor {name!r} has no counterpart in a {ARCHITECTURES[family]}")
 
 
@@ -149,7 +200,9 @@ def _sliding_window(hf: dict, family: str) -> int:
             raise CheckpointError("config.json lists layer_types for a Mistral model (Ministral's alternating attention); "
                                   "fivefold applies one sliding window to every layer")
         return int(hf.get("sliding_window", _DEFAULTS["mistral"]["sliding_window"]) or 0)
-    if family not in ("qwen2", "qwen3"):
+    if family == "mixtral":
+        return int(hf.get("sliding_window") or 0)
+    if family not in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         return 0
     window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
     layers = hf["num_hidden_layers"]
@@ -181,6 +234,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or defaults.get("head_dim") or dim // heads
     attention_bias = {"qwen2": "qkv"}.get(family, "all" if hf.get("attention_bias") else "none")
+    if family == "qwen2_moe":
+        attention_bias = "qkv" if hf.get("qkv_bias", True) else "none"
     config = ModelConfig(
         name=hf.get("_name_or_path") or f"hf-{family}",
         dim=dim,
@@ -196,13 +251,40 @@ def config_from_hf(hf: dict) -> ModelConfig:
         head_dim=0 if head_dim * heads == dim else head_dim,
         attention_bias=attention_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm={"qwen3": "head", "olmo2": "projection"}.get(family, "none"),
+        qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "projection"}.get(family, "none"),
         norm_position="post" if family == "olmo2" else "pre",
         sliding_window=_sliding_window(hf, family),
         **_rope_settings(hf, family),
+        **_moe_settings(hf, family),
     )
     config.validate()
     return config
+
+
+def _moe_settings(hf: dict, family: str) -> dict:
+    """ModelConfig's mixture-of-experts fields from config.json (the routing rules of each family's class)."""
+    if family not in MOE_FAMILIES:
+        return {}
+    coeff = float(hf.get("router_aux_loss_coef", 0.001))
+    if family == "mixtral":
+        return dict(n_experts=hf["num_local_experts"], moe_top_k=hf["num_experts_per_tok"],
+                    moe_ffn_dim=hf["intermediate_size"], moe_aux_loss="switch", moe_aux_coeff=coeff)
+    dense_layers = list(hf.get("mlp_only_layers") or [])
+    if dense_layers != list(range(len(dense_layers))):
+        raise CheckpointError(f"config.json mlp_only_layers = {dense_layers}: fivefold keeps dense MLPs only in the "
+                              "first layers (model.moe_first_dense)")
+    experts = hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]  # transformers 5 renamed it
+    out = dict(n_experts=experts, moe_top_k=hf["num_experts_per_tok"],
+               moe_ffn_dim=hf["moe_intermediate_size"], moe_norm_topk=bool(hf.get("norm_topk_prob", False)),
+               moe_layer_freq=int(hf.get("decoder_sparse_step", 1)), moe_first_dense=len(dense_layers),
+               moe_aux_loss="switch", moe_aux_coeff=coeff)
+    if family == "qwen2_moe":
+        shared = int(hf.get("shared_expert_intermediate_size", 0) or 0)
+        if not shared:
+            raise CheckpointError("config.json shared_expert_intermediate_size is 0; Qwen2MoeForCausalLM always has a "
+                                  "shared expert")
+        out.update(moe_shared_ffn_dim=shared, moe_shared_gate=True)
+    return out
 
 
 def hf_family(config: ModelConfig) -> str:
@@ -211,6 +293,8 @@ def hf_family(config: ModelConfig) -> str:
         return CheckpointError(f"model.{setting} = {getattr(config, setting)!r} cannot be exported as a "
                                f"{ARCHITECTURES[family]} (the family its other settings need)")
 
+    if config.n_experts:
+        return _moe_family(config)
     if config.norm_position == "post" or config.qk_norm == "projection":
         family = "olmo2"
         for setting, ok in (("norm_position", "post"), ("qk_norm", "projection")):
@@ -231,6 +315,30 @@ def hf_family(config: ModelConfig) -> str:
         family, bad = "llama", []
     if bad:
         raise refuse(bad[0], family)
+    return family
+
+
+def _moe_family(config: ModelConfig) -> str:
+    """Mixtral (no shared expert, renormalised, every layer MoE), Qwen2-MoE (gated shared expert, q/k/v biases)
+    or Qwen3-MoE (per-head q/k norm); the routing options those classes lack are refused by name."""
+    if config.shared_hidden_dim:
+        family = "qwen2_moe"
+    elif config.qk_norm == "head":
+        family = "qwen3_moe"
+    else:
+        family = "mixtral"
+    wants = {"moe_shared_gate": True} if family == "qwen2_moe" else {}
+    wants |= {"moe_score": "softmax", "moe_route_scale": 1.0, "moe_bias_update_rate": 0.0, "mlp_bias": False,
+             "norm_position": "pre", "qk_norm": "head" if family == "qwen3_moe" else "none",
+             "attention_bias": "qkv" if family == "qwen2_moe" else "none"}
+    if family == "qwen2_moe":
+        wants.update(moe_shared_experts=0)  # Qwen2-MoE gives one shared width: moe_shared_ffn_dim
+    if family == "mixtral":
+        wants.update(moe_norm_topk=True, moe_layer_freq=1, moe_first_dense=0)
+    for setting, value in wants.items():
+        if getattr(config, setting) != value:
+            raise CheckpointError(f"model.{setting} = {getattr(config, setting)!r} cannot be exported as a "
+                                  f"{ARCHITECTURES[family]} (it needs {value!r})")
     return family
 
 
@@ -277,7 +385,20 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype, tokenizer=None) -> dic
         out["mlp_bias"] = config.mlp_bias
     if family == "mistral":
         out["sliding_window"] = config.sliding_window
-    if family in ("qwen2", "qwen3"):
+    if family == "mixtral":
+        out.update(num_local_experts=config.n_experts, num_experts_per_tok=config.moe_top_k,
+                   intermediate_size=config.expert_hidden_dim, sliding_window=config.sliding_window or None,
+                   router_aux_loss_coef=config.moe_aux_coeff)
+    if family in ("qwen2_moe", "qwen3_moe"):
+        out.update(num_experts=config.n_experts, num_experts_per_tok=config.moe_top_k,
+                   moe_intermediate_size=config.expert_hidden_dim, norm_topk_prob=config.moe_norm_topk,
+                   decoder_sparse_step=config.moe_layer_freq, mlp_only_layers=list(range(config.moe_first_dense)),
+                   router_aux_loss_coef=config.moe_aux_coeff)
+        if family == "qwen2_moe":
+            out.update(shared_expert_intermediate_size=config.shared_hidden_dim, qkv_bias=True)
+        else:
+            out["attention_bias"] = False
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         out.update(use_sliding_window=bool(config.sliding_window), sliding_window=config.sliding_window or None,
                    max_window_layers=0,
                    layer_types=["sliding_attention" if config.sliding_window else "full_attention"] * config.n_layers)

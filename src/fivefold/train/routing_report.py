@@ -27,7 +27,21 @@ import torch
 import torch.distributed as dist
 
 from fivefold.model.moe import MoE
-from fivefold.parallel.expert_parallel import AllToAllMeter, moe_layers
+from fivefold.parallel.expert_parallel import AllToAllMeter, dispatch_bound_bytes, moe_layers
+
+
+def describe_experts(model, config, dims) -> str:
+    """The start-up line: where the experts are and the worst-case dispatch buffer (expert_parallel.py's bound)."""
+    t, ep, tp = config.train, config.expert_parallel.degree, config.tensor_parallel
+    tokens = t.micro_batch_size * t.seq_len // dims.cp // (tp.degree if tp.sequence_parallel else 1)
+    dtype_bytes = 2 if t.dtype == "bf16" else 4
+    bound = dispatch_bound_bytes(model, tokens, ep, dtype_bytes)
+    where = (f"expert parallel {ep}: {model.n_experts // ep} of {model.n_experts} experts per rank"
+             if ep > 1 else f"{model.n_experts} experts on every rank")
+    return (f"mixture of experts: {len(model.moe_layers)} MoE layers, top-{model.moe_top_k}, {where}; "
+            + (f"worst-case dispatch {bound / 2**20:.2f} MiB received per layer and micro-batch "
+               f"(ep {ep} x {tokens} tokens x min(k, E/ep) x dim {model.dim} x {dtype_bytes} B; as much again returned)"
+               if ep > 1 else "no all-to-all"))
 
 
 class RoutingReport:
@@ -98,8 +112,8 @@ class RoutingReport:
                 m.expert_bias.copy_(torch.tensor(biases[str(m.layer_id)], dtype=m.expert_bias.dtype))
 
 
-def plot_expert_load(metrics_path: Path, png_path: Path) -> Path | None:
-    """Heat maps of each MoE layer's share of assignments per expert over the logged steps."""
+def plot_expert_load(metrics_path: Path, png_path: Path) -> Path | str:
+    """Heat maps of each MoE layer's share of assignments per expert over the logged steps (or why none)."""
     records = []
     with open(metrics_path) as f:
         for line in f:
@@ -110,7 +124,7 @@ def plot_expert_load(metrics_path: Path, png_path: Path) -> Path | None:
             if isinstance(record, dict) and isinstance(record.get("moe_load"), dict):
                 records.append(record)
     if not records:
-        return None
+        return "no routing statistics logged"
     import matplotlib
 
     matplotlib.use("Agg")

@@ -34,7 +34,6 @@ from fivefold.model import build_model
 from fivefold.model.generate import generate
 from fivefold.optim import lr_at
 from fivefold.parallel.mesh import Mesh, collective_timeout, mesh_for
-from fivefold.parallel.expert_parallel import dispatch_bound_bytes
 from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.step import target_tokens
 from fivefold.parallel.validate import check_config
@@ -49,7 +48,7 @@ from fivefold.train.distributed import all_reduce_sum, init_distributed, local_d
 from fivefold.train.feasibility import check_eval_windows, check_fits
 from fivefold.train.metrics import MetricsLogger, peak_tflops, plot_losses
 from fivefold.train.reporting import Reporter, TrainResult, completed_result
-from fivefold.train.routing_report import RoutingReport, plot_expert_load
+from fivefold.train.routing_report import RoutingReport, describe_experts, plot_expert_load
 from fivefold.train.setup import cap_threads, prepare_data_once, resolve_device, resolve_model_config
 
 
@@ -212,7 +211,7 @@ class Trainer:
                     f"{self.report.describe_peak(self.peak_source)}"
                     + (f"; resumed from {self.resumed_from}" if self.resumed_from else ""))
         if self.model_config.n_experts:
-            self._print(self._describe_experts())
+            self._print(describe_experts(self.model_config, self.config, self.dims))
         if self.report.describe_pipeline():
             self._print(self.report.describe_pipeline())
         losses: list[float] = []
@@ -256,20 +255,6 @@ class Trainer:
             metrics.close()
         return self._finish(losses, val_loss, last_checkpoint)
 
-    def _describe_experts(self) -> str:
-        """Where the experts are and the worst-case dispatch buffer (parallel/expert_parallel.py's formula)."""
-        c, t, ep = self.model_config, self.config.train, self.config.expert_parallel.degree
-        tp = self.config.tensor_parallel
-        tokens = t.micro_batch_size * t.seq_len // self.dims.cp // (tp.degree if tp.sequence_parallel else 1)
-        dtype_bytes = 2 if t.dtype == "bf16" else 4
-        bound = dispatch_bound_bytes(c, tokens, ep, dtype_bytes)
-        where = (f"expert parallel {ep}: {c.n_experts // ep} of {c.n_experts} experts per rank"
-                 if ep > 1 else f"{c.n_experts} experts on every rank")
-        return (f"mixture of experts: {len(c.moe_layers)} MoE layers, top-{c.moe_top_k}, {where}; "
-                + (f"worst-case dispatch {bound / 2**20:.2f} MiB received per layer and micro-batch "
-                   f"(ep {ep} x {tokens} tokens x min(k, E/ep) x dim {c.dim} x {dtype_bytes} B; as much again returned)"
-                   if ep > 1 else "no all-to-all"))
-
     def _after_step(self, step: int, values: dict) -> bool:
         """The guard's verdict on the step just run; True when it rolled back (the loop goes on from there)."""
         if "skipped" in values:
@@ -295,9 +280,7 @@ class Trainer:
         metrics_path = self.output_dir / "metrics.jsonl"
         plot = plot_losses(metrics_path, self.output_dir / "loss.png", baseline) if self.is_rank0 and log.plot else None
         if self.is_rank0 and log.plot and self.model_config.n_experts:
-            load_plot = plot_expert_load(metrics_path, self.output_dir / "expert_load.png")
-            if load_plot:
-                self._print(f"expert load: {load_plot}")
+            self._print(f"expert load: {plot_expert_load(metrics_path, self.output_dir / 'expert_load.png')}")
         # A sync that gathers weights inside forward (ZeRO-3) needs every rank to generate.
         split = (self.dims.tp > 1 or self.dims.cp > 1 or self.dims.pp > 1
                  or self.config.expert_parallel.degree > 1)  # no rank holds the whole model or sequence
