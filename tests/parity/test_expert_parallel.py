@@ -1,9 +1,9 @@
 """Mixture-of-experts training at every layout equals one process (docs/moe.md).
 
-The MoE micro model (4 experts of width 32, top-2, a shared expert, switch loss and z-loss, 2 of
-whose... both layers MoE) is trained 4 steps in one process and in each layout below; losses agree
-to rtol 1e-5 and parameters to the tensor-parallel tolerance (1e-4: the expert outputs of a token
-are summed in another order after the all-to-all, and DDP sums expert gradients over other groups).
+The MoE micro model (both layers MoE: 4 experts of width 32, top-2, a shared expert, switch loss and
+z-loss) is trained 4 steps in one process and in each layout below; losses agree to rtol 1e-5 and
+parameters to the tensor-parallel tolerance (1e-4: the expert outputs of a token are summed in
+another order after the all-to-all, and DDP sums expert gradients over other groups).
 """
 
 import pytest
@@ -24,6 +24,8 @@ LAYOUTS = {
                               expert_parallel={"degree": 2})),
     "ep2-zero1-dp4": (4, dict(train={"micro_batch_size": 2}, data_parallel={"shard": 4, "zero_stage": 1},
                               expert_parallel={"degree": 2})),
+    "zero2-ep1-loop": (2, dict(train={"micro_batch_size": 4}, data_parallel={"shard": 2, "zero_stage": 2},
+                                   expert_parallel={"degree": 1, "kernel": "loop"})),
     "ep2-pp2": (4, dict(train={"micro_batch_size": 4}, pipeline_parallel={"degree": 2, "schedule": "1f1b"},
                         expert_parallel={"degree": 2})),
 }
