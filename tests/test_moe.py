@@ -254,3 +254,27 @@ def test_bad_moe_settings_are_refused_before_any_work(changes, match):
         setattr(config, section, dataclasses.replace(getattr(config, section), **values))
     with pytest.raises(ConfigError, match=match):
         check_config(config.validate())
+
+
+def test_eplb_evens_a_skewed_trace():
+    """A Zipf-like trace over 16 experts on 4 ranks: contiguous placement leaves one rank with most of the
+    load; 2 spare slots per rank, filled with replicas of the hottest experts, bring max/mean to <= 1.1."""
+    from fivefold.parallel.expert_placement import contiguous_placement, imbalance, place_experts, replica_counts
+
+    load = [1000.0 / (rank + 1) ** 1.2 for rank in range(16)]
+    before = imbalance(load, contiguous_placement(16, 4))
+    placement = place_experts(load, 4, 16 // 4 + 2)
+    after = imbalance(load, placement)
+    assert before > 2.0 and after <= 1.1, (before, after)
+    assert all(len(r) == 6 and len(set(r)) == 6 for r in placement)  # full ranks, no expert twice on a rank
+    assert sorted({e for r in placement for e in r}) == list(range(16))  # every expert somewhere
+    assert sum(1 for r in placement if 0 in r) == replica_counts(load, 24, cap=4)[0] > 1  # the hottest is replicated
+    # all load on one expert: it gets a replica on every rank
+    assert sum(1 for r in place_experts([100.0] + [0.0] * 7, 4, 3) if 0 in r) == 4
+
+
+def test_eplb_settings_are_checked():
+    with pytest.raises(ConfigError, match="load_from"):
+        JobConfig(expert_parallel=dataclasses.replace(JobConfig().expert_parallel, degree=2, replicas=1)).validate()
+    with pytest.raises(ConfigError, match="replicas"):
+        JobConfig(expert_parallel=dataclasses.replace(JobConfig().expert_parallel, load_from="x")).validate()

@@ -15,7 +15,9 @@ import pytest
 
 from distributed.spawn import run_distributed
 
-SCENARIOS = ("all-to-expert-0", "rank-without-tokens", "expert-without-tokens", "uniform")
+SCENARIOS = ("all-to-expert-0", "rank-without-tokens", "expert-without-tokens", "uniform", "all-to-expert-0-replicated")
+# EPLB's answer to all-to-expert-0: expert 0 replicated on every rank (2 slots per rank)
+REPLICATED = [[0, 1], [0, 2], [0, 3], [0, 1]]
 TOKENS, DIM, K = 6, 16, 2
 
 
@@ -25,7 +27,7 @@ def _routing(scenario: str, rank: int):
     g = torch.Generator().manual_seed(100 + rank)
     tokens = 0 if scenario == "rank-without-tokens" and rank == 3 else TOKENS
     x = torch.randn(tokens, DIM, generator=g)
-    if scenario == "all-to-expert-0":
+    if scenario.startswith("all-to-expert-0"):
         experts = torch.stack([torch.zeros(tokens, dtype=torch.long), torch.randint(1, 4, (tokens,), generator=g)], 1)
     elif scenario == "expert-without-tokens":
         experts = torch.stack([torch.zeros(tokens, dtype=torch.long), torch.ones(tokens, dtype=torch.long) * 3], 1)
@@ -51,11 +53,13 @@ def _check(rank: int, world_size: int, scenario: str, backend: str) -> int:
     full = MoE(config, 0)
     for p in full.parameters():
         torch.nn.init.normal_(p, std=0.5)
+    replicated = scenario.endswith("replicated")
+    placement = REPLICATED if replicated else [[r] for r in range(world_size)]
     local = copy.deepcopy(full)
-    for key in [k for k in local.experts if int(k) != rank]:
+    for key in [k for k in local.experts if int(k) not in placement[rank]]:
         del local.experts[key]
     group = dist.new_group(list(range(world_size)))
-    local.dispatch = ExpertParallelDispatch(group, 4, 4, backend, AllToAllMeter())
+    local.dispatch = ExpertParallelDispatch(group, rank, placement, 4, backend, AllToAllMeter())
 
     everyone = [_routing(scenario, r) for r in range(world_size)]
     upstream = torch.Generator().manual_seed(7)
@@ -74,8 +78,17 @@ def _check(rank: int, world_size: int, scenario: str, backend: str) -> int:
     rows = slice(start, start + x.shape[0])
     torch.testing.assert_close(out, ref[rows], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x.grad, ref_x.grad[rows], rtol=1e-5, atol=1e-5)
-    for mine, theirs in zip(local.experts[str(rank)].parameters(), full.experts[str(rank)].parameters()):
-        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-5)
+    for e in placement[rank]:
+        for mine, theirs in zip(local.experts[str(e)].parameters(), full.experts[str(e)].parameters()):
+            grad = mine.grad.clone()
+            if replicated:  # each replica holds its share: summed over the holders it is the whole gradient
+                holders = [r for r in range(world_size) if e in placement[r]]
+                parts = [torch.zeros_like(grad) for _ in range(world_size)]
+                dist.all_gather(parts, grad)
+                grad = sum(parts[r] for r in holders)
+            torch.testing.assert_close(grad, theirs.grad, rtol=1e-5, atol=1e-5)
+    if replicated:  # no rank gets more than a quarter of expert 0's rows, plus its other slot's
+        return local.stats.max_received
     # the cost model's bytes per rank pair, from the routing counts, equal what the runtime sent:
     # dispatch (matrix row) and combine (column) in forward, the same again in backward
     from fivefold.comm.cost import dispatch_bytes
@@ -97,3 +110,5 @@ def test_dispatch_survives_adversarial_routing(scenario, backend):
         assert received[0] == 4 * TOKENS  # every token of every rank came to rank 0, the bound's worst case
     if scenario == "expert-without-tokens":
         assert received[1] == received[2] == 0
+    if scenario == "all-to-expert-0-replicated":  # the 24 rows of expert 0 spread over 4 replicas
+        assert max(received) < 4 * TOKENS

@@ -90,3 +90,24 @@ def test_resume_at_another_expert_parallel_degree(base, tmp_path, saved, resumed
     losses, weights = _train(again, resumed_world)
     diffs = assert_parity(straight, (straight[0][:2] + losses, weights), param_atol=TP_PARAM_ATOL)
     print(f"{saved_sections} -> {resumed_sections}: {diffs}")
+
+
+def test_load_aware_placement_with_replicas_trains_like_one_process(base, tmp_path):
+    """EPLB at EP 2: a skewed measured load (expert 0 hot) gives each rank one spare slot; expert 0 is
+    replicated on both ranks, its assignments split between the replicas and its gradient summed over
+    them, so training equals one process."""
+    import json
+
+    from fivefold.parallel.expert_placement import place_experts
+
+    load = [900.0, 50.0, 30.0, 20.0]
+    trace = tmp_path / "trace" / "metrics.jsonl"
+    trace.parent.mkdir()
+    trace.write_text("".join(json.dumps({"step": s, "moe_load": {"0": load, "1": load}}) + "\n" for s in (1, 2)))
+    placement = place_experts(load, 2, 3)
+    assert all(0 in rank for rank in placement)
+    single = with_changes(base, model=MOE)
+    config = with_changes(single, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "eplb")},
+                          expert_parallel={"degree": 2, "replicas": 1, "load_from": str(trace.parent)})
+    diffs = assert_parity(train_single(single), train_distributed(config, 2), param_atol=TP_PARAM_ATOL)
+    print(f"eplb ep2: {placement} {diffs}")

@@ -262,9 +262,21 @@ class ExpertParallelConfig:
     """Token dispatch: `torch` (torch.distributed.all_to_all_single) or `pairwise` (fivefold's hand-written pairwise exchange, comm/alltoall.py)."""
     kernel: str = "auto"
     """Local experts: `grouped` (one grouped GEMM per projection), `loop` (one matmul per expert), `auto` (grouped where torch has it and widths allow)."""
+    replicas: int = 0
+    """Load-aware placement (EPLB): spare expert slots per rank, filled with replicas of the hottest experts of each layer and placed to even the ranks' load; needs load_from."""
+    load_from: str = ""
+    """With replicas: an earlier run of the same model (its folder or metrics.jsonl) whose measured expert load (moe_load, last 10 logged steps) the placement balances."""
 
     def validate(self) -> None:
         _positive("expert_parallel", self, "degree")
+        if self.replicas < 0:
+            raise ConfigError(f"expert_parallel.replicas = {self.replicas}: must be >= 0")
+        if self.replicas and (self.degree < 2 or not self.load_from):
+            raise ConfigError("expert_parallel.replicas places replicas of hot experts on other expert-parallel ranks "
+                              "from a measured load: set expert_parallel.degree >= 2 and expert_parallel.load_from")
+        if self.load_from and not self.replicas:
+            raise ConfigError("expert_parallel.load_from is read only to place replicas: set expert_parallel.replicas "
+                              ">= 1 or remove load_from")
 
 
 @dataclass

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+from typing import Callable
 import threading
 import time
 from dataclasses import dataclass, field
@@ -244,9 +245,10 @@ class DDPSync(GradientSync):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ddp: DataParallel | None, norm: GradNorm,
                  tied_group: dist.ProcessGroup | None = None, loss_group: dist.ProcessGroup | None = None,
-                 expert_ddp: DataParallel | None = None):
+                 expert_ddp: DataParallel | None = None, replica_sync: Callable[[], None] | None = None):
         super().__init__(model, norm, tied_group, loss_group)
         self.optimizer, self.ddp, self.expert_ddp = optimizer, ddp, expert_ddp  # experts: over their EDP group
+        self.replica_sync = replica_sync  # replicated experts (EPLB): summed over their holders
         self.overlap = ddp.overlap if ddp is not None else None
         self.reports_wire_bytes = ddp is not None
 
@@ -263,6 +265,8 @@ class DDPSync(GradientSync):
             if ddp is not None:
                 ddp.finish_gradient_sync()
                 self.wire_bytes += ddp.last_wire_bytes
+        if self.replica_sync is not None:
+            self.replica_sync()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -271,7 +275,8 @@ class DDPSync(GradientSync):
             return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         dense = [p for p in params if not self.norm.is_expert(p)]
         squares = sum(float(p.grad.double().pow(2).sum()) * self.norm.of(p) for p in dense)
-        expert_squares = sum(float(p.grad.double().pow(2).sum()) for p in params if self.norm.is_expert(p))
+        expert_squares = sum(float(p.grad.double().pow(2).sum()) * self.norm.of_expert(p)
+                             for p in params if self.norm.is_expert(p))
         norm = self.norm.total(squares, params[0].device if params else torch.device("cpu"),
                                expert_squares=expert_squares)
         clip_([p.grad for p in params], norm, max_norm)

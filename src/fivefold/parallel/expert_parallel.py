@@ -26,6 +26,10 @@ Backward runs the two exchanges in reverse. A rank with no tokens, an expert wit
 on one expert only changes the split sizes: every rank still posts the same collectives, so nothing
 waits forever.
 
+With load-aware placement (expert_placement.py, EPLB) a rank's slots may hold replicas of hot
+experts: the dispatch spreads an expert's assignments over its replicas and `ReplicaGradients` sums
+their gradients over the ranks holding them.
+
 Worst-case rows one rank receives per layer and micro-batch: all ep peers send it every token for
 min(k, E/ep) of its experts: ep x T x min(k, E/ep) rows of `dim` values (T tokens per rank per
 micro-batch), and as many go back; `dispatch_bound_bytes` is that formula, reported at start-up.
@@ -99,27 +103,56 @@ class _AllToAll(torch.autograd.Function):
 
 
 class ExpertParallelDispatch:
-    """The all-to-all dispatch and combine of one MoE layer whose experts are split over `group`."""
+    """The all-to-all dispatch and combine of one MoE layer whose experts are placed on the ranks of `group`.
 
-    def __init__(self, group: dist.ProcessGroup, ep: int, n_experts: int, backend: str, meter: AllToAllMeter):
-        self.group, self.ep, self.backend, self.meter = group, ep, backend, meter
-        self.per_rank = n_experts // ep
+    `placement[r]` lists the experts rank r holds (its slots, ascending); an expert on several ranks
+    is a replica set (expert_placement.py), and each rank spreads its assignments of such an expert
+    over the replicas evenly. Without replicas rank r holds experts r*E/ep .. (r+1)*E/ep - 1.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, ep_rank: int, placement: list[list[int]], n_experts: int,
+                 backend: str, meter: AllToAllMeter):
+        self.group, self.ep, self.ep_rank = group, len(placement), ep_rank
+        self.backend, self.meter, self.placement = backend, meter, placement
+        self.slots = len(placement[0])
+        holders: list[list[int]] = [[] for _ in range(n_experts)]
+        for r, experts in enumerate(placement):
+            for j, e in enumerate(experts):
+                holders[e].append(r * self.slots + j)
+        width = max(len(h) for h in holders)
+        self.replicas = torch.tensor([len(h) for h in holders])
+        self.replica_slots = torch.tensor([h + [h[0]] * (width - len(h)) for h in holders])
+        self.replicated = width > 1
+
+    def physical_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slot each assignment (sorted by expert) goes to: its expert's replica (k + rank) mod replicas."""
+        if not self.replicated:
+            return self.replica_slots[ids, 0].to(ids.device)
+        counts = torch.bincount(ids, minlength=len(self.replicas))
+        starts = counts.cumsum(0) - counts
+        k = torch.arange(ids.numel(), device=ids.device) - starts[ids]
+        choice = (k + self.ep_rank) % self.replicas.to(ids.device)[ids]
+        return self.replica_slots.to(ids.device)[ids, choice]
 
     def __call__(self, x: torch.Tensor, routing: Routing, moe: MoE) -> torch.Tensor:
         assignments, ids = routing.sorted_assignments()
+        slots = self.physical_slots(ids)
+        if self.replicated:
+            order = torch.argsort(slots, stable=True)
+            assignments, slots = assignments[order], slots[order]
         k = routing.experts.shape[1]
         tokens = assignments // k
-        counts = torch.bincount(ids, minlength=moe.n_experts)
+        counts = torch.bincount(slots, minlength=self.ep * self.slots)
         received_counts = torch.empty_like(counts)
         with phase("expert count all-to-all", comm=True):
             dist.all_to_all_single(received_counts, counts, group=self.group)
-        sent = counts.view(self.ep, self.per_rank)
-        got = received_counts.view(self.ep, self.per_rank)  # [source rank, local expert]
+        sent = counts.view(self.ep, self.slots)
+        got = received_counts.view(self.ep, self.slots)  # [source rank, local slot]
         in_splits, out_splits = sent.sum(1).tolist(), got.sum(1).tolist()
         rows = _AllToAll.apply(x[tokens], out_splits, in_splits, self.group, self.backend, self.meter)
         moe.stats.max_received = max(moe.stats.max_received, rows.shape[0])
-        # received rows come source by source, each source's rows expert by expert: regroup by expert
-        labels = torch.arange(self.per_rank, device=x.device).repeat(self.ep).repeat_interleave(got.reshape(-1))
+        # received rows come source by source, each source's rows slot by slot: regroup by slot
+        labels = torch.arange(self.slots, device=x.device).repeat(self.ep).repeat_interleave(got.reshape(-1))
         regroup = torch.argsort(labels, stable=True)
         out = moe.kernel(rows[regroup], got.sum(0).tolist(), moe.local_experts())
         back = out[torch.argsort(regroup)]
@@ -188,19 +221,67 @@ def check_expert_parallel(model: ModelConfig, ep: int, backend: str, dims_tokens
                           "parallel degree or lower expert_parallel.degree")
 
 
-def cut_experts(model: nn.Module, ep: int, ep_rank: int) -> None:
+def cut_experts(model: nn.Module, placements: dict[int, list[list[int]]], ep_rank: int) -> None:
     """Keep only this rank's experts (on the meta model, before any memory is allocated; names stay global)."""
     for module in model.modules():
         if isinstance(module, MoE):
-            per = module.n_experts // ep
-            for key in [k for k in module.experts if not ep_rank * per <= int(k) < (ep_rank + 1) * per]:
+            mine = set(placements[module.layer_id][ep_rank])
+            for key in [k for k in module.experts if int(k) not in mine]:
                 del module.experts[key]
 
 
-def apply_expert_parallel(model: nn.Module, groups: ExpertGroups, backend: str, meter: AllToAllMeter) -> None:
+def apply_expert_parallel(model: nn.Module, groups: ExpertGroups, placements: dict[int, list[list[int]]], backend: str,
+                          meter: AllToAllMeter) -> None:
     for module in model.modules():
         if isinstance(module, MoE) and groups.ep > 1:
-            module.dispatch = ExpertParallelDispatch(groups.ep_group, groups.ep, module.n_experts, backend, meter)
+            module.dispatch = ExpertParallelDispatch(groups.ep_group, groups.ep_rank, placements[module.layer_id],
+                                                     module.n_experts, backend, meter)
+
+
+class ReplicaGradients:
+    """Sums the gradients of replicated experts over the expert-parallel ranks holding them (after the
+    expert-data-parallel reduction; sums commute), so every replica takes the same step."""
+
+    def __init__(self, model: nn.Module, mesh, groups: ExpertGroups, placements: dict[int, list[list[int]]]):
+        self.sets: list[tuple[list[nn.Parameter], dist.ProcessGroup]] = []
+        self.counts: dict[int, int] = {}  # id(parameter) -> replicas (for the gradient norm)
+        if groups.ep == 1:
+            return
+        ep_rows = _ep_rows(mesh, groups)
+        created: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        moes = {m.layer_id: m for m in model.modules() if isinstance(m, MoE)}
+        for layer in sorted(placements):  # every rank walks every layer in one order: groups created alike
+            holders: dict[int, list[int]] = {}
+            for r, experts in enumerate(placements[layer]):
+                for e in experts:
+                    holders.setdefault(e, []).append(r)
+            for e in sorted(holders):
+                positions = tuple(holders[e])
+                if len(positions) < 2:
+                    continue
+                if positions not in created:
+                    created[positions] = mesh.subgroup([[row[p] for p in positions] for row in ep_rows])
+                if layer in moes and groups.ep_rank in positions:
+                    params = list(moes[layer].experts[str(e)].parameters())
+                    self.sets.append((params, created[positions]))
+                    self.counts.update({id(p): len(positions) for p in params})
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        for params, group in self.sets:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            with phase("replicated-expert all-reduce", comm=True):
+                dist.all_reduce(flat, group=group)
+            offset = 0
+            for p in params:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+
+
+def _ep_rows(mesh, groups: ExpertGroups) -> list[list[int]]:
+    fibers = expert_fiber(mesh, not groups.replicated_over_tp)
+    return [fiber[i : i + groups.ep] for fiber in fibers for i in range(0, len(fiber), groups.ep)]
 
 
 def apply_routing_groups(model: nn.Module, mesh, sequence_parallel: bool, kernel: str, loss_scale: float) -> None:

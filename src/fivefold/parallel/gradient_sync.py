@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -55,9 +55,14 @@ class GradNorm:
     moe: bool = False  # the model has routed experts (every rank then reduces the experts' part)
     expert_groups: tuple[dist.ProcessGroup, ...] = ()  # expert-parallel and pipeline groups
     experts: frozenset[int] = frozenset()  # ids of this rank's expert parameters
+    expert_replicas: dict = field(default_factory=dict)  # id -> ranks of the EP group holding that expert (EPLB)
 
     def of(self, param: nn.Parameter) -> float:
         return 1.0 if self.weight is None else self.weight(param)
+
+    def of_expert(self, param: nn.Parameter) -> float:
+        """An expert's weight in the experts' sum over the EP group: 1 / its replicas."""
+        return 1.0 / self.expert_replicas.get(id(param), 1)
 
     def is_expert(self, param: nn.Parameter) -> bool:
         return id(param) in self.experts

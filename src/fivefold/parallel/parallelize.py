@@ -38,10 +38,12 @@ from fivefold.parallel.comm_schedule import PriorityDataParallel, PrioritySync
 from fivefold.parallel.context_parallel import ContextParallelLayout, apply_context_parallel, build_context_parallel_groups
 from fivefold.errors import ConfigError
 from fivefold.parallel.data_parallel import DataParallel, DDPSync
+from fivefold.parallel.expert_placement import placements_for
 from fivefold.parallel.flat_groups import is_expert_group
 from fivefold.parallel.expert_parallel import (
     AllToAllMeter,
     ExpertGroups,
+    ReplicaGradients,
     apply_expert_parallel,
     apply_routing_groups,
     build_expert_groups,
@@ -152,7 +154,8 @@ def apply_model_parallel(model: Transformer, mesh: Mesh, tensor: TensorParallelC
 
 
 def apply_data_parallel(model: Transformer, mesh: Mesh, config: JobConfig, norm: GradNorm,
-                        tied_group: dist.ProcessGroup | None = None, experts: ExpertGroups | None = None) -> GradientSync:
+                        tied_group: dist.ProcessGroup | None = None, experts: ExpertGroups | None = None,
+                        replicas: Callable[[], None] | None = None) -> GradientSync:
     """The gradient sync for this run: a parameter-server worker, ZeRO, or DDP (FIFO or priority).
 
     With routed experts, their gradients are summed over their expert-data-parallel group, the
@@ -208,7 +211,7 @@ def apply_data_parallel(model: Transformer, mesh: Mesh, config: JobConfig, norm:
             ddp = DataParallel(model, loss_group, comm.bucket_mb, reduce_dtype, reducer, dense)
     if priority and ddp is not None:
         return PrioritySync(model, build_optimizer(model, config.optim), ddp, norm, tied_group, loss_group)
-    return DDPSync(model, build_optimizer(model, config.optim), ddp, norm, tied_group, loss_group, expert_ddp)
+    return DDPSync(model, build_optimizer(model, config.optim), ddp, norm, tied_group, loss_group, expert_ddp, replicas)
 
 
 def build_step(model: Transformer, folds: ModelParallel, sync: GradientSync, mesh: Mesh, config: JobConfig,
@@ -253,28 +256,31 @@ def parallelize(model: Transformer, mesh: Mesh, config: JobConfig, device: torch
         cut_model(model, stages)
     experts, ep = None, config.expert_parallel
     sequence_parallel = config.tensor_parallel.sequence_parallel and config.tensor_parallel.degree > 1
-    if model.config.n_experts:  # keep only this rank's experts
+    placements = {}
+    if model.config.n_experts:  # keep only this rank's experts (load-aware placement with replicas: EPLB)
         experts = build_expert_groups(mesh, ep.degree, sequence_parallel)
+        placements = placements_for(model.config.moe_layers, model.config.n_experts, ep.degree, ep.replicas, ep.load_from)
         if ep.degree > 1:
-            cut_experts(model, ep.degree, experts.ep_rank)
+            cut_experts(model, placements, experts.ep_rank)
     model = materialize(model, device, seed=t.seed)
     if pretrained and model.config.init_from_hf:
         load_hf_weights(model, model.config.init_from_hf)
     folds = apply_model_parallel(model, mesh, config.tensor_parallel, config.context_parallel, t.recompute, stages)
     norm = folds.grad_norm()
-    meter = AllToAllMeter()
+    meter, replicas = AllToAllMeter(), None
     if experts is not None:
         apply_routing_groups(model, mesh, sequence_parallel, ep.kernel, 1.0 / t.grad_accum_steps)
-        apply_expert_parallel(model, experts, ep.alltoall, meter)
+        apply_expert_parallel(model, experts, placements, ep.alltoall, meter)
+        replicas = ReplicaGradients(model, mesh, experts, placements)
         expert_ids = frozenset(id(p) for n, p in model.named_parameters() if is_expert_parameter(n))
-        norm = dataclasses.replace(norm, moe=True, experts=expert_ids,
+        norm = dataclasses.replace(norm, moe=True, experts=expert_ids, expert_replicas=replicas.counts,
                                    expert_groups=tuple(g for g in (experts.ep_group, mesh.group("pp")) if g is not None))
     tied_group = None  # first and last pipeline stage, which both hold a tied embedding
     if stages is not None and model.config.tie_embeddings:
         tied_group = mesh.subgroup(tied_embedding_rows(mesh.rank_table("pp"), (len(split) - 1) % pipe.degree))
     local = local_layout(model, folds.checkpoint_tp_rank)  # before ZeRO empties the parameters
     parameters = sum(p.numel() for p in model.parameters())
-    sync = apply_data_parallel(model, mesh, config, norm, tied_group, experts)
+    sync = apply_data_parallel(model, mesh, config, norm, tied_group, experts, replicas if replicas and replicas.sets else None)
     if ep.degree > 1:
         sync.gathers_in_forward = True  # every expert-parallel peer must run each forward (its all-to-alls)
     step = build_step(model, folds, sync, mesh, config, stages, autocast)

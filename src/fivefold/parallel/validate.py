@@ -66,6 +66,9 @@ def check_moe(config: JobConfig) -> None:
     if config.gradient_comm.schedule == "priority":
         raise ConfigError("gradient_comm.schedule = priority re-orders one dense all-reduce stream; routed experts are "
                           "reduced over their own group: use schedule = fifo with model.n_experts > 0")
+    if ep.replicas and config.data_parallel.zero_stage:
+        raise ConfigError(f"expert_parallel.replicas with data_parallel.zero_stage = {config.data_parallel.zero_stage}: "
+                          "replicated experts are summed over their holders as whole gradients; use DDP (zero_stage 0)")
     split_sequence = config.context_parallel.degree > 1 or (config.tensor_parallel.sequence_parallel
                                                              and config.tensor_parallel.degree > 1)
     if model.moe_capacity_factor and split_sequence:
