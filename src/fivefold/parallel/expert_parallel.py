@@ -31,8 +31,8 @@ experts: the dispatch spreads an expert's assignments over its replicas and `Rep
 their gradients over the ranks holding them.
 
 Worst-case rows one rank receives per layer and micro-batch: all ep peers send it every token for
-min(k, E/ep) of its experts: ep x T x min(k, E/ep) rows of `dim` values (T tokens per rank per
-micro-batch), and as many go back; `dispatch_bound_bytes` is that formula, reported at start-up.
+min(k, S) of its S expert slots (S = E/ep, plus EPLB's spare slots): ep x T x min(k, S) rows of `dim`
+values (T tokens per rank per micro-batch), and as many go back; `dispatch_bound_bytes` is that formula, reported at start-up.
 """
 
 from __future__ import annotations
@@ -305,11 +305,13 @@ def is_expert_parameter(name: str) -> bool:
     return ".experts." in name
 
 
-def dispatch_bound_bytes(model: ModelConfig, tokens_per_rank: int, ep: int, bytes_per_value: int) -> int:
-    """Worst-case bytes of rows one rank receives in one layer's dispatch (and sends back in the combine)."""
+def dispatch_bound_bytes(model: ModelConfig, tokens_per_rank: int, ep: int, bytes_per_value: int, replicas: int = 0) -> int:
+    """Worst-case bytes of rows one rank receives in one layer's dispatch (and sends back in the combine):
+    ep x T x min(k, slots per rank) rows, slots = E/ep (+ the replicas' spare slots)."""
     if not model.n_experts:
         return 0
-    return ep * tokens_per_rank * min(model.moe_top_k, model.n_experts // ep) * model.dim * bytes_per_value
+    slots = model.n_experts // ep + replicas
+    return ep * tokens_per_rank * min(model.moe_top_k, slots) * model.dim * bytes_per_value
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
