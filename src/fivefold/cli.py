@@ -94,6 +94,16 @@ def _generate(args: argparse.Namespace) -> int:
     model.eval()
     tokenizer = load_checkpoint_tokenizer(manifest)
     print(f"fivefold: generating from {folder} (step {manifest.body.get('step')}, verified)", file=sys.stderr)
+    if not args.no_cache:
+        from fivefold.model.mla import cache_values_per_token
+
+        c = config.model
+        positions = min(len(tokenizer.encode(args.prompt)) + args.max_new_tokens, c.max_seq_len)
+        per_token = cache_values_per_token(c)
+        size = c.n_layers * positions * per_token * next(model.parameters()).element_size()
+        kind = "MLA latent + RoPE key" if c.attention == "mla" else "keys + values"
+        print(f"fivefold: KV cache {size / 2**20:.2f} MiB ({positions} positions x {c.n_layers} layers x "
+              f"{per_token} values per token ({kind}))", file=sys.stderr)
     generator = torch.Generator().manual_seed(args.seed)
     ids = generate(model, tokenizer.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k,
                    eos_id=tokenizer.eos_id, use_cache=not args.no_cache, generator=generator)
@@ -114,6 +124,8 @@ def _info(args: argparse.Namespace) -> int:
     n = counts.total
     kv = model.kv_heads
     attn_kind = "MHA" if kv == model.n_heads else ("MQA" if kv == 1 else f"GQA ({kv} kv heads)")
+    if model.attention == "mla":
+        attn_kind = "MLA"
     gib = 2**30
     rows = [
         ("model", model.name),
@@ -148,6 +160,9 @@ def _model_options(model) -> str:
     if model.rope_scaling != "none":
         options.append(f"RoPE {model.rope_scaling} x{model.rope_factor:g}")
     options += [f"sliding window {model.sliding_window}"] if model.sliding_window else []
+    if model.attention == "mla":
+        options.append(f"MLA q rank {model.q_lora_rank or 'none'}, kv rank {model.kv_lora_rank}, head "
+                       f"{model.qk_nope_head_dim}+{model.qk_rope_head_dim} rope, v {model.v_head_dim}")
     if model.n_experts:
         shared = f" + shared {model.shared_hidden_dim}" if model.shared_hidden_dim else ""
         options.append(f"MoE {model.n_experts} experts x {model.expert_hidden_dim} top-{model.moe_top_k}{shared} in "

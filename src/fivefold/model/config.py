@@ -32,6 +32,7 @@ CHOICES = {
     "moe_score": ("softmax", "sigmoid"),
     "moe_aux_loss": ("none", "switch", "sequence"),
     "moe_drop_policy": ("probability", "position"),
+    "attention": ("mha", "mla"),
 }
 
 
@@ -93,6 +94,18 @@ class ModelConfig:
     """yarn: scale of cos/sin (attention temperature); 0 means 0.1 * ln(rope_factor) + 1."""
     sliding_window: int = 0
     """Each query attends to at most this many positions (itself included); 0 means full causal attention (Mistral v0.1: 4096)."""
+    attention: str = "mha"
+    """`mha`: multi-head attention with grouped-query heads (n_kv_heads); `mla`: DeepSeek-V2/V3 multi-latent attention (low-rank compressed keys and values, decoupled RoPE; model/mla.py)."""
+    q_lora_rank: int = 0
+    """MLA: rank of the query compression (0: queries projected directly, as DeepSeek-V2-Lite)."""
+    kv_lora_rank: int = 512
+    """MLA: rank of the compressed key/value latent, the part cached at inference."""
+    qk_nope_head_dim: int = 128
+    """MLA: per-head query/key width without RoPE."""
+    qk_rope_head_dim: int = 64
+    """MLA: per-head query width with RoPE, and the one RoPE key shared by all heads."""
+    v_head_dim: int = 128
+    """MLA: per-head value width."""
     n_experts: int = 0
     """Routed experts E of each mixture-of-experts layer; 0 is a dense model (docs/moe.md)."""
     moe_top_k: int = 2
@@ -158,6 +171,11 @@ class ModelConfig:
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
     @property
+    def rope_dim(self) -> int:
+        """Width RoPE rotates: the head (MHA), or MLA's decoupled RoPE part."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_size
+
+    @property
     def expert_hidden_dim(self) -> int:
         return self.moe_ffn_dim or self.ffn_hidden_dim
 
@@ -208,6 +226,19 @@ class ModelConfig:
             raise ConfigError(f"model.rope_high_freq_factor = {self.rope_high_freq_factor} must exceed "
                               f"model.rope_low_freq_factor = {self.rope_low_freq_factor}")
         self._validate_moe()
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name} = {getattr(self, name)}: must be a positive integer")
+        if self.q_lora_rank < 0:
+            raise ConfigError(f"model.q_lora_rank = {self.q_lora_rank}: must be >= 0 (0: no query compression)")
+        if self.attention == "mla":
+            if self.qk_rope_head_dim % 2:
+                raise ConfigError(f"model.qk_rope_head_dim = {self.qk_rope_head_dim} must be even for RoPE")
+            unsupported = [n for n, v in (("attention_bias", self.attention_bias != "none"), ("qk_norm", self.qk_norm != "none"),
+                                          ("sliding_window", self.sliding_window), ("norm_position", self.norm_position != "pre"))
+                           if v]
+            if unsupported:
+                raise ConfigError(f"model.{unsupported[0]} is not available with model.attention = mla: leave it at its default")
 
     def _validate_moe(self) -> None:
         for name in ("moe_top_k", "moe_layer_freq"):

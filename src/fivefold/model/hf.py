@@ -293,6 +293,9 @@ def hf_family(config: ModelConfig) -> str:
         return CheckpointError(f"model.{setting} = {getattr(config, setting)!r} cannot be exported as a "
                                f"{ARCHITECTURES[family]} (the family its other settings need)")
 
+    if config.attention != "mha":
+        raise CheckpointError(f"model.attention = {config.attention!r} cannot be exported: the supported families "
+                              "(Llama, Qwen, Mistral, OLMo 2, Mixtral, Qwen-MoE) use multi-head attention")
     if config.n_experts:
         return _moe_family(config)
     if config.norm_position == "post" or config.qk_norm == "projection":

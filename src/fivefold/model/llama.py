@@ -8,7 +8,8 @@ interpolation, Chen et al. 2023; Llama 3.1's `llama3`; YaRN, Peng et al. 2023), 
 attention (Ainslie et al. 2023) with `n_kv_heads` covering MHA, GQA and MQA, optional biases
 (Qwen2), query/key RMSNorm (Qwen3 per head, OLMo 2 over the projection; Dehghani et al. 2023),
 an optional sliding window (Mistral; Beltagy et al. 2020), and `scaled_dot_product_attention`
-for the core. Blocks chosen by the config hold a mixture-of-experts MLP (model/moe.py).
+for the core. Blocks chosen by the config hold a mixture-of-experts MLP (model/moe.py); with
+attention = mla the attention is DeepSeek's multi-latent attention (model/mla.py).
 
 The model is built on the meta device and materialised with `materialize`, so that later
 parallel code can place or shard weights before any memory is spent. Each weight is drawn
@@ -26,28 +27,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.model.config import ModelConfig
+from fivefold.model.layers import RMSNorm, apply_rope, attention_mask  # noqa: F401 - re-exported
+from fivefold.model.mla import MultiLatentAttention, cache_values_per_token
 from fivefold.model.moe import MoE
 from fivefold.errors import ConfigError
 
 # Residual-branch output projections get the GPT-2 / GPT-NeoX depth-scaled init.
 # (Every SwiGLU's w2: the dense MLP's, each expert's and the shared experts'.)
 _RESIDUAL_OUTPUTS = ("attention.wo.weight", ".w2.weight")
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 like the reference Llama."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
-
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * self.normalize(x)
 
 
 def rope_frequencies(config: ModelConfig, device: torch.device | None = None) -> tuple[torch.Tensor, float]:
@@ -60,7 +47,7 @@ def rope_frequencies(config: ModelConfig, device: torch.device | None = None) ->
     and extrapolated frequencies along a ramp between the dimensions that turn beta_fast and
     beta_slow times over the original context, and scales cos/sin by the attention factor.
     """
-    dim, base, factor = config.head_size, config.rope_theta, config.rope_factor
+    dim, base, factor = config.rope_dim, config.rope_theta, config.rope_factor
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     inv_freq = 1.0 / (base ** exponents)
     kind = config.rope_scaling
@@ -96,7 +83,7 @@ def rope_frequencies(config: ModelConfig, device: torch.device | None = None) ->
 
 
 def rope_tables(config: ModelConfig, device: torch.device | None = None):
-    """cos/sin tables of shape (max_seq_len, head_size) for the half-split RoPE convention."""
+    """cos/sin tables of shape (max_seq_len, rope_dim) for the half-split RoPE convention."""
     inv_freq, scale = rope_frequencies(config, device)
     positions = torch.arange(config.max_seq_len, dtype=torch.int64, device=device).float()
     freqs = torch.outer(positions, inv_freq)
@@ -106,29 +93,28 @@ def rope_tables(config: ModelConfig, device: torch.device | None = None):
     return angles.cos() * scale, angles.sin() * scale
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x of shape (batch, heads, seq, head_dim) by the angles of its positions."""
-    return (x * cos + _rotate_half(x) * sin).to(x.dtype)
-
-
 class KVCache:
     """Preallocated keys and values of every layer, for incremental decoding."""
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int, device, dtype: torch.dtype):
         shape = (batch_size, config.kv_heads, max_len, config.head_size)
+        value_shape = shape
+        if config.attention == "mla":  # the latent and the RoPE key (model/mla.py); no values
+            shape = (batch_size, 1, max_len, cache_values_per_token(config))
+            value_shape = (batch_size, 1, max_len, 0)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.values = [torch.zeros(value_shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
         self.lengths = [0] * config.n_layers
         self.max_len = max_len
 
     @property
     def seq_len(self) -> int:
         return self.lengths[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache holds (all layers, the whole preallocated length)."""
+        return sum(t.numel() * t.element_size() for t in [*self.keys, *self.values])
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         start, end = self.lengths[layer], self.lengths[layer] + k.shape[2]
@@ -139,18 +125,6 @@ class KVCache:
         self.values[layer][:, :, start:end] = v
         self.lengths[layer] = end
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
-
-
-def attention_mask(seq: int, past: int, window: int, device) -> torch.Tensor | None:
-    """Boolean (seq, past + seq) mask: query i (absolute position past + i) sees keys j with
-    j <= past + i and, with a sliding window w > 0, past + i - j < w. None when plain causal
-    attention over a fresh sequence says the same (SDPA's is_causal is faster)."""
-    if past == 0 and (window == 0 or window >= seq):
-        return None
-    mask = torch.ones(seq, past + seq, dtype=torch.bool, device=device).tril(diagonal=past)
-    if window and window < past + seq:
-        mask = mask.triu(diagonal=past - window + 1)
-    return mask
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int = 0, window: int = 0) -> torch.Tensor:
@@ -228,7 +202,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(config, layer_id)
+        self.attention = MultiLatentAttention(config, layer_id) if config.attention == "mla" else Attention(config, layer_id)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         if config.is_moe_layer(layer_id):
             self.feed_forward = MoE(config, layer_id)

@@ -94,6 +94,9 @@ def check_context_parallel(config: ModelConfig, cp: int, method: str, cp_heads: 
         raise ConfigError(f"context_parallel.method = {method!r} is not one of {', '.join(CP_METHODS)}")
     if cp < 1:
         raise ConfigError(f"context_parallel.degree = {cp}: must be a positive integer")
+    if cp > 1 and config.attention == "mla":
+        raise ConfigError("context_parallel.degree > 1 with model.attention = mla: the context-parallel attention cores "
+                          "expect one head width for keys and values; use context_parallel.degree = 1 with MLA")
     if cp == 1:
         return
     if method == "2d" and (cp_heads < 1 or cp % cp_heads):

@@ -37,6 +37,8 @@ The options of the open model families (model/config.py) split like this:
     post norms  (norm_position = post): the attention and MLP inputs enter the region through a
                 forward pre-hook, and the norms run after the row-parallel exit, on replicated
                 activations (or, with SP, on this rank's part of the sequence)
+    MLA         multi-latent attention: W_q / W_qb, W_kvb and W_o split by heads like q and o; the
+                down-projections W_qa, W_kva and their norms whole, gradients summed over the group
     MoE MLPs    stay outside the region (no column/row split): the routed experts run on replicated
                 tokens (each TP rank the same), or with SP on this rank's part of the sequence, split
                 over ranks by expert parallelism (parallel/expert_parallel.py); the router and shared
@@ -55,6 +57,7 @@ from torch import nn
 from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
 from fivefold.model.llama import RMSNorm
+from fivefold.model.mla import MultiLatentAttention
 from fivefold.model.moe import MoE
 from fivefold.parallel.collectives import all_gather_flat, conjugate_function, reduce_scatter_flat
 from fivefold.reliability.activity import phase
@@ -424,6 +427,50 @@ def _enter_region_hook(group, sequence_parallel: bool):
     return hook
 
 
+def _split_attention(attention, config: ModelConfig, column, group, sequence_parallel: bool) -> None:
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    everyone = tuple(range(tp))
+    attention.wq = column(attention.wq)
+    attention.wk = _kv_linear(attention.wk, config, group)
+    attention.wv = _kv_linear(attention.wv, config, group)
+    attention.wo = RowParallelLinear(attention.wo, group, sequence_parallel)
+    if config.qk_norm == "head":
+        attention.q_norm, attention.k_norm = HeadNorm(attention.q_norm, group), HeadNorm(attention.k_norm, group)
+    elif config.qk_norm == "projection":
+        per = config.q_dim // tp
+        attention.q_norm = ProjectionNorm(attention.q_norm, slice(rank * per, (rank + 1) * per),
+                                          TPSpec(0, everyone, config.q_dim), group)
+        rows, spec, slot = _kv_rows(config, group)
+        attention.k_norm = ProjectionNorm(attention.k_norm, rows, spec, group, slot)
+
+
+class ReplicatedLinear(nn.Module):
+    """A whole weight inside the TP region (MLA's down-projections): each rank's heads use its output, so
+    its gradient is summed over the group."""
+
+    def __init__(self, linear: nn.Linear, group):
+        super().__init__()
+        self.weight, self.group = linear.weight, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, _SumGradOverReplicas.apply(self.weight, self.group, 0, 1))
+
+
+def _split_mla(attention, column, group, sequence_parallel: bool) -> None:
+    """Multi-latent attention: query up-projection, key/value up-projection and output split by heads; the
+    down-projections and their norms replicated (gradients summed)."""
+    if attention.wq is not None:
+        attention.wq = column(attention.wq)
+    else:
+        attention.wq_a = ReplicatedLinear(attention.wq_a, group)
+        attention.q_a_norm = HeadNorm(attention.q_a_norm, group)
+        attention.wq_b = column(attention.wq_b)
+    attention.wkv_a = ReplicatedLinear(attention.wkv_a, group)
+    attention.kv_a_norm = HeadNorm(attention.kv_a_norm, group)
+    attention.wkv_b = column(attention.wkv_b)
+    attention.wo = RowParallelLinear(attention.wo, group, sequence_parallel)
+
+
 @torch.no_grad()
 def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) -> None:
     """Swap the model's layers for their tensor-parallel versions, slicing the (materialised) weights."""
@@ -438,18 +485,10 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
     for block in model.layers.values():
         attention, mlp = block.attention, block.feed_forward
         moe = isinstance(mlp, MoE)
-        attention.wq = column(attention.wq)
-        attention.wk = _kv_linear(attention.wk, config, group)
-        attention.wv = _kv_linear(attention.wv, config, group)
-        attention.wo = RowParallelLinear(attention.wo, group, sequence_parallel)
-        if config.qk_norm == "head":
-            attention.q_norm, attention.k_norm = HeadNorm(attention.q_norm, group), HeadNorm(attention.k_norm, group)
-        elif config.qk_norm == "projection":
-            per = config.q_dim // tp
-            attention.q_norm = ProjectionNorm(attention.q_norm, slice(rank * per, (rank + 1) * per),
-                                              TPSpec(0, everyone, config.q_dim), group)
-            rows, spec, slot = _kv_rows(config, group)
-            attention.k_norm = ProjectionNorm(attention.k_norm, rows, spec, group, slot)
+        if isinstance(attention, MultiLatentAttention):
+            _split_mla(attention, column, group, sequence_parallel)
+        else:
+            _split_attention(attention, config, column, group, sequence_parallel)
         if moe:  # outside the TP region: on replicated tokens, or with SP on this rank's (parallel/expert_parallel.py)
             if sequence_parallel:
                 mlp.replicated = _ReplicaGradSum(group)

@@ -28,7 +28,8 @@ bytes in fp32):
 
 Derived and measured for the plain Llama block and an explicit head_dim (q != h); the other
 options of the open families (biases, q/k norms, post norms, a sliding window's explicit mask)
-change what autograd keeps and are not counted yet.
+change what autograd keeps and are not counted yet; neither are multi-latent attention and
+mixture-of-experts MLPs (their blocks keep other tensors: the latent, routing and expert rows).
 """
 
 from __future__ import annotations

@@ -66,19 +66,32 @@ def count_parameters(config: ModelConfig) -> ParameterCount:
     router = h * config.n_experts
     mlp = dense * 3 * h * f + moe * (config.n_experts * expert + shared + router)
     mlp_active = dense * 3 * h * f + moe * (config.moe_top_k * expert + shared + router)
+    attention = 2 * h * q + 2 * h * kv
+    mla_norms = 0
+    if config.attention == "mla":  # model/mla.py
+        qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+        heads, rank = config.n_heads, config.kv_lora_rank
+        query = (h * config.q_lora_rank + config.q_lora_rank * heads * qk) if config.q_lora_rank else h * heads * qk
+        attention = (query + h * (rank + config.qk_rope_head_dim) + rank * heads * (config.qk_nope_head_dim + config.v_head_dim)
+                     + heads * config.v_head_dim * h)
+        mla_norms = rank + config.q_lora_rank
     return ParameterCount(
         embedding=config.vocab_size * h,
-        attention=layers * (2 * h * q + 2 * h * kv),
+        attention=layers * attention,
         mlp=mlp,
         mlp_active=mlp_active if moe else -1,
-        norms=(2 * layers + 1) * h + layers * qk_norms,
+        norms=(2 * layers + 1) * h + layers * (qk_norms + mla_norms),
         head=0 if config.tie_embeddings else config.vocab_size * h,
         biases=layers * attention_biases + dense * mlp_biases,
     )
 
 
 def attention_flops_per_token(config: ModelConfig, seq_len: int) -> int:
-    """12 * L * H * Q * T: QK^T and AV, forward and backward (PaLM appendix B)."""
+    """12 * L * H * Q * T: QK^T and AV, forward and backward (PaLM appendix B); with MLA the QK^T width is
+    heads x (nope + rope) and the AV width heads x v_head_dim: 6 * L * T * (H*(n+r) + H*v)."""
+    if config.attention == "mla":
+        widths = config.n_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
+        return 6 * config.n_layers * widths * seq_len
     return 12 * config.n_layers * config.q_dim * seq_len
 
 

@@ -1,0 +1,48 @@
+"""Building blocks shared by the attention variants: RMSNorm, rotary embeddings, the causal (window) mask.
+
+RMSNorm (Zhang & Sennrich 2019) in fp32 like the reference Llama; RoPE (Su et al. 2021) in the
+half-split ("rotate_half") convention of GPT-NeoX and Hugging Face.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 like the reference Llama."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * self.normalize(x)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x of shape (batch, heads, seq, head_dim) by the angles of its positions."""
+    return (x * cos + _rotate_half(x) * sin).to(x.dtype)
+
+
+def attention_mask(seq: int, past: int, window: int, device) -> torch.Tensor | None:
+    """Boolean (seq, past + seq) mask: query i (absolute position past + i) sees keys j with
+    j <= past + i and, with a sliding window w > 0, past + i - j < w. None when plain causal
+    attention over a fresh sequence says the same (SDPA's is_causal is faster)."""
+    if past == 0 and (window == 0 or window >= seq):
+        return None
+    mask = torch.ones(seq, past + seq, dtype=torch.bool, device=device).tril(diagonal=past)
+    if window and window < past + seq:
+        mask = mask.triu(diagonal=past - window + 1)
+    return mask
