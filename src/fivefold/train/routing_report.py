@@ -50,10 +50,8 @@ class RoutingReport:
     def __init__(self, model: torch.nn.Module, pp_group: dist.ProcessGroup | None, meter: AllToAllMeter | None):
         self.layers: list[MoE] = moe_layers(model)
         self.pp_group, self.meter = pp_group, meter
-
-    @property
-    def active(self) -> bool:
-        return bool(self.layers) or self.pp_group is not None and self.meter is not None
+        # every rank of a MoE model takes part (a pipeline stage may hold no MoE layer), none of a dense one
+        self.active = bool(model.config.n_experts)
 
     @torch.no_grad()
     def after_step(self, logged: bool, update_bias: bool) -> dict:
