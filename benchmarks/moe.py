@@ -14,7 +14,6 @@ variant computes the same loss on the same weights and batch (checked: loss_rel_
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -22,7 +21,7 @@ import time
 
 import torch
 
-from ranks import loss_rel_diff, spawn, timed_rounds
+from ranks import benchmark_arguments, loss_rel_diff, spawn, timed_rounds
 
 
 def local_experts(args) -> dict:
@@ -125,16 +124,9 @@ def _expert_parallel(rank: int, world_size: int, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="tiny-moe")
-    parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count (0 = keep)")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser = benchmark_arguments(__doc__)  # ranks.py's options, with the MoE demo shape
+    parser.set_defaults(preset="tiny-moe")
     parser.add_argument("--world-sizes", default="2")
-    parser.add_argument("--timeout", type=float, default=1200)
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     result = local_experts(args)

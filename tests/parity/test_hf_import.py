@@ -27,6 +27,15 @@ LAYOUTS = {
 }
 
 
+def _init_from_hf_overrides(folder, corpus_dir, tmp_path) -> list[str]:
+    """3 steps of micro-batch 8 on the test corpus, from `folder` with `--init-from-hf`, quietly."""
+    return ["--model.init_from_hf", str(folder), "--data.source", str(corpus_dir), "--data.cache_dir",
+            str(tmp_path / "cache"), "--data.val_fraction", "0.2", "--train.seq_len", "32", "--train.micro_batch_size",
+            "8", "--train.steps", "3", "--train.eval_every", "0", "--checkpoint.every", "0", "--optim.lr", "1e-2",
+            "--logging.progress", "false", "--logging.tensorboard", "false", "--logging.plot", "false",
+            "--logging.sample_prompt", "", "--train.output_dir", str(tmp_path / "single")]
+
+
 @pytest.mark.parametrize("family", ["llama", "olmo2"])
 def test_converted_folder_resumes_in_every_layout_like_one_process(tmp_path, corpus_dir, family):
     folder = EXAMPLE["make_tiny_hf_model"](tmp_path / "hf", family)
@@ -50,11 +59,7 @@ def test_init_from_hf_in_each_layout_like_one_process(tmp_path, corpus_dir):
     """`--init-from-hf` without converting: every rank reads the tensors of its own stages (the tied
     Llama embedding on the first and the last pipeline stage) before tensor parallelism cuts them."""
     folder = EXAMPLE["make_tiny_hf_model"](tmp_path / "hf", "llama")
-    overrides = ["--model.init_from_hf", str(folder), "--data.source", str(corpus_dir), "--data.cache_dir",
-                 str(tmp_path / "cache"), "--data.val_fraction", "0.2", "--train.seq_len", "32", "--train.micro_batch_size",
-                 "8", "--train.steps", "3", "--train.eval_every", "0", "--checkpoint.every", "0", "--optim.lr", "1e-2",
-                 "--logging.progress", "false", "--logging.tensorboard", "false", "--logging.plot", "false",
-                 "--logging.sample_prompt", "", "--train.output_dir", str(tmp_path / "single")]
+    overrides = _init_from_hf_overrides(folder, corpus_dir, tmp_path)
     single = load_config(None, overrides)
     reference = train_single(single)
     for name in ("tp2-sp", "pp2"):
@@ -69,11 +74,7 @@ def test_moe_folder_trains_at_ep2_like_one_process(tmp_path, corpus_dir, family)
     """A Mixtral / Qwen2-MoE folder with `--init-from-hf`: each expert-parallel rank reads only its own
     experts' tensors; 3 steps at EP 2 equal one process (the balancing loss from router_aux_loss_coef)."""
     folder = EXAMPLE["make_tiny_hf_model"](tmp_path / "hf", family)
-    overrides = ["--model.init_from_hf", str(folder), "--data.source", str(corpus_dir), "--data.cache_dir",
-                 str(tmp_path / "cache"), "--data.val_fraction", "0.2", "--train.seq_len", "32", "--train.micro_batch_size",
-                 "8", "--train.steps", "3", "--train.eval_every", "0", "--checkpoint.every", "0", "--optim.lr", "1e-2",
-                 "--logging.progress", "false", "--logging.tensorboard", "false", "--logging.plot", "false",
-                 "--logging.sample_prompt", "", "--train.output_dir", str(tmp_path / "single")]
+    overrides = _init_from_hf_overrides(folder, corpus_dir, tmp_path)
     single = load_config(None, overrides)
     assert single.model.n_experts == 4
     reference = train_single(single)

@@ -1,4 +1,4 @@
-"""Building blocks shared by the attention variants: RMSNorm, rotary embeddings, the causal (window) mask.
+"""Building blocks shared by the model's modules: RMSNorm, rotary embeddings, the causal (window) mask, SwiGLU.
 
 RMSNorm (Zhang & Sennrich 2019) in fp32 like the reference Llama; RoPE (Su et al. 2021) in the
 half-split ("rotate_half") convention of GPT-NeoX and Hugging Face.
@@ -7,6 +7,7 @@ half-split ("rotate_half") convention of GPT-NeoX and Hugging Face.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -46,3 +47,16 @@ def attention_mask(seq: int, past: int, window: int, device) -> torch.Tensor | N
     if window and window < past + seq:
         mask = mask.triu(diagonal=past - window + 1)
     return mask
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int, bias: bool = False):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=bias)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=bias)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))

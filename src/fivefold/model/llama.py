@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.model.config import ModelConfig
-from fivefold.model.layers import RMSNorm, apply_rope, attention_mask  # noqa: F401 - re-exported
+from fivefold.model.layers import FeedForward, RMSNorm, apply_rope, attention_mask  # noqa: F401 - re-exported
 from fivefold.model.mla import MultiLatentAttention, cache_values_per_token
 from fivefold.model.moe import MoE
 from fivefold.errors import ConfigError
@@ -183,19 +183,6 @@ class Attention(nn.Module):
         replace or wrap it (selective recomputation, context parallelism) without touching the
         projections."""
         return attention_core(q, k, v, past, window)
-
-
-class FeedForward(nn.Module):
-    """SwiGLU MLP (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden_dim: int, bias: bool = False):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=bias)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=bias)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):

@@ -44,25 +44,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.model.config import ModelConfig
+from fivefold.model.layers import FeedForward
 
 EXPERT_KERNELS = ("auto", "grouped", "loop")
 
 
 def _identity(weight: torch.Tensor) -> torch.Tensor:
     return weight
-
-
-class SwiGLU(nn.Module):
-    """One expert (or the shared experts): w2(silu(w1 x) * w3 x), no biases."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 @dataclass
@@ -181,7 +169,7 @@ class ExpertKernel:
             raise ValueError(f"expert kernel {kind!r}: one of {EXPERT_KERNELS}")
         self.kind = kind
 
-    def resolve(self, x: torch.Tensor, experts: list[SwiGLU]) -> str:
+    def resolve(self, x: torch.Tensor, experts: list[FeedForward]) -> str:
         if self.kind != "auto":
             return self.kind
         if not hasattr(torch, "_grouped_mm") or not experts:
@@ -190,7 +178,7 @@ class ExpertKernel:
         dim, hidden = experts[0].w1.in_features, experts[0].w1.out_features
         return "grouped" if dim % align == 0 and hidden % align == 0 else "loop"
 
-    def __call__(self, x: torch.Tensor, counts: list[int], experts: list[SwiGLU]) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, counts: list[int], experts: list[FeedForward]) -> torch.Tensor:
         if x.shape[0] == 0:
             # keep every expert weight in the graph, so its gradient is a (zero) tensor on every rank
             return x + 0.0 * sum(p.sum() for e in experts for p in e.parameters())
@@ -204,7 +192,7 @@ class ExpertKernel:
         return torch.cat(outputs)
 
     @staticmethod
-    def _grouped(x: torch.Tensor, counts: list[int], experts: list[SwiGLU]) -> torch.Tensor:
+    def _grouped(x: torch.Tensor, counts: list[int], experts: list[FeedForward]) -> torch.Tensor:
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
 
         def stacked(name: str) -> torch.Tensor:
@@ -277,9 +265,9 @@ class MoE(nn.Module):
         self.config, self.layer_id = config, layer_id
         self.n_experts, self.top_k = config.n_experts, config.moe_top_k
         self.router = nn.Linear(config.dim, config.n_experts, bias=False)
-        self.experts = nn.ModuleDict({str(i): SwiGLU(config.dim, config.expert_hidden_dim)
+        self.experts = nn.ModuleDict({str(i): FeedForward(config.dim, config.expert_hidden_dim)
                                       for i in range(config.n_experts)})
-        self.shared = SwiGLU(config.dim, config.shared_hidden_dim) if config.shared_hidden_dim else None
+        self.shared = FeedForward(config.dim, config.shared_hidden_dim) if config.shared_hidden_dim else None
         self.shared_gate = nn.Linear(config.dim, 1, bias=False) if config.moe_shared_gate else None
         self.register_buffer("expert_bias", torch.zeros(config.n_experts), persistent=False)
         self.dispatch = LocalDispatch()
@@ -291,7 +279,7 @@ class MoE(nn.Module):
         # code makes this sum their gradient over the tensor-parallel ranks (each saw other tokens).
         self.replicated = _identity
 
-    def local_experts(self) -> list[SwiGLU]:
+    def local_experts(self) -> list[FeedForward]:
         """This rank's experts in ascending global index."""
         return [self.experts[k] for k in sorted(self.experts, key=int)]
 
