@@ -242,6 +242,9 @@ def test_block_equals_transformers_mixtral_block_with_the_same_weights():
     ({"model": {"n_experts": 4, "moe_score": "tanh"}}, "moe_score"),
     ({"expert_parallel": {"degree": 2}}, "has none"),
     ({"model": {"n_experts": 3}, "expert_parallel": {"degree": 2}}, "not divisible"),
+    ({"expert_parallel": {"tensor": 2}}, "has none"),
+    ({"model": {"n_experts": 4, "moe_ffn_dim": 30}, "expert_parallel": {"tensor": 4}}, "hidden width"),
+    ({"model": {"n_experts": 4}, "expert_parallel": {"tensor": 0}}, "expert_parallel.tensor"),
     ({"model": {"n_experts": 4}, "expert_parallel": {"alltoall": "magic"}}, "expert_parallel.alltoall"),
     ({"model": {"n_experts": 4}, "expert_parallel": {"kernel": "magic"}}, "expert_parallel.kernel"),
     ({"model": {"n_experts": 4, "moe_capacity_factor": 1.0}, "context_parallel": {"degree": 2}}, "dropless"),
@@ -278,3 +281,17 @@ def test_eplb_settings_are_checked():
         JobConfig(expert_parallel=dataclasses.replace(JobConfig().expert_parallel, degree=2, replicas=1)).validate()
     with pytest.raises(ConfigError, match="replicas"):
         JobConfig(expert_parallel=dataclasses.replace(JobConfig().expert_parallel, load_from="x")).validate()
+
+
+def test_expert_degrees_that_do_not_fit_the_ranks_are_refused_before_launch(tmp_path):
+    """EP x ETP must divide the ranks holding distinct tokens of a stage: 2 x 2 experts' grid on 2 ranks fails
+    before any rank starts, naming both settings."""
+    from fivefold.train.launch import check_before_launch
+
+    config = JobConfig()
+    config.model = dataclasses.replace(config.model, n_experts=4, moe_ffn_dim=32)
+    config.expert_parallel = dataclasses.replace(config.expert_parallel, degree=2, tensor=2)
+    config.train = dataclasses.replace(config.train, output_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"expert_parallel.degree x expert_parallel.tensor = 2 x 2 must divide"):
+        check_before_launch(config.validate(), 2)
+    check_before_launch(config.validate(), 4)

@@ -36,6 +36,7 @@ def _zero(world_size, stage):
 
 
 def _save(rank, world_size, folder):
+    from fivefold.parallel.checkpoint_layout import PieceRanks
     from fivefold.train.train_state import write_training_state
 
     zero, optimizer, sync = _zero(world_size, stage=3)
@@ -46,11 +47,12 @@ def _save(rank, world_size, folder):
         state["exp_avg"] = torch.zeros_like(g.master)
         state["exp_avg"][: hi - lo] = 100 + torch.arange(lo, hi, dtype=torch.float32)
         state["exp_avg_sq"] = torch.zeros_like(g.master)
-    write_training_state(sync.state_dict(None), folder, distributed=True)
+    write_training_state(sync.state_dict(PieceRanks()), folder, distributed=True)
     return [zero.owned_range(g) for g in zero.groups]
 
 
 def _load(rank, world_size, folder):
+    from fivefold.parallel.checkpoint_layout import PieceRanks
     from fivefold.reliability.manifest import Manifest
     from fivefold.train.train_state import restore_sync_state
 
@@ -58,7 +60,7 @@ def _load(rank, world_size, folder):
     with torch.no_grad():
         for g in zero.groups:
             g.master.fill_(-1.0)
-    restore_sync_state(Manifest.load(folder.parent), sync, None)
+    restore_sync_state(Manifest.load(folder.parent), sync, PieceRanks())
     return [(g.layout.key, zero.owned_range(g), g.master.tolist(), optimizer.state[g.master]["exp_avg"].tolist(),
              float(optimizer.state[g.master]["step"])) for g in zero.groups], zero.model.layers["0"].weight.tolist()
 

@@ -6,6 +6,9 @@ parameters to the tensor-parallel tolerance (1e-4: the expert outputs of a token
 another order after the all-to-all, and DDP sums expert gradients over other groups).
 """
 
+import json
+from pathlib import Path
+
 import pytest
 
 from parity.harness import TP_PARAM_ATOL, assert_parity, train_distributed, train_single, with_changes
@@ -28,6 +31,13 @@ LAYOUTS = {
                                    expert_parallel={"degree": 1, "kernel": "loop"})),
     "ep2-pp2": (4, dict(train={"micro_batch_size": 4}, pipeline_parallel={"degree": 2, "schedule": "1f1b"},
                         expert_parallel={"degree": 2})),
+    # expert tensor parallelism: every expert's hidden units split over 2 ranks
+    "etp2": (2, dict(train={"micro_batch_size": 4}, expert_parallel={"tensor": 2})),
+    "ep2-etp2": (4, dict(train={"micro_batch_size": 2}, expert_parallel={"degree": 2, "tensor": 2, "alltoall": "pairwise"})),
+    "ep2-etp2-tp2-sp": (4, dict(train={"micro_batch_size": 4}, tensor_parallel={"degree": 2, "sequence_parallel": True},
+                                expert_parallel={"degree": 2, "tensor": 2})),
+    "etp2-zero3-dp4": (4, dict(train={"micro_batch_size": 2}, data_parallel={"shard": 4, "zero_stage": 3},
+                               expert_parallel={"tensor": 2, "kernel": "loop"})),
 }
 
 
@@ -41,7 +51,15 @@ def test_moe_layout_trains_like_one_process(base, tmp_path, name):
     sections.setdefault("train", {})["output_dir"] = str(tmp_path / name)
     config = with_changes(single, **sections)
     diffs = assert_parity(train_single(single), train_distributed(config, world), param_atol=TP_PARAM_ATOL)
-    print(f"{name}: {diffs}")
+    # the clipped gradient norm counts every parameter once: expert pieces, replicas and TP shards included
+    expected, got = _grad_norms(single), _grad_norms(config)
+    assert len(expected) == len(got) >= 2 and got == pytest.approx(expected, rel=1e-5), (expected, got)
+    print(f"{name}: {diffs} grad norms {got}")
+
+
+def _grad_norms(config) -> list[float]:
+    lines = (Path(config.train.output_dir) / "metrics.jsonl").read_text().splitlines()
+    return [row["grad_norm"] for row in map(json.loads, lines) if "grad_norm" in row]
 
 
 VARIANTS = {
@@ -73,10 +91,16 @@ def _train(config, world_size):
     ((4, dict(train={"micro_batch_size": 1}, expert_parallel={"degree": 4})), (1, {})),
     ((4, dict(train={"micro_batch_size": 2}, pipeline_parallel={"degree": 2}, expert_parallel={"degree": 2})),
      (2, dict(train={"micro_batch_size": 2}, expert_parallel={"degree": 2}))),
-], ids=["ep4-to-ep1", "ep2xpp2-to-ep2"])
+    ((4, dict(train={"micro_batch_size": 1}, expert_parallel={"degree": 2, "tensor": 2})), (1, {})),
+    ((2, dict(train={"micro_batch_size": 2}, expert_parallel={"degree": 2})),
+     (2, dict(train={"micro_batch_size": 2}, expert_parallel={"tensor": 2}))),
+    ((4, dict(train={"micro_batch_size": 1}, data_parallel={"shard": 4, "zero_stage": 1}, expert_parallel={"tensor": 2})),
+     (2, dict(train={"micro_batch_size": 2}, expert_parallel={"tensor": 2}))),
+], ids=["ep4-to-ep1", "ep2xpp2-to-ep2", "ep2xetp2-to-ep1", "ep2-to-etp2", "etp2xzero1-to-etp2"])
 def test_resume_at_another_expert_parallel_degree(base, tmp_path, saved, resumed):
     """Each expert is its own checkpoint group named by its global index, so any EP degree reads any other's;
-    the balancing biases travel in trainer.json. Saved at step 2 of 4, resumed, compared with the straight run."""
+    expert-tensor-parallel pieces are put back together and cut again at another ETP degree; the
+    balancing biases travel in trainer.json. Saved at step 2 of 4, resumed, compared with the straight run."""
     model = dict(MOE, moe_bias_update_rate=0.01)
     (saved_world, saved_sections), (resumed_world, resumed_sections) = saved, resumed
     train = {"micro_batch_size": 4, "grad_accum_steps": 2}  # the global micro-batches every layout shares
@@ -94,10 +118,11 @@ def test_resume_at_another_expert_parallel_degree(base, tmp_path, saved, resumed
     print(f"{saved_sections} -> {resumed_sections}: {diffs}")
 
 
-def test_load_aware_placement_with_replicas_trains_like_one_process(base, tmp_path):
+@pytest.mark.parametrize("etp", [1, 2], ids=["ep2", "ep2-etp2"])
+def test_load_aware_placement_with_replicas_trains_like_one_process(base, tmp_path, etp):
     """EPLB at EP 2: a skewed measured load (expert 0 hot) gives each rank one spare slot; expert 0 is
     replicated on both ranks, its assignments split between the replicas and its gradient summed over
-    them, so training equals one process."""
+    them (with ETP 2: each half over the ranks holding that half), so training equals one process."""
     import json
 
     from fivefold.parallel.expert_placement import place_experts
@@ -109,7 +134,7 @@ def test_load_aware_placement_with_replicas_trains_like_one_process(base, tmp_pa
     placement = place_experts(load, 2, 3)
     assert all(0 in rank for rank in placement)
     single = with_changes(base, model=MOE)
-    config = with_changes(single, train={"micro_batch_size": 4, "output_dir": str(tmp_path / "eplb")},
-                          expert_parallel={"degree": 2, "replicas": 1, "load_from": str(trace.parent)})
-    diffs = assert_parity(train_single(single), train_distributed(config, 2), param_atol=TP_PARAM_ATOL)
-    print(f"eplb ep2: {placement} {diffs}")
+    config = with_changes(single, train={"micro_batch_size": 4 // etp, "output_dir": str(tmp_path / "eplb")},
+                          expert_parallel={"degree": 2, "tensor": etp, "replicas": 1, "load_from": str(trace.parent)})
+    diffs = assert_parity(train_single(single), train_distributed(config, 2 * etp), param_atol=TP_PARAM_ATOL)
+    print(f"eplb ep2 etp{etp}: {placement} {diffs}")

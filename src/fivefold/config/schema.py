@@ -258,6 +258,8 @@ class TensorParallelConfig:
 class ExpertParallelConfig:
     degree: int = 1
     """Expert-parallel degree: each mixture-of-experts layer's experts are split over this many ranks, tokens sent to them by all-to-all (docs/moe.md)."""
+    tensor: int = 1
+    """Expert tensor-parallel degree (ETP): each expert's hidden units are split over this many ranks (w1, w3 by rows, w2 by columns), which swap their rows by an all-gather and add their partial outputs by a reduce-scatter (docs/moe.md)."""
     alltoall: str = "torch"
     """Token dispatch: `torch` (torch.distributed.all_to_all_single) or `pairwise` (fivefold's hand-written pairwise exchange, comm/alltoall.py)."""
     kernel: str = "auto"
@@ -268,7 +270,7 @@ class ExpertParallelConfig:
     """With replicas: an earlier run of the same model (its folder or metrics.jsonl) whose measured expert load (moe_load, last 10 logged steps) the placement balances."""
 
     def validate(self) -> None:
-        _positive("expert_parallel", self, "degree")
+        _positive("expert_parallel", self, "degree", "tensor")
         if self.replicas < 0:
             raise ConfigError(f"expert_parallel.replicas = {self.replicas}: must be >= 0")
         if self.replicas and (self.degree < 2 or not self.load_from):

@@ -6,16 +6,18 @@ and, with tensor parallelism, the TP rank whose piece it is) and a kind:
     optim/<piece>/exp_avg      AdamW first moment, same layout
     optim/<piece>/exp_avg_sq   AdamW second moment
     optim/<piece>/step         AdamW step count (a scalar)
-where <piece> is `layers.3/decay`, or `tp1/layers.3/decay` for TP rank 1's piece when tp > 1 (an
-expert's group, `layers.3.feed_forward.experts.5/decay`, never carries a TP rank: it is held whole).
+where <piece> is `layers.3/decay`, or `tp1/layers.3/decay` for TP rank 1's piece when tp > 1. An
+expert's group, `layers.3.feed_forward.experts.5/decay`, never carries a TP rank (tensor parallelism
+leaves routed experts whole); with expert tensor parallelism it carries the ETP rank instead:
+`etp1/layers.3.feed_forward.experts.5/decay`. `PieceRanks` picks the right one for each group.
 Pipeline stages need no key of their own: groups are named by the modules they hold, which
 keep their global names on whichever stage holds them, so any pp degree reads any other's keys.
 
 `CheckpointLayout` is layout.json: for every piece, its parameters' names, local shapes and TP
-split (`TPSpec`: split dimension, ranks holding distinct pieces, unpadded full size). From it a
-reader can put every parameter back together (`consolidate`) and cut any other TP degree's piece
-out of it (`tp_piece`), which is how a checkpoint resumes at a different tp. This module is the
-only place that writes or parses those names.
+(or ETP) split (`TPSpec`: split dimension, ranks holding distinct pieces, unpadded full size). From it
+a reader can put every parameter back together (`consolidate`) and cut any other degree's piece
+out of it (`tp_piece`), which is how a checkpoint resumes at a different tp or etp. This module is
+the only place that writes or parses those names.
 """
 
 from __future__ import annotations
@@ -35,25 +37,24 @@ KINDS = ("model", *MOMENTS, "step")
 
 @dataclass(frozen=True, order=True)
 class ShardKey:
-    """One flat group's piece: the group key and the tensor-parallel rank (None without TP)."""
+    """One flat group's piece: the group key and the rank whose piece it is (None when held whole):
+    the tensor-parallel rank for a dense group, the expert-tensor-parallel rank for an expert's."""
 
     group: str
     tp_rank: int | None = None
 
-    def __post_init__(self) -> None:
-        # An expert is held whole by whichever rank owns it (never split over TP): one key at any layout.
-        if self.tp_rank is not None and is_expert_group(self.group):
-            object.__setattr__(self, "tp_rank", None)
-
     @property
     def name(self) -> str:
-        return self.group if self.tp_rank is None else f"tp{self.tp_rank}/{self.group}"
+        if self.tp_rank is None:
+            return self.group
+        return f"{'etp' if is_expert_group(self.group) else 'tp'}{self.tp_rank}/{self.group}"
 
     @classmethod
     def parse(cls, name: str) -> "ShardKey":
         head, _, rest = name.partition("/")
-        if head.startswith("tp") and head[2:].isdigit() and rest:
-            return cls(rest, int(head[2:]))
+        prefix = "etp" if head.startswith("etp") else "tp"
+        if head.startswith(prefix) and head[len(prefix):].isdigit() and rest:
+            return cls(rest, int(head[len(prefix):]))
         return cls(name)
 
     def tensor(self, kind: str) -> str:
@@ -61,6 +62,18 @@ class ShardKey:
         if kind not in KINDS:
             raise ValueError(f"unknown checkpoint tensor kind {kind!r}; one of {KINDS}")
         return f"model/{self.name}" if kind == "model" else f"optim/{self.name}/{kind}"
+
+
+@dataclass(frozen=True)
+class PieceRanks:
+    """Which piece of each group this rank holds: its TP rank for dense groups, its ETP rank for experts'
+    (None: the groups are held whole)."""
+
+    tp: int | None = None
+    expert_tp: int | None = None
+
+    def key(self, group: str) -> ShardKey:
+        return ShardKey(group, self.expert_tp if is_expert_group(group) else self.tp)
 
 
 @dataclass(frozen=True)
@@ -93,12 +106,19 @@ class CheckpointLayout:
 
     @property
     def tp(self) -> int:
-        ranks = {key.tp_rank for key in self.pieces if key.tp_rank is not None}
+        """The tensor-parallel degree the dense groups were saved at."""
+        ranks = {key.tp_rank for key in self.pieces if key.tp_rank is not None and not is_expert_group(key.group)}
+        return max(len(ranks), 1)
+
+    @property
+    def etp(self) -> int:
+        """The expert-tensor-parallel degree the experts were saved at."""
+        ranks = {key.tp_rank for key in self.pieces if key.tp_rank is not None and is_expert_group(key.group)}
         return max(len(ranks), 1)
 
     def describe(self) -> str:
         units = sorted({key.group.split("/")[0] for key in self.pieces})
-        return f"tp {self.tp}, {len(units)} module groups"
+        return f"tp {self.tp}{f', etp {self.etp}' if self.etp > 1 else ''}, {len(units)} module groups"
 
     def merged(self, other: "CheckpointLayout") -> "CheckpointLayout":
         return CheckpointLayout({**self.pieces, **other.pieces})
@@ -125,13 +145,13 @@ class CheckpointLayout:
             raise CheckpointError(f"layout.json is malformed ({exc!r}): the checkpoint is damaged") from exc
 
 
-def local_layout(model: nn.Module, tp_rank: int | None) -> CheckpointLayout:
-    """This rank's pieces: its flat groups, keyed with its TP rank when tensor parallelism is on."""
+def local_layout(model: nn.Module, ranks: PieceRanks = PieceRanks()) -> CheckpointLayout:
+    """This rank's pieces: its flat groups, keyed with its TP (ETP) rank when tensor parallelism is on."""
     params = dict(model.named_parameters())
     pieces = {}
     for group in flat_group_layout(model):
         specs = tuple(tp_spec(params[name]) for name in group.names)
-        pieces[ShardKey(group.key, tp_rank)] = PieceEntry(group.names, group.shapes, specs)
+        pieces[ranks.key(group.key)] = PieceEntry(group.names, group.shapes, specs)
     return CheckpointLayout(pieces)
 
 

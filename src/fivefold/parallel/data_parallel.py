@@ -36,6 +36,7 @@ from torch import nn
 
 from fivefold.comm.reducers import CommThread, NativeReducer, Reducer
 from fivefold.errors import ConfigError
+from fivefold.parallel.checkpoint_layout import PieceRanks
 from fivefold.parallel.gradient_sync import (
     GradientSync,
     GradNorm,
@@ -294,11 +295,11 @@ class DDPSync(GradientSync):
         states = [t for state in self.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
         return params, [p.grad for p in params], states
 
-    def state_dict(self, tp_rank: int | None, fresh: bool = False) -> dict[str, torch.Tensor]:
-        return whole_state(self.model, self.optimizer, tp_rank)
+    def state_dict(self, ranks: PieceRanks, fresh: bool = False) -> dict[str, torch.Tensor]:
+        return whole_state(self.model, self.optimizer, ranks)
 
-    def load_state_dict(self, state: dict[str, torch.Tensor], tp_rank: int | None) -> None:
-        self.load_pieces(pieces_of_state(self.model, state, tp_rank))
+    def load_state_dict(self, state: dict[str, torch.Tensor], ranks: PieceRanks) -> None:
+        self.load_pieces(pieces_of_state(self.model, state, ranks))
 
     def load_pieces(self, pieces: dict[str, dict[str, torch.Tensor]]) -> None:
         load_whole_pieces(self.model, self.optimizer, pieces)

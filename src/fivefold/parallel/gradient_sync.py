@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.optim import set_lr
-from fivefold.parallel.checkpoint_layout import MOMENTS, ShardKey
+from fivefold.parallel.checkpoint_layout import MOMENTS, PieceRanks
 from fivefold.parallel.flat_groups import flat_group_layout, flatten, unflatten
 from fivefold.plan.memory import ModelStateBytes
 from fivefold.reliability.activity import phase
@@ -166,11 +166,11 @@ class GradientSync(abc.ABC):
         return zero_model_states(parameters, 0, 1, False)
 
     @abc.abstractmethod
-    def state_dict(self, tp_rank: int | None) -> dict[str, torch.Tensor]:
+    def state_dict(self, ranks: PieceRanks) -> dict[str, torch.Tensor]:
         """This rank's part of the checkpoint (DCP state dict; keys from ShardKey)."""
 
     @abc.abstractmethod
-    def load_state_dict(self, state: dict[str, torch.Tensor], tp_rank: int | None) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor], ranks: PieceRanks) -> None:
         """Take the tensors DCP loaded into a `state_dict(...)`-shaped dict."""
 
     @abc.abstractmethod
@@ -182,14 +182,14 @@ class GradientSync(abc.ABC):
 
 
 # ------------------------------------------------- whole tensors on every rank (DDP, PS worker, one process)
-def whole_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, tp_rank: int | None) -> dict[str, torch.Tensor]:
+def whole_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, ranks: PieceRanks) -> dict[str, torch.Tensor]:
     """Every flat group of the model whole: weights, AdamW moments (zero without an optimizer) and step."""
     params = dict(model.named_parameters())
     out = {}
     for group in flat_group_layout(model):
         members = [params[name] for name in group.names]
         states = [optimizer.state.get(p, {}) if optimizer is not None else {} for p in members]
-        key = ShardKey(group.key, tp_rank)
+        key = ranks.key(group.key)
         out[key.tensor("model")] = flatten(members)
         for moment in MOMENTS:
             out[key.tensor(moment)] = flatten([s.get(moment, torch.zeros_like(p)) for s, p in zip(states, members)])
@@ -210,7 +210,7 @@ def load_whole_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, pieces
                                       **{m: moments[m][name].to(param.device, param.dtype).clone() for m in MOMENTS}}
 
 
-def pieces_of_state(model: nn.Module, state: dict[str, torch.Tensor], tp_rank: int | None) -> dict[str, dict[str, torch.Tensor]]:
+def pieces_of_state(model: nn.Module, state: dict[str, torch.Tensor], ranks: PieceRanks) -> dict[str, dict[str, torch.Tensor]]:
     """A whole-tensor state dict regrouped as group key -> {kind: tensor}."""
-    return {g.key: {kind: state[ShardKey(g.key, tp_rank).tensor(kind)] for kind in ("model", *MOMENTS, "step")}
+    return {g.key: {kind: state[ranks.key(g.key).tensor(kind)] for kind in ("model", *MOMENTS, "step")}
             for g in flat_group_layout(model)}

@@ -33,7 +33,7 @@ from fivefold.config import ContextParallelConfig, JobConfig, TensorParallelConf
 from fivefold.model import Transformer, materialize
 from fivefold.model.hf import load_hf_weights
 from fivefold.optim import build_adamw, build_optimizer
-from fivefold.parallel.checkpoint_layout import CheckpointLayout, local_layout
+from fivefold.parallel.checkpoint_layout import CheckpointLayout, PieceRanks, local_layout
 from fivefold.parallel.comm_schedule import PriorityDataParallel, PrioritySync
 from fivefold.parallel.context_parallel import ContextParallelLayout, apply_context_parallel, build_context_parallel_groups
 from fivefold.errors import ConfigError
@@ -49,6 +49,7 @@ from fivefold.parallel.expert_parallel import (
     build_expert_groups,
     cut_experts,
     is_expert_parameter,
+    shard_experts,
 )
 from fivefold.parallel.gradient_sync import GradientSync, GradNorm
 from fivefold.parallel.mesh import Mesh
@@ -115,6 +116,10 @@ class ModelParallel:
     def checkpoint_tp_rank(self) -> int | None:
         return self.tp_rank if self.tp > 1 else None
 
+    def piece_ranks(self, experts: ExpertGroups | None) -> PieceRanks:
+        """Which checkpoint piece of each group this rank holds (TP rank for dense groups, ETP rank for experts)."""
+        return PieceRanks(self.checkpoint_tp_rank, experts.etp_rank if experts is not None and experts.etp > 1 else None)
+
 
 @dataclass(frozen=True)
 class Parallelized:
@@ -131,6 +136,10 @@ class Parallelized:
     dp_rank: int  # which slice of each global batch this rank takes
     experts: ExpertGroups | None = None  # expert-parallel groups (models with routed experts)
     alltoall: AllToAllMeter | None = None  # time and bytes of the expert dispatch
+
+    @property
+    def piece_ranks(self) -> PieceRanks:
+        return self.folds.piece_ranks(self.experts)
 
 
 def apply_model_parallel(model: Transformer, mesh: Mesh, tensor: TensorParallelConfig = TensorParallelConfig(),
@@ -230,9 +239,9 @@ def build_step(model: Transformer, folds: ModelParallel, sync: GradientSync, mes
     return PipelineStep(executor, pipe.schedule, sync, mesh.group("pp"), dp_rank, dp, mesh.group("dp_cp"))
 
 
-def gather_layout(local: CheckpointLayout, mesh: Mesh, ep: int = 1) -> CheckpointLayout:
+def gather_layout(local: CheckpointLayout, mesh: Mesh, experts_split: bool = False) -> CheckpointLayout:
     """Every tensor-parallel piece, pipeline stage's and expert's groups (collective when the model is split)."""
-    if mesh.dims.tp == 1 and mesh.dims.pp == 1 and ep == 1:
+    if mesh.dims.tp == 1 and mesh.dims.pp == 1 and not experts_split:
         return local
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local.to_json())
@@ -258,13 +267,15 @@ def parallelize(model: Transformer, mesh: Mesh, config: JobConfig, device: torch
     sequence_parallel = config.tensor_parallel.sequence_parallel and config.tensor_parallel.degree > 1
     placements = {}
     if model.config.n_experts:  # keep only this rank's experts (load-aware placement with replicas: EPLB)
-        experts = build_expert_groups(mesh, ep.degree, sequence_parallel)
+        experts = build_expert_groups(mesh, ep.degree, sequence_parallel, ep.tensor)
         placements = placements_for(model.config.moe_layers, model.config.n_experts, ep.degree, ep.replicas, ep.load_from)
         if ep.degree > 1:
             cut_experts(model, placements, experts.ep_rank)
     model = materialize(model, device, seed=t.seed)
     if pretrained and model.config.init_from_hf:
         load_hf_weights(model, model.config.init_from_hf)
+    if experts is not None:
+        shard_experts(model, experts.etp, experts.etp_rank)
     folds = apply_model_parallel(model, mesh, config.tensor_parallel, config.context_parallel, t.recompute, stages)
     norm = folds.grad_norm()
     meter, replicas = AllToAllMeter(), None
@@ -274,15 +285,16 @@ def parallelize(model: Transformer, mesh: Mesh, config: JobConfig, device: torch
         replicas = ReplicaGradients(model, mesh, experts, placements)
         expert_ids = frozenset(id(p) for n, p in model.named_parameters() if is_expert_parameter(n))
         norm = dataclasses.replace(norm, moe=True, experts=expert_ids, expert_replicas=replicas.counts,
-                                   expert_groups=tuple(g for g in (experts.ep_group, mesh.group("pp")) if g is not None))
+                                   expert_groups=tuple(g for g in (experts.ep_group, experts.etp_group, mesh.group("pp"))
+                                                       if g is not None))
     tied_group = None  # first and last pipeline stage, which both hold a tied embedding
     if stages is not None and model.config.tie_embeddings:
         tied_group = mesh.subgroup(tied_embedding_rows(mesh.rank_table("pp"), (len(split) - 1) % pipe.degree))
-    local = local_layout(model, folds.checkpoint_tp_rank)  # before ZeRO empties the parameters
+    local = local_layout(model, folds.piece_ranks(experts))  # before ZeRO empties the parameters
     parameters = sum(p.numel() for p in model.parameters())
     sync = apply_data_parallel(model, mesh, config, norm, tied_group, experts, replicas if replicas and replicas.sets else None)
-    if ep.degree > 1:
+    if experts is not None and experts.active:
         sync.gathers_in_forward = True  # every expert-parallel peer must run each forward (its all-to-alls)
     step = build_step(model, folds, sync, mesh, config, stages, autocast)
     return Parallelized(model, folds, sync, step, tuple(map(tuple, split)) if split else None,
-                        gather_layout(local, mesh, ep.degree), local, parameters, mesh.local_rank("dp"), experts, meter)
+                        gather_layout(local, mesh, experts is not None and experts.active), local, parameters, mesh.local_rank("dp"), experts, meter)

@@ -33,6 +33,7 @@ from torch import nn
 from fivefold.config import OptimConfig
 from fivefold.errors import CheckpointError
 from fivefold.optim import build_adamw, lr_at, set_lr
+from fivefold.parallel.checkpoint_layout import PieceRanks
 from fivefold.parallel.gradient_sync import GradientSync, GradNorm, whole_state
 from fivefold.plan.memory import ModelStateBytes
 from fivefold.reliability.activity import phase
@@ -234,10 +235,10 @@ class ParameterServerSync(GradientSync):
         params = list(self.model.parameters())
         return params, [p.grad for p in params], []
 
-    def state_dict(self, tp_rank: int | None, fresh: bool = False) -> dict[str, torch.Tensor]:
-        return whole_state(self.model, None, tp_rank)  # weights; the servers' moments are not saved
+    def state_dict(self, ranks: PieceRanks, fresh: bool = False) -> dict[str, torch.Tensor]:
+        return whole_state(self.model, None, ranks)  # weights; the servers' moments are not saved
 
-    def load_state_dict(self, state: dict[str, torch.Tensor], tp_rank: int | None) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor], ranks: PieceRanks) -> None:
         raise CheckpointError("resuming a parameter-server run is not supported: the servers' optimizer states are "
                               "not in checkpoints; resume with dp_mode = ddp or start a new train.output_dir")
 

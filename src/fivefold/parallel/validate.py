@@ -57,7 +57,7 @@ def check_moe(config: JobConfig) -> None:
     """Mixture-of-experts settings against the folds they meet."""
     ep, model = config.expert_parallel, config.model
     check_choice("expert_parallel.kernel", ep.kernel, EXPERT_KERNELS)
-    check_expert_parallel(model, ep.degree, ep.alltoall)
+    check_expert_parallel(model, ep.degree, ep.alltoall, etp=ep.tensor)
     if not model.n_experts:
         return
     if config.data_parallel.mode == "ps":

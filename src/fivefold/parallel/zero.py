@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fivefold.errors import ConfigError
 from fivefold.optim import set_lr
-from fivefold.parallel.checkpoint_layout import MOMENTS, ShardKey
+from fivefold.parallel.checkpoint_layout import MOMENTS, PieceRanks
 from fivefold.parallel.collectives import all_gather_flat, reduce_scatter_flat
 from fivefold.parallel.data_parallel import SkipOnAccumulation, broadcast_module
 from fivefold.parallel.flat_groups import GroupLayout, flat_group_layout, units
@@ -428,7 +428,7 @@ class ZeroSync(GradientSync):
         states = [t for state in self.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
         return params, grads, [t for t in [*states, *masters] if id(t) not in transient]
 
-    def state_dict(self, tp_rank: int | None, fresh: bool = False) -> dict[str, torch.Tensor]:
+    def state_dict(self, ranks: PieceRanks, fresh: bool = False) -> dict[str, torch.Tensor]:
         """This rank's unpadded shard of every group as DTensors; with `fresh`, zero buffers for DCP to load into."""
         out = {}
         for z, mesh, placements in self.parts:
@@ -436,7 +436,7 @@ class ZeroSync(GradientSync):
                 lo, hi = z.owned_range(g)
                 n = hi - lo
                 state = self.optimizer.state.get(g.master, {})
-                key = ShardKey(g.layout.key, tp_rank)
+                key = ranks.key(g.layout.key)
                 locals_ = {"model": g.master.detach()[:n]}
                 for moment in MOMENTS:
                     locals_[moment] = state[moment][:n] if moment in state else torch.zeros(n)
@@ -448,10 +448,10 @@ class ZeroSync(GradientSync):
         return out
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, torch.Tensor], tp_rank: int | None) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor], ranks: PieceRanks) -> None:
         for z in self.zeros:
             for g in z.groups:
-                key = ShardKey(g.layout.key, tp_rank)
+                key = ranks.key(g.layout.key)
                 self._set_shard(g, {kind: state[key.tensor(kind)].to_local() for kind in ("model", *MOMENTS)},
                                 state[key.tensor("step")])
             z.publish_masters()

@@ -173,7 +173,7 @@ def load_model_weights(folder: Path, model: nn.Module) -> None:
     """Consolidated weights into a whole model, from a checkpoint saved under any layout (TP pieces joined)."""
     manifest = open_checkpoint(folder)
     layout = load_layout(manifest)
-    check_layout(folder, layout, local_layout(model, None))
+    check_layout(folder, layout, local_layout(model))
     model.load_state_dict(read_consolidated_weights(manifest, layout), strict=False)
 
 

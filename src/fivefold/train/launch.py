@@ -37,12 +37,17 @@ OUR_EXIT_CODES = (2, 3, 4)  # errors.py: bad input, a detected fault, a dead lau
 def check_before_launch(config: JobConfig, nproc_per_node: int) -> None:
     """What can fail before any rank starts: config and degrees, data source, the output folder."""
     from fivefold.data.corpus import list_source_files
+    from fivefold.parallel.expert_parallel import check_expert_parallel, token_fiber_size
     from fivefold.parallel.mesh import dims_for
     from fivefold.parallel.validate import check_config
     from fivefold.train.resume import plan_start
 
     check_config(config)
-    dims_for(config, nproc_per_node)
+    dims = dims_for(config, nproc_per_node)
+    if config.data_parallel.mode != "ps":
+        ep, tp = config.expert_parallel, config.tensor_parallel
+        tokens = token_fiber_size(dims, tp.sequence_parallel and tp.degree > 1)
+        check_expert_parallel(config.model, ep.degree, ep.alltoall, tokens, ep.tensor)
     if config.data.source != "stdlib":
         list_source_files(config.data.source)
     if config.checkpoint.resume == "none":

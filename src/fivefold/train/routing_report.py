@@ -33,15 +33,19 @@ from fivefold.parallel.expert_parallel import AllToAllMeter, dispatch_bound_byte
 def describe_experts(model, config, dims) -> str:
     """The start-up line: where the experts are and the worst-case dispatch buffer (expert_parallel.py's bound)."""
     t, ep, tp = config.train, config.expert_parallel.degree, config.tensor_parallel
+    etp = config.expert_parallel.tensor
     tokens = t.micro_batch_size * t.seq_len // dims.cp // (tp.degree if tp.sequence_parallel else 1)
     dtype_bytes = 2 if t.dtype == "bf16" else 4
-    bound = dispatch_bound_bytes(model, tokens, ep, dtype_bytes, config.expert_parallel.replicas)
+    bound = dispatch_bound_bytes(model, tokens, ep, dtype_bytes, config.expert_parallel.replicas, etp)
     where = (f"expert parallel {ep}: {model.n_experts // ep} of {model.n_experts} experts per rank"
              if ep > 1 else f"{model.n_experts} experts on every rank")
+    if etp > 1:
+        where += f", each split over {etp} expert-tensor-parallel ranks"
+    peers = f"ep {ep} x etp {etp}" if etp > 1 else f"ep {ep}"
     return (f"mixture of experts: {len(model.moe_layers)} MoE layers, top-{model.moe_top_k}, {where}; "
             + (f"worst-case dispatch {bound / 2**20:.2f} MiB received per layer and micro-batch "
-               f"(ep {ep} x {tokens} tokens x min(k, experts per rank) x dim {model.dim} x {dtype_bytes} B; as much again returned)"
-               if ep > 1 else "no all-to-all"))
+               f"({peers} x {tokens} tokens x min(k, experts per rank) x dim {model.dim} x {dtype_bytes} B; as much "
+               "again returned)" if ep * etp > 1 else "no all-to-all"))
 
 
 class RoutingReport:

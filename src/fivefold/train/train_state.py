@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from fivefold.errors import CheckpointError
-from fivefold.parallel.checkpoint_layout import MOMENTS, CheckpointLayout, consolidate, tp_piece
-from fivefold.parallel.flat_groups import flatten, unflatten
+from fivefold.parallel.checkpoint_layout import MOMENTS, CheckpointLayout, PieceRanks, consolidate, tp_piece
+from fivefold.parallel.flat_groups import flatten, is_expert_group, unflatten
 from fivefold.parallel.gradient_sync import GradientSync
 from fivefold.parallel.parallelize import Parallelized
 from fivefold.reliability.manifest import Manifest
@@ -53,21 +53,24 @@ def write_training_state(state: dict[str, torch.Tensor], folder: Path, distribut
 
 def capture_training_state(parallel: Parallelized) -> dict[str, torch.Tensor]:
     """This rank's part of the checkpoint state dict (every rank of a distributed run calls DCP with it)."""
-    return parallel.sync.state_dict(parallel.folds.checkpoint_tp_rank)
+    return parallel.sync.state_dict(parallel.piece_ranks)
 
 
 @torch.no_grad()
 def restore_training_state(manifest: Manifest, parallel: Parallelized, saved: CheckpointLayout) -> None:
     """Load weights and AdamW state saved under any layout into this one (collective under ZeRO)."""
-    sync, tp_rank = parallel.sync, parallel.folds.checkpoint_tp_rank
-    if saved.tp == parallel.layout.tp:
-        restore_sync_state(manifest, sync, tp_rank)
+    sync, ranks = parallel.sync, parallel.piece_ranks
+    if saved.tp == parallel.layout.tp and saved.etp == parallel.layout.etp:
+        restore_sync_state(manifest, sync, ranks)
         return
     whole = read_consolidated(manifest, saved, ("model", *MOMENTS))
     steps = read_steps(manifest, saved)
-    tp, rank = parallel.folds.tp, parallel.folds.tp_rank
+    experts = parallel.experts
+    dense = (parallel.folds.tp, parallel.folds.tp_rank)
+    expert = (experts.etp, experts.etp_rank) if experts is not None else (1, 0)
     pieces = {}
     for key, entry in parallel.local_layout.pieces.items():
+        tp, rank = expert if is_expert_group(key.group) else dense
         pieces[key.group] = {
             kind: flatten([tp_piece(whole[kind][name], spec, tp, rank, shape)
                            for name, shape, spec in zip(entry.names, entry.shapes, entry.specs)])
@@ -92,14 +95,14 @@ def load_verified(state: dict[str, torch.Tensor], manifest: Manifest, no_dist: b
             raise CheckpointError(f"{manifest.label}: reading its state failed ({cause or exc})") from exc
 
 
-def restore_sync_state(manifest: Manifest, sync: GradientSync, tp_rank: int | None) -> None:
+def restore_sync_state(manifest: Manifest, sync: GradientSync, ranks: PieceRanks) -> None:
     """Same tensor-parallel degree: DCP reads straight into the sync's own tensors (collective under ZeRO)."""
-    state = sync.state_dict(tp_rank, fresh=True)  # buffers of the right shapes, filled in place by DCP
+    state = sync.state_dict(ranks, fresh=True)  # buffers of the right shapes, filled in place by DCP
     missing = sorted(set(state) - set(_stored(manifest)))
     if missing:
         raise CheckpointError(f"{manifest.label}: its state lacks {missing[:3]}: it does not match this model")
     load_verified(state, manifest, no_dist=not sync.collective_checkpoint)
-    sync.load_state_dict(state, tp_rank)
+    sync.load_state_dict(state, ranks)
 
 
 def _stored(manifest: Manifest, reader: VerifiedReader | None = None) -> dict:
