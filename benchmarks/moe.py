@@ -6,7 +6,8 @@ holding the very same weights; forward + backward of the same tokens, alternatin
 
 Part 2 (gloo ranks, --world-sizes): forward + backward + gradient sync of the whole preset model at
 each world size W with the experts replicated (ep 1: DDP over all W ranks) and split (ep W), the
-dispatch through torch's all_to_all_single (gloo's own) and through our pairwise exchange. Every
+dispatch through torch's all_to_all_single (gloo's own) and through our pairwise exchange, and
+split W/2 ways with each expert halved over 2 expert-tensor-parallel ranks (ep W/2 x etp 2). Every
 variant computes the same loss on the same weights and batch (checked: loss_rel_diff).
 
     python benchmarks/moe.py --preset tiny-moe --batch 4 --seq-len 256 --world-sizes 2,4
@@ -92,12 +93,14 @@ def _expert_parallel(rank: int, world_size: int, args) -> dict:
         model_config.n_layers = args.layers
     mesh = build_mesh(ParallelDims(dp_replicate=world_size, world_size=world_size), "cpu")
     steps = {}
-    for name, ep, backend in (("ep1", 1, "torch"), (f"ep{world_size}-torch", world_size, "torch"),
-                              (f"ep{world_size}-pairwise", world_size, "pairwise")):
+    half = world_size // 2
+    for name, ep, etp, backend in (("ep1", 1, 1, "torch"), (f"ep{world_size}-torch", world_size, 1, "torch"),
+                                   (f"ep{world_size}-pairwise", world_size, 1, "pairwise"),
+                                   (f"ep{half}-etp2", half, 2, "torch")):
         job = JobConfig()
         job.model = model_config
         job.train = dataclasses.replace(job.train, micro_batch_size=args.batch, seq_len=args.seq_len)
-        job.expert_parallel = dataclasses.replace(job.expert_parallel, degree=ep, alltoall=backend)
+        job.expert_parallel = dataclasses.replace(job.expert_parallel, degree=ep, tensor=etp, alltoall=backend)
         parallel = parallelize(build_model(model_config), mesh, job, torch.device("cpu"),
                                lambda: torch.autocast("cpu", enabled=False))
 
@@ -118,9 +121,10 @@ def _expert_parallel(rank: int, world_size: int, args) -> dict:
     ms, _, losses = timed_rounds(wrapped, make_batch, args.warmup, args.rounds)
     names = list(steps)
     return {**{f"{n}_x{world_size}_ms" if n == "ep1" else f"{n}_ms": v for n, v in ms.items()},
-            "loss_rel_diff": loss_rel_diff(losses, [(names[1], names[0]), (names[2], names[0])]),
+            "loss_rel_diff": loss_rel_diff(losses, [(names[1], names[0]), (names[2], names[0]), (names[3], names[0])]),
             f"ep{world_size}_vs_ep1": ms[names[1]] / ms[names[0]],
-            f"pairwise_vs_torch_x{world_size}": ms[names[2]] / ms[names[1]]}
+            f"pairwise_vs_torch_x{world_size}": ms[names[2]] / ms[names[1]],
+            f"etp2_vs_ep{world_size}": ms[names[3]] / ms[names[1]]}
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ SMALL = ["--layers", "1", "--batch", "1", "--seq-len", "16", "--rounds", "1", "-
     ("context_parallel.py", ["--seq-lens", "16,32"], "2d_vs_ring_time_s32="),
     ("pipeline.py", ["--layers", "4", "--microbatches", "2"], "zbh1_bubble="),
     ("comm_schedule.py", ["--bucket-mb", "0.05", "--slice-mb", "0.01"], "priority_hidden="),
-    ("moe.py", ["--world-sizes", "2"], "ep2_vs_ep1="),
+    ("moe.py", ["--world-sizes", "2"], "etp2_vs_ep2="),
 ])
 def test_benchmark_runs_and_prints_result(script, extra, expected):
     if script in ("model_throughput.py", "moe.py"):

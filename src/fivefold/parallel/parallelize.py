@@ -187,8 +187,8 @@ def apply_data_parallel(model: Transformer, mesh: Mesh, config: JobConfig, norm:
             if experts.edp_group is None:
                 raise ConfigError(
                     f"data_parallel.zero_stage = {dp.zero_stage} shards the experts over their expert-data-parallel group, "
-                    f"but expert_parallel.degree = {config.expert_parallel.degree} leaves each expert on one rank: lower "
-                    "expert_parallel.degree or raise the data-parallel degree")
+                    f"but expert_parallel.degree x tensor = {config.expert_parallel.degree} x {config.expert_parallel.tensor} "
+                    "leaves each expert piece on one rank: lower the expert degrees or raise the data-parallel degree")
             expert_zero = ZeroDataParallel(model, experts.edp_group, None, dp.zero_stage, DTYPES[dp.param_dtype],
                                            reduce_dtype, dp.offload, select=is_expert_group)
             parts.append(expert_zero)

@@ -281,9 +281,9 @@ class Trainer:
         plot = plot_losses(metrics_path, self.output_dir / "loss.png", baseline) if self.is_rank0 and log.plot else None
         if self.is_rank0 and log.plot and self.model_config.n_experts:
             self._print(f"expert load: {plot_expert_load(metrics_path, self.output_dir / 'expert_load.png')}")
-        # A sync that gathers weights inside forward (ZeRO-3) needs every rank to generate.
+        # A sync that gathers weights inside forward (ZeRO-3) needs every rank to generate; split: no rank holds it all.
         split = (self.dims.tp > 1 or self.dims.cp > 1 or self.dims.pp > 1
-                 or self.config.expert_parallel.degree > 1)  # no rank holds the whole model or sequence
+                 or self.config.expert_parallel.degree * self.config.expert_parallel.tensor > 1)
         asked = bool(log.sample_prompt and log.sample_tokens)
         if asked and split:
             self._print("sample: generation runs in one process; use `fivefold generate --checkpoint` on this run")
