@@ -35,6 +35,10 @@ SHAPES = {  # each family's own options, on a model of a few hundred thousand pa
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=24, norm_topk_prob=True)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(  # multi-latent attention, grouped routing
+        num_key_value_heads=4, n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=64, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16)),
 }
 
 
@@ -65,12 +69,16 @@ def make_tiny_hf_model(folder: str | Path, family: str = "llama", seed: int = 0)
         tokenizer_object=train_tokenizer(), bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>",
         chat_template=CHAT_TEMPLATE)
     config_class, model_class, changes = SHAPES[family]
-    config = getattr(transformers, config_class)(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **changes)
+    shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = getattr(transformers, config_class)(**{**shape, **changes})
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config)
+    with torch.no_grad():  # a trained DeepSeek-V3's selection bias is not zero, as a fresh one is
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.05)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

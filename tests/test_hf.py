@@ -1,4 +1,4 @@
-"""Hugging Face interop for five dense and three mixture-of-experts families: a random transformers model and its fivefold import give
+"""Hugging Face interop for five dense and four mixture-of-experts families (DeepSeek-V3 with multi-latent attention): a random transformers model and its fivefold import give
 the same logits; export -> import is bit-exact; our export loads in transformers with the same logits
 and the same greedy continuation.
 
@@ -65,6 +65,19 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         num_key_value_heads=2, head_dim=24, intermediate_size=96, moe_intermediate_size=48, num_experts=4,
         num_experts_per_tok=2, norm_topk_prob=True)),
+    # compressed queries, interleaved RoPE rows, 8 experts in 4 groups (2 chosen), a shared expert, the
+    # selection bias, routed weights x 2.5, the first layer dense
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_group=4,
+        topk_group=2, num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=12)),
+    # queries projected directly, DeepSeek's yarn (mscale and mscale_all_dim), RoPE rows in halves, no grouping
+    "deepseek_v3-yarn": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4, n_group=1,
+        topk_group=1, num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=0, norm_topk_prob=False,
+        q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                         "mscale": 0.707, "mscale_all_dim": 0.9})),
 }
 
 
@@ -74,7 +87,7 @@ def hf_model(folder, name="llama-GQA"):
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():  # HF inits norms to 1 and biases to 0; perturb them so that they matter
-        for param_name, p in model.named_parameters():
+        for param_name, p in [*model.named_parameters(), *model.named_buffers()]:
             if "norm" in param_name or param_name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(folder)
@@ -102,7 +115,7 @@ def test_imported_model_gives_same_logits_and_round_trips(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["llama3.1-rope", "qwen2-sliding", "qwen3", "mistral", "olmo2", "mixtral",
-                                  "qwen2_moe", "qwen3_moe"])
+                                  "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3-yarn"])
 def test_export_loads_in_transformers_with_same_logits_and_greedy_text(tmp_path, name):
     hf_model(tmp_path / "hf", name)
     ours = load_hf(tmp_path / "hf").eval()
@@ -209,3 +222,19 @@ def test_sharded_bf16_folder_imports_exactly(tmp_path):
     for name, value in ours.state_dict().items():
         expected = theirs[fivefold_to_hf_name(name, "qwen3")]
         assert value.dtype == torch.float32 and torch.equal(value, expected.float()), name
+
+
+def test_deepseek_v3_preset_is_transformers_default_deepseek_v3_shape():
+    """transformers' DeepseekV3Config() defaults are DeepSeek-V3's shape (without its YaRN context extension):
+    read through config_from_hf they give the deepseek-v3 preset's architecture, routing groups included."""
+    from fivefold.model import get_preset
+
+    ours = get_preset("deepseek-v3")
+    read = config_from_hf(transformers.DeepseekV3Config().to_dict())
+    training = ("name", "max_seq_len", "init_std", "moe_aux_loss", "moe_aux_coeff", "moe_bias_update_rate", "n_kv_heads")
+    assert ours.kv_heads == read.kv_heads == 128  # 0 means "as many as query heads"
+    rope = [f for f in vars(ours) if f.startswith("rope_") and f != "rope_theta"]
+    different = {f: (getattr(ours, f), getattr(read, f)) for f in vars(ours)
+                 if f not in (*training, *rope) and getattr(ours, f) != getattr(read, f)}
+    assert not different
+    assert hf_family(ours) == "deepseek_v3"

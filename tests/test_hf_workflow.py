@@ -127,3 +127,27 @@ def test_missing_and_malformed_tokenizers_are_named(tmp_path, corpus_dir, qwen3_
         load_config(None, _overrides(tmp_path, corpus_dir, **{"model.init_from_hf": folder}))
     with pytest.raises(DataError, match="does not exist"):
         BPETokenizer.load(folder)
+
+
+def test_deepseek_v3_selection_bias_survives_convert_train_and_export(tmp_path, corpus_dir):
+    """DeepSeek-V3's e_score_correction_bias is a buffer, not a weight: it travels in trainer.json from the
+    converted checkpoint through training and back into the exported folder, and the export routes like ours."""
+    folder = make_tiny_hf_model(tmp_path / "hf", "deepseek_v3")
+    run_dir = tmp_path / "imported"
+    assert main(["convert", "--from-hf", str(folder), "--to", str(run_dir), *_overrides(tmp_path, corpus_dir)]) == 0
+    original = {n: b.clone() for n, b in load_hf(folder).named_buffers() if n.endswith("expert_bias")}
+    assert original and all(b.abs().sum() > 0 for b in original.values())
+    assert json.loads((run_dir / "step-000000" / "trainer.json").read_text())["expert_bias"]
+    result = Trainer(resumable_config(run_dir)).fit()
+    assert result.steps == 2
+    assert main(["convert", "--checkpoint", str(run_dir), "--to", str(tmp_path / "out")]) == 0
+    out = tmp_path / "out"
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["DeepseekV3ForCausalLM"]
+    ours = load_hf(out).eval()
+    for name, bias in ours.named_buffers():
+        if name in original:  # no balancing was asked for: the bias is the folder's, unchanged
+            assert torch.equal(bias, original[name]), name
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = torch.randint(0, ours.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (theirs(tokens).logits - ours(tokens)).abs().max().item() <= 1e-5

@@ -166,7 +166,8 @@ def _model_options(model) -> str:
     if model.n_experts:
         shared = f" + shared {model.shared_hidden_dim}" if model.shared_hidden_dim else ""
         options.append(f"MoE {model.n_experts} experts x {model.expert_hidden_dim} top-{model.moe_top_k}{shared} in "
-                       f"{len(model.moe_layers)} of {model.n_layers} layers, {model.moe_score} router")
+                       f"{len(model.moe_layers)} of {model.n_layers} layers, {model.moe_score} router"
+                       + (f", top-{model.moe_topk_groups} of {model.moe_groups} groups" if model.moe_groups > 1 else ""))
     return ", ".join(options) or "plain Llama"
 
 

@@ -69,10 +69,11 @@ def test_init_from_hf_in_each_layout_like_one_process(tmp_path, corpus_dir):
         print(f"init-from-hf llama at {name}: {diffs}")
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3"])
 def test_moe_folder_trains_at_ep2_like_one_process(tmp_path, corpus_dir, family):
-    """A Mixtral / Qwen2-MoE folder with `--init-from-hf`: each expert-parallel rank reads only its own
-    experts' tensors; 3 steps at EP 2 equal one process (the balancing loss from router_aux_loss_coef)."""
+    """A Mixtral / Qwen2-MoE / DeepSeek-V3 folder with `--init-from-hf`: each expert-parallel rank reads only its
+    own experts' tensors; 3 steps at EP 2 equal one process (the balancing loss from router_aux_loss_coef;
+    DeepSeek-V3's selection bias and group-limited routing from the folder)."""
     folder = EXAMPLE["make_tiny_hf_model"](tmp_path / "hf", family)
     overrides = _init_from_hf_overrides(folder, corpus_dir, tmp_path)
     single = load_config(None, overrides)

@@ -92,6 +92,8 @@ class ModelConfig:
     """yarn: rotations at which the ramp to interpolation ends."""
     rope_attention_factor: float = 0.0
     """yarn: scale of cos/sin (attention temperature); 0 means 0.1 * ln(rope_factor) + 1."""
+    rope_mscale_all_dim: float = 0.0
+    """yarn with MLA (DeepSeek-V2/V3): the softmax scale is multiplied by (0.1 x this x ln(rope_factor) + 1)^2; 0 is off."""
     sliding_window: int = 0
     """Each query attends to at most this many positions (itself included); 0 means full causal attention (Mistral v0.1: 4096)."""
     attention: str = "mha"
@@ -128,6 +130,10 @@ class ModelConfig:
     """Renormalise the chosen top-k scores to sum to 1 (Mixtral, Qwen3-MoE, DeepSeek-V3; Qwen2-MoE: false)."""
     moe_route_scale: float = 1.0
     """Factor on the routed experts' weights (DeepSeek-V3's routed_scaling_factor 2.5)."""
+    moe_groups: int = 1
+    """Group-limited routing (DeepSeek-V3's n_group): the experts form this many equal groups, and a token chooses only among the moe_topk_groups groups whose two best selection scores sum highest; 1 is off."""
+    moe_topk_groups: int = 1
+    """Group-limited routing: groups a token may choose from (DeepSeek-V3's topk_group)."""
     moe_aux_loss: str = "none"
     """Load-balancing loss: `switch` (Fedus et al. 2021, over each micro-batch), `sequence` (DeepSeek-V3's sequence-wise loss)."""
     moe_aux_coeff: float = 0.01
@@ -239,6 +245,11 @@ class ModelConfig:
                            if v]
             if unsupported:
                 raise ConfigError(f"model.{unsupported[0]} is not available with model.attention = mla: leave it at its default")
+        if not (math.isfinite(self.rope_mscale_all_dim) and self.rope_mscale_all_dim >= 0):
+            raise ConfigError(f"model.rope_mscale_all_dim = {self.rope_mscale_all_dim}: must be a finite number >= 0")
+        if self.rope_mscale_all_dim and (self.attention != "mla" or self.rope_scaling != "yarn"):
+            raise ConfigError("model.rope_mscale_all_dim scales multi-latent attention under yarn RoPE scaling (DeepSeek): "
+                              "set model.attention = mla and model.rope_scaling = yarn, or leave it at 0")
 
     def _validate_moe(self) -> None:
         for name in ("moe_top_k", "moe_layer_freq"):
@@ -260,3 +271,19 @@ class ModelConfig:
             raise ConfigError(f"model.moe_route_scale = {self.moe_route_scale}: must be a positive finite number")
         if self.moe_shared_gate and not self.shared_hidden_dim:
             raise ConfigError("model.moe_shared_gate gates the shared experts: set model.moe_shared_experts (or moe_shared_ffn_dim)")
+        self._validate_groups()
+
+    def _validate_groups(self) -> None:
+        groups, top = self.moe_groups, self.moe_topk_groups
+        if groups < 1 or top < 1:
+            raise ConfigError(f"model.moe_groups = {groups}, moe_topk_groups = {top}: both must be positive integers")
+        if groups == 1:
+            if top != 1:
+                raise ConfigError(f"model.moe_topk_groups = {top} needs group-limited routing: set model.moe_groups > 1")
+            return
+        if self.n_experts % groups or self.n_experts // groups < 2:
+            raise ConfigError(f"model.moe_groups = {groups} must split model.n_experts = {self.n_experts} into equal groups "
+                              "of at least 2 experts (a group is ranked by its two best scores)")
+        if top > groups or self.moe_top_k > top * (self.n_experts // groups):
+            raise ConfigError(f"model.moe_topk_groups = {top}: must lie in 1 .. moe_groups = {groups} and offer at least "
+                              f"moe_top_k = {self.moe_top_k} experts ({self.n_experts // groups} per group)")

@@ -1,4 +1,4 @@
-"""Hugging Face model folders (config.json + safetensors) <-> fivefold weights, for five families.
+"""Hugging Face model folders (config.json + safetensors) <-> fivefold weights, for nine families.
 
     LlamaForCausalLM    Llama 2/3/3.1/3.2 (RoPE scaling linear, llama3, yarn; attention/MLP biases; head_dim)
     Qwen2ForCausalLM    biases on q, k, v
@@ -9,6 +9,8 @@
     Qwen2MoeForCausalLM mixture of experts with a sigmoid-gated shared expert, q/k/v biases,
                         decoder_sparse_step / leading mlp_only_layers
     Qwen3MoeForCausalLM mixture of experts with per-head q/k RMSNorm
+    DeepseekV3ForCausalLM multi-latent attention; sigmoid routing with a selection bias, group-limited
+                        (n_group / topk_group), routed_scaling_factor; shared experts; leading dense layers
 
 Our RoPE uses the same half-split convention as `transformers`, so conversion is a renaming of
 tensors, with no permutation of the query/key projections:
@@ -23,9 +25,13 @@ tensors, with no permutation of the query/key projections:
               ....block_sparse_moe.experts.e.w{1,2,3} <-> layers.i.feed_forward.experts.e.w{1,2,3}
     Qwen-MoE: model.layers.i.mlp.gate <-> ...router, mlp.experts.e.{gate,up,down}_proj <-> experts.e.w{1,3,2},
               mlp.shared_expert.* <-> feed_forward.shared.*, mlp.shared_expert_gate <-> feed_forward.shared_gate
+    DeepSeek-V3: mlp.gate.e_score_correction_bias <-> feed_forward.expert_bias (a buffer), mlp.shared_experts.*
+              <-> feed_forward.shared.*, self_attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj}, kv_a_proj_with_mqa,
+              kv_a_layernorm, kv_b_proj, o_proj <-> attention.{wq | wq_a, q_a_norm, wq_b}, wkv_a, kv_a_norm, wkv_b, wo;
+              with rope_interleave (its default) the RoPE rows of wq / wq_b and wkv_a are reordered on import
 (on disk transformers keeps one tensor per expert, which is our layout too).
 Only what the model can represent is accepted: another model_type, a non-SiLU activation, RoPE
-scaling of another kind (dynamic, longrope, DeepSeek's mscale), partial rotary embeddings or a
+scaling of another kind (dynamic, longrope; mscale outside DeepSeek-V3), partial rotary embeddings or a
 mix of sliding and full attention layers is refused by name. Export picks the family that
 represents the config (`hf_family`) and refuses a combination none of them has.
 Exports are atomic, readable (0644) and carry a checksummed manifest (`fivefold-manifest.json`).
@@ -34,6 +40,7 @@ Exports are atomic, readable (0644) and carry a checksummed manifest (`fivefold-
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -57,8 +64,9 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 # config.json keys a family may leave out, with the value its transformers class then uses.
 _DEFAULTS = {
     "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
@@ -69,6 +77,7 @@ _DEFAULTS = {
     "mixtral": {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072},
     "qwen2_moe": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
     "qwen3_moe": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
+    "deepseek_v3": {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096},
 }
 _PROJECTIONS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _ATTENTION_MAP = {
@@ -82,6 +91,16 @@ _ATTENTION_MAP = {
     "mlp.up_proj": "feed_forward.w3",
     "mlp.down_proj": "feed_forward.w2",
 }
+_MLA_MAP = {  # DeepSeek-V3's multi-latent attention (model/mla.py)
+    "self_attn.q_proj": "attention.wq",
+    "self_attn.q_a_proj": "attention.wq_a",
+    "self_attn.q_a_layernorm": "attention.q_a_norm",
+    "self_attn.q_b_proj": "attention.wq_b",
+    "self_attn.kv_a_proj_with_mqa": "attention.wkv_a",
+    "self_attn.kv_a_layernorm": "attention.kv_a_norm",
+    "self_attn.kv_b_proj": "attention.wkv_b",
+    "self_attn.o_proj": "attention.wo",
+}
 _PRE_NORMS = {"input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm"}
 _POST_NORMS = {"post_attention_layernorm": "attention_norm", "post_feedforward_layernorm": "ffn_norm"}
 _TOP_MAP = {"model.embed_tokens": "tok_embeddings", "model.norm": "norm", "lm_head": "output"}
@@ -91,6 +110,10 @@ def _layer_map(family: str) -> dict[str, str]:
     out = {**_ATTENTION_MAP, **(_POST_NORMS if family == "olmo2" else _PRE_NORMS)}
     if family == "mixtral":
         out["block_sparse_moe.gate"] = "feed_forward.router"
+    elif family == "deepseek_v3":
+        out = {**{k: v for k, v in out.items() if not k.startswith("self_attn.")}, **_MLA_MAP,
+               "mlp.gate": "feed_forward.router"}
+        out.update({f"mlp.shared_experts.{hf}": f"feed_forward.shared.{ours}" for hf, ours in _PROJECTIONS.items()})
     elif family in MOE_FAMILIES:
         out["mlp.gate"] = "feed_forward.router"
         out["mlp.shared_expert_gate"] = "feed_forward.shared_gate"
@@ -126,6 +149,8 @@ def hf_to_fivefold_name(name: str, family: str = "llama") -> str:
     parts = stem.split(".")
     if parts[:2] == ["model", "layers"] and len(parts) >= 4:
         inner = ".".join(parts[3:])
+        if family == "deepseek_v3" and inner == "mlp.gate" and leaf == "e_score_correction_bias":
+            return f"layers.{parts[2]}.feed_forward.expert_bias"  # the selection bias (a buffer here)
         layer_map = _layer_map(family)
         if inner in layer_map:
             return f"layers.{parts[2]}.{layer_map[inner]}.{leaf}"
@@ -142,6 +167,8 @@ def fivefold_to_hf_name(name: str, family: str = "llama") -> str:
             return f"{hf}.{leaf}"
     parts = stem.split(".")
     inner = ".".join(parts[2:])
+    if family == "deepseek_v3" and inner == "feed_forward" and leaf == "expert_bias":
+        return f"model.layers.{parts[1]}.mlp.gate.e_score_correction_bias"
     for hf, ours in _layer_map(family).items():
         if ours == inner:
             return f"model.layers.{parts[1]}.{hf}.{leaf}"
@@ -170,9 +197,11 @@ def _rope_settings(hf: dict, family: str) -> dict:
     factor = merged.get("factor")
     original = merged.get("original_max_position_embeddings")
     if kind == "yarn":
-        for key in ("mscale", "mscale_all_dim"):
-            if merged.get(key):
-                raise CheckpointError(f"yarn RoPE scaling with {key} (DeepSeek's variant) is not supported")
+        if family != "deepseek_v3":
+            for key in ("mscale", "mscale_all_dim"):
+                if merged.get(key):
+                    raise CheckpointError(f"yarn RoPE scaling with {key} (DeepSeek's variant) is not supported for "
+                                          f"{ARCHITECTURES[family]}")
         if merged.get("truncate", True) is False:
             raise CheckpointError("yarn RoPE scaling with truncate = false is not supported")
         if factor is None and original:
@@ -188,8 +217,16 @@ def _rope_settings(hf: dict, family: str) -> dict:
             raise CheckpointError(f"RoPE scaling {kind!r} in config.json has no original_max_position_embeddings")
         out["rope_original_max_seq_len"] = int(original)
     if kind == "yarn":
+        attention_factor = float(merged.get("attention_factor") or 0.0)
+        mscale, mscale_all_dim = merged.get("mscale"), merged.get("mscale_all_dim")
+        if not attention_factor and mscale and mscale_all_dim:  # transformers' rule for DeepSeek's yarn
+
+            def get_mscale(m: float) -> float:
+                return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+            attention_factor = get_mscale(float(mscale)) / get_mscale(float(mscale_all_dim))
         out.update(rope_beta_fast=float(merged.get("beta_fast") or 32.0), rope_beta_slow=float(merged.get("beta_slow") or 1.0),
-                   rope_attention_factor=float(merged.get("attention_factor") or 0.0))
+                   rope_attention_factor=attention_factor, rope_mscale_all_dim=float(mscale_all_dim or 0.0))
     return out
 
 
@@ -233,6 +270,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise CheckpointError(f"config.json sets mlp_bias for {family}, whose transformers class has none")
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or defaults.get("head_dim") or dim // heads
+    if family == "deepseek_v3":
+        head_dim = dim // heads  # its head_dim is the RoPE width; multi-latent attention has its own widths
     attention_bias = {"qwen2": "qkv"}.get(family, "all" if hf.get("attention_bias") else "none")
     if family == "qwen2_moe":
         attention_bias = "qkv" if hf.get("qkv_bias", True) else "none"
@@ -241,7 +280,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         dim=dim,
         n_layers=hf["num_hidden_layers"],
         n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        n_kv_heads=heads if family == "deepseek_v3" else hf.get("num_key_value_heads") or heads,
         vocab_size=hf["vocab_size"],
         ffn_dim=hf["intermediate_size"],
         norm_eps=hf.get("rms_norm_eps", defaults["rms_norm_eps"]),
@@ -256,15 +295,43 @@ def config_from_hf(hf: dict) -> ModelConfig:
         sliding_window=_sliding_window(hf, family),
         **_rope_settings(hf, family),
         **_moe_settings(hf, family),
+        **_mla_settings(hf, family),
     )
     config.validate()
     return config
+
+
+def _mla_settings(hf: dict, family: str) -> dict:
+    """DeepSeek-V3's multi-latent attention widths."""
+    if family != "deepseek_v3":
+        return {}
+    if hf.get("attention_bias"):
+        raise CheckpointError("config.json sets attention_bias for DeepSeek-V3; fivefold's multi-latent attention has none")
+    return dict(attention="mla", q_lora_rank=int(hf.get("q_lora_rank") or 0), kv_lora_rank=hf["kv_lora_rank"],
+                qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+                v_head_dim=hf["v_head_dim"])
+
+
+def _deepseek_moe_settings(hf: dict) -> dict:
+    """DeepseekV3ForCausalLM's routing: sigmoid scores, a fixed selection bias, group-limited top-k; every layer
+    from first_k_dense_replace on is MoE. Balancing and capacity are training choices, left off."""
+    scoring = hf.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise CheckpointError(f"config.json scoring_func = {scoring!r}: DeepseekV3ForCausalLM routes by sigmoid scores")
+    return dict(n_experts=hf["n_routed_experts"], moe_top_k=hf["num_experts_per_tok"],
+                moe_ffn_dim=hf["moe_intermediate_size"], moe_shared_experts=int(hf.get("n_shared_experts") or 0),
+                moe_score="sigmoid", moe_norm_topk=bool(hf.get("norm_topk_prob", True)),
+                moe_route_scale=float(hf.get("routed_scaling_factor", 1.0)), moe_groups=int(hf.get("n_group") or 1),
+                moe_topk_groups=int(hf.get("topk_group") or 1), moe_first_dense=int(hf.get("first_k_dense_replace", 0)),
+                moe_layer_freq=1)
 
 
 def _moe_settings(hf: dict, family: str) -> dict:
     """ModelConfig's mixture-of-experts fields from config.json (the routing rules of each family's class)."""
     if family not in MOE_FAMILIES:
         return {}
+    if family == "deepseek_v3":
+        return _deepseek_moe_settings(hf)
     coeff = float(hf.get("router_aux_loss_coef", 0.001))
     if family == "mixtral":
         return dict(n_experts=hf["num_local_experts"], moe_top_k=hf["num_experts_per_tok"],
@@ -293,9 +360,11 @@ def hf_family(config: ModelConfig) -> str:
         return CheckpointError(f"model.{setting} = {getattr(config, setting)!r} cannot be exported as a "
                                f"{ARCHITECTURES[family]} (the family its other settings need)")
 
-    if config.attention != "mha":
-        raise CheckpointError(f"model.attention = {config.attention!r} cannot be exported: the supported families "
-                              "(Llama, Qwen, Mistral, OLMo 2, Mixtral, Qwen-MoE) use multi-head attention")
+    if config.attention == "mla" and not config.n_experts:
+        raise CheckpointError("model.attention = mla without experts cannot be exported: the one family with multi-latent "
+                              "attention, DeepseekV3ForCausalLM, is a mixture of experts")
+    if config.attention != "mha" and config.attention != "mla":
+        raise CheckpointError(f"model.attention = {config.attention!r} cannot be exported")
     if config.n_experts:
         return _moe_family(config)
     if config.norm_position == "post" or config.qk_norm == "projection":
@@ -324,7 +393,9 @@ def hf_family(config: ModelConfig) -> str:
 def _moe_family(config: ModelConfig) -> str:
     """Mixtral (no shared expert, renormalised, every layer MoE), Qwen2-MoE (gated shared expert, q/k/v biases)
     or Qwen3-MoE (per-head q/k norm); the routing options those classes lack are refused by name."""
-    if config.shared_hidden_dim:
+    if config.attention == "mla":
+        family = "deepseek_v3"
+    elif config.shared_hidden_dim:
         family = "qwen2_moe"
     elif config.qk_norm == "head":
         family = "qwen3_moe"
@@ -333,7 +404,11 @@ def _moe_family(config: ModelConfig) -> str:
     wants = {"moe_shared_gate": True} if family == "qwen2_moe" else {}
     wants |= {"moe_score": "softmax", "moe_route_scale": 1.0, "moe_bias_update_rate": 0.0, "mlp_bias": False,
              "norm_position": "pre", "qk_norm": "head" if family == "qwen3_moe" else "none",
-             "attention_bias": "qkv" if family == "qwen2_moe" else "none"}
+             "attention_bias": "qkv" if family == "qwen2_moe" else "none", "moe_groups": 1, "moe_topk_groups": 1}
+    if family == "deepseek_v3":  # sigmoid scores, any scale, a selection bias (exported), shared experts ungated
+        wants = {"moe_score": "sigmoid", "moe_shared_gate": False, "moe_shared_ffn_dim": 0, "moe_layer_freq": 1,
+                 "mlp_bias": False, "norm_position": "pre", "qk_norm": "none", "attention_bias": "none",
+                 "sliding_window": 0}
     if family == "qwen2_moe":
         wants.update(moe_shared_experts=0)  # Qwen2-MoE gives one shared width: moe_shared_ffn_dim
     if family == "mixtral":
@@ -358,6 +433,8 @@ def _rope_parameters(config: ModelConfig) -> dict:
         params.update(beta_fast=config.rope_beta_fast, beta_slow=config.rope_beta_slow)
         if config.rope_attention_factor:
             params["attention_factor"] = config.rope_attention_factor
+        if config.rope_mscale_all_dim:
+            params["mscale_all_dim"] = config.rope_mscale_all_dim
     return params
 
 
@@ -401,6 +478,16 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype, tokenizer=None) -> dic
             out.update(shared_expert_intermediate_size=config.shared_hidden_dim, qkv_bias=True)
         else:
             out["attention_bias"] = False
+    if family == "deepseek_v3":
+        out.update(num_key_value_heads=config.n_heads, head_dim=config.qk_rope_head_dim,
+                   q_lora_rank=config.q_lora_rank or None, kv_lora_rank=config.kv_lora_rank,
+                   qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
+                   v_head_dim=config.v_head_dim, n_routed_experts=config.n_experts,
+                   num_experts_per_tok=config.moe_top_k, moe_intermediate_size=config.expert_hidden_dim,
+                   n_shared_experts=config.moe_shared_experts, n_group=config.moe_groups,
+                   topk_group=config.moe_topk_groups, norm_topk_prob=config.moe_norm_topk,
+                   routed_scaling_factor=config.moe_route_scale, first_k_dense_replace=config.moe_first_dense,
+                   rope_interleave=False, attention_bias=False, num_nextn_predict_layers=0)
     if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         out.update(use_sliding_window=bool(config.sliding_window), sliding_window=config.sliding_window or None,
                    max_window_layers=0,
@@ -454,6 +541,10 @@ def load_hf_weights(model: Transformer, folder: str | Path) -> None:
     family = hf_family(model.config)
     expected = model.state_dict()
     whole = set(build_model(model.config).state_dict())  # on the meta device: names only
+    if family == "deepseek_v3":
+        expected.update(_expert_biases(model))
+        whole |= set(_expert_biases(build_model(model.config)))
+        interleaved = _reads_interleaved_rope(folder)
     found: set[str] = set()
     for path in _safetensors_files(folder):
         try:
@@ -461,6 +552,8 @@ def load_hf_weights(model: Transformer, folder: str | Path) -> None:
                 for hf_name in handle.keys():
                     if hf_name.endswith("rotary_emb.inv_freq"):  # a buffer older transformers saved; recomputed
                         continue
+                    if family == "deepseek_v3" and _layer_of(hf_name) >= model.config.n_layers:
+                        continue  # DeepSeek-V3's multi-token-prediction module, which transformers also skips
                     name = hf_to_fivefold_name(hf_name, family)
                     if name not in expected:
                         if name in whole or (name == "output.weight" and model.config.tie_embeddings):
@@ -471,6 +564,8 @@ def load_hf_weights(model: Transformer, folder: str | Path) -> None:
                     if tensor.shape != expected[name].shape:
                         raise CheckpointError(f"{folder}: {hf_name} has shape {tuple(tensor.shape)}, config.json implies "
                                               f"{tuple(expected[name].shape)}")
+                    if family == "deepseek_v3" and interleaved:
+                        tensor = _deinterleave_rope(name, tensor, model.config)
                     expected[name].copy_(tensor)
                     found.add(name)
         except CheckpointError:
@@ -480,6 +575,38 @@ def load_hf_weights(model: Transformer, folder: str | Path) -> None:
     missing = sorted(set(expected) - found)
     if missing:
         raise CheckpointError(f"{folder} lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def _layer_of(hf_name: str) -> int:
+    parts = hf_name.split(".")
+    return int(parts[2]) if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit() else -1
+
+
+def _expert_biases(model: Transformer) -> dict[str, torch.Tensor]:
+    """The MoE layers' selection biases by state-dict-style name (they are buffers, not saved with the weights)."""
+    return {name: buffer for name, buffer in model.named_buffers() if name.endswith("feed_forward.expert_bias")}
+
+
+def _reads_interleaved_rope(folder: Path) -> bool:
+    try:
+        return bool(json.loads((folder / "config.json").read_text()).get("rope_interleave", True))
+    except (OSError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{folder}/config.json is not readable JSON: {exc}") from exc
+
+
+def _deinterleave_rope(name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """DeepSeek's rope_interleave rotates pairs (x0, x1), (x2, x3), ...; fivefold rotates halves. Reordering the
+    RoPE rows of the query and key projections as [x0, x2, ..., x1, x3, ...] makes the two the same attention
+    (transformers' interleaved rotation returns exactly that order)."""
+    rope = config.qk_rope_head_dim
+    order = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+    if name.endswith(("attention.wq.weight", "attention.wq_b.weight")):
+        per_head = tensor.view(config.n_heads, -1, tensor.shape[-1])
+        nope = per_head.shape[1] - rope
+        return torch.cat([per_head[:, :nope], per_head[:, nope:][:, order]], dim=1).reshape(tensor.shape)
+    if name.endswith("attention.wkv_a.weight"):
+        return torch.cat([tensor[: config.kv_lora_rank], tensor[config.kv_lora_rank :][order]])
+    return tensor
 
 
 def load_hf(folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
@@ -507,6 +634,8 @@ def save_hf(model: Transformer, folder: str | Path, dtype: torch.dtype | None = 
     state = model.state_dict()
     dtype = dtype or next(iter(state.values())).dtype
     family = hf_family(model.config)
+    if family == "deepseek_v3":
+        state.update(_expert_biases(model))
     tensors = {fivefold_to_hf_name(k, family): v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config_to_hf(model.config, dtype, tokenizer), indent=2))

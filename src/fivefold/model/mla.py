@@ -5,7 +5,7 @@ latent, with a decoupled RoPE key shared by all heads.
     latent    [c (kv_lora_rank) | k_rope (r)] = W_kva x;  c = RMSNorm(c)
     keys      per head [W_kvb c -> k_nope (n) | RoPE(k_rope), the same for every head]
     values    per head W_kvb c -> v (v_head_dim)
-    output    W_o softmax(q k^T / sqrt(n + r)) v
+    output    W_o softmax(q k^T / sqrt(n + r)) v   (x DeepSeek's YaRN factor mscale^2 with rope_mscale_all_dim)
 
 RoPE rotates only the r-wide parts (q_rope and the shared k_rope), in the half-split convention of
 the rest of the model. Generation caches the latent [c | RoPE(k_rope)] of every position: kv_lora_rank
@@ -35,6 +35,14 @@ def cache_values_per_token(config: ModelConfig) -> int:
     return 2 * config.kv_heads * config.head_size
 
 
+def softmax_scale(config: ModelConfig) -> float:
+    """1 / sqrt(n + r), times DeepSeek's YaRN correction (0.1 mscale_all_dim ln(factor) + 1)^2 when set."""
+    scale = 1.0 / math.sqrt(config.qk_nope_head_dim + config.qk_rope_head_dim)
+    if config.rope_mscale_all_dim and config.rope_factor > 1:
+        scale *= (0.1 * config.rope_mscale_all_dim * math.log(config.rope_factor) + 1.0) ** 2
+    return scale
+
+
 class MultiLatentAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
@@ -54,7 +62,7 @@ class MultiLatentAttention(nn.Module):
         self.kv_a_norm = RMSNorm(self.kv_rank, config.norm_eps)
         self.wkv_b = nn.Linear(self.kv_rank, config.n_heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(config.n_heads * self.v_dim, config.dim, bias=False)
-        self.scale = 1.0 / math.sqrt(qk)
+        self.scale = softmax_scale(config)
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         if self.wq is not None:

@@ -4,7 +4,9 @@ Transformer; Jiang et al. 2024, Mixtral; DeepSeek-AI 2024, DeepSeek-V3).
     scores    router logits x W_r^T in fp32 -> softmax over the E experts, or a sigmoid per expert
     select    the top-k experts of (scores + bias); the bias is DeepSeek-V3's auxiliary-loss-free
               balancing term (a buffer moved after each step towards even load; it changes which
-              experts are chosen, never the weights)
+              experts are chosen, never the weights). With group-limited routing (DeepSeek-V3's
+              n_group / topk_group) only the experts of the moe_topk_groups groups whose two best
+              selection scores sum highest are candidates
     weights   the chosen scores, renormalised to sum to 1 (moe_norm_topk), times moe_route_scale
     capacity  with moe_capacity_factor c > 0, expert e takes at most ceil(c * S * k / E) of one
               sequence's S tokens; the others are dropped for that expert (lowest score first, or
@@ -239,6 +241,24 @@ class Routing:
         return chosen[order], ids[order]
 
 
+def limit_to_groups(select: torch.Tensor, groups: int, keep: int) -> torch.Tensor:
+    """Selection scores (tokens, E) with every expert outside each token's `keep` best groups set to -inf;
+    a group's rank is the sum of its two best scores (DeepSeek-V3)."""
+    grouped = select.view(select.shape[0], groups, -1)
+    best = grouped.topk(2, dim=-1).values.sum(-1)  # (tokens, groups)
+    chosen = best.topk(keep, dim=-1).indices
+    allowed = torch.zeros_like(best, dtype=torch.bool).scatter_(1, chosen, True)
+    return grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view_as(select)
+
+
+def load_expert_biases(modules, biases: dict[str, list[float]]) -> None:
+    """Set the selection biases of the MoE layers among `modules` from {layer index: bias} (trainer.json's expert_bias)."""
+    for module in modules:
+        if isinstance(module, MoE) and str(module.layer_id) in biases:
+            with torch.no_grad():
+                module.expert_bias.copy_(torch.tensor(biases[str(module.layer_id)], dtype=module.expert_bias.dtype))
+
+
 class LocalDispatch:
     """All experts on this rank: permute by expert, run them, weight and sum back."""
 
@@ -288,7 +308,9 @@ class MoE(nn.Module):
         batch, seq, _ = x.shape
         logits = F.linear(x.reshape(batch * seq, -1).float(), self.replicated(self.router.weight).float())
         scores = logits.softmax(-1) if self.config.moe_score == "softmax" else logits.sigmoid()
-        select = scores + self.expert_bias if self.config.moe_bias_update_rate else scores
+        select = scores + self.expert_bias  # zero unless balancing moves it (or a checkpoint brings one)
+        if self.config.moe_groups > 1:
+            select = limit_to_groups(select, self.config.moe_groups, self.config.moe_topk_groups)
         experts = select.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, experts)
         if self.config.moe_norm_topk:

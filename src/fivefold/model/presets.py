@@ -6,8 +6,9 @@ embeddings (factor 32). Qwen2.5, Qwen3 and Mistral shapes are those of their pub
 config.json files (Qwen2.5-7B, Qwen3-8B/32B, Mistral-7B-v0.1). The mixture-of-experts shapes are
 those of Mixtral-8x7B-v0.1, Qwen1.5-MoE-A2.7B (Qwen2-MoE architecture: 60 experts, a gated shared
 expert) and Qwen3-30B-A3B; `deepseek-v3` is DeepSeek-V3's main model (multi-latent attention, 3 dense
-layers, 256 sigmoid-routed experts plus a shared one, without the multi-token-prediction module and
-without its group-limited routing and YaRN context extension); `tiny-moe` is the CPU demo
+layers, 256 sigmoid-routed experts in 8 groups of which each token may use 4, plus a shared one, YaRN
+to 163,840 positions with its mscale, as its config.json; without the multi-token-prediction module);
+`tiny-moe` is the CPU demo
 (configs/tiny-moe.toml).
 `gpt3-175b` keeps GPT-3's h=12288, L=96, a=96, V=50257, s=2048 and tied embeddings
 (Brown et al. 2020) but, being a Llama-style block, uses SwiGLU with ffn = 8h/3 so the
@@ -103,10 +104,11 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     "deepseek-v3": ModelConfig(
         name="deepseek-v3", dim=7168, n_layers=61, n_heads=128, vocab_size=129280, ffn_dim=18432, norm_eps=1e-6,
-        rope_theta=10000.0, max_seq_len=4096, attention="mla", q_lora_rank=1536, kv_lora_rank=512,
+        rope_theta=10000.0, max_seq_len=163840, rope_scaling="yarn", rope_factor=40.0, rope_original_max_seq_len=4096,
+        rope_attention_factor=1.0, rope_mscale_all_dim=1.0, attention="mla", q_lora_rank=1536, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_experts=256, moe_top_k=8, moe_ffn_dim=2048,
         moe_shared_experts=1, moe_first_dense=3, moe_score="sigmoid", moe_norm_topk=True, moe_route_scale=2.5,
-        moe_aux_loss="sequence", moe_aux_coeff=0.0001, moe_bias_update_rate=0.001,
+        moe_groups=8, moe_topk_groups=4, moe_aux_loss="sequence", moe_aux_coeff=0.0001, moe_bias_update_rate=0.001,
     ),
     "gpt3-175b": ModelConfig(
         name="gpt3-175b", dim=12288, n_layers=96, n_heads=96, vocab_size=50257, ffn_dim=32768,

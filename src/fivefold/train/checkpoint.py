@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from fivefold.errors import CheckpointError
+from fivefold.model.moe import load_expert_biases
 from fivefold.parallel.checkpoint_layout import KINDS, CheckpointLayout, local_layout
 from fivefold.reliability.manifest import Manifest
 from fivefold.reliability.safe_dcp import VerifiedReader
@@ -175,6 +176,7 @@ def load_model_weights(folder: Path, model: nn.Module) -> None:
     layout = load_layout(manifest)
     check_layout(folder, layout, local_layout(model))
     model.load_state_dict(read_consolidated_weights(manifest, layout), strict=False)
+    load_expert_biases(model.modules(), load_trainer_state(manifest, restore_rng=False).expert_bias)
 
 
 def verify_checkpoint(folder: Path) -> Manifest:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fivefold.model.moe import MoE
+from fivefold.model.moe import MoE, load_expert_biases
 from fivefold.parallel.expert_parallel import AllToAllMeter, dispatch_bound_bytes, moe_layers
 
 
@@ -100,18 +100,17 @@ class RoutingReport:
 
     def biases(self) -> dict[str, list[float]]:
         """Every stage's layers' balancing biases (collective over the pipeline group)."""
-        mine = {str(m.layer_id): m.expert_bias.tolist() for m in self.layers if m.config.moe_bias_update_rate}
+        # biases that balancing moves, or that an imported model brought (DeepSeek-V3's e_score_correction_bias)
+        mine = {str(m.layer_id): m.expert_bias.tolist() for m in self.layers
+                if m.config.moe_bias_update_rate or bool(m.expert_bias.any())}
         if self.pp_group is None:
             return mine
         everyone: list = [None] * dist.get_world_size(self.pp_group)
         dist.all_gather_object(everyone, mine, group=self.pp_group)
         return {k: v for part in everyone for k, v in part.items()}
 
-    @torch.no_grad()
     def load_biases(self, biases: dict[str, list[float]]) -> None:
-        for m in self.layers:
-            if str(m.layer_id) in biases:
-                m.expert_bias.copy_(torch.tensor(biases[str(m.layer_id)], dtype=m.expert_bias.dtype))
+        load_expert_biases(self.layers, biases)
 
 
 def plot_expert_load(metrics_path: Path, png_path: Path) -> Path | str:
