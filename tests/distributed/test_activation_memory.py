@@ -3,7 +3,9 @@
 The formula (plan/activations.py, docs/activation_memory.md) is checked for no parallelism,
 tensor parallelism at t = 2 (kv heads split) and t = 4 (kv heads replicated), with and without
 sequence parallelism, and for each recomputation mode; and for a head width set explicitly
-(head_dim 24: queries 96 wide on a 64-wide model, as Qwen3 does).
+(head_dim 24: queries 96 wide on a 64-wide model, as Qwen3 does); and for mixture-of-experts blocks
+(routing options, capacity drops, both expert kernels, recomputation, EP 2, EP 4, EP 2 x ETP 2 with
+the rows each rank's experts computed).
 """
 
 import dataclasses
@@ -68,3 +70,97 @@ def test_recomputation_saves_what_it_should():
     none, selective, full = (_expected(1, False, m) for m in MODES)
     assert full < selective < none
     assert _expected(2, True, "none") < _expected(2, False, "none") < none
+
+
+MOE = dataclasses.replace(MODEL, name="act-moe", n_experts=4, moe_top_k=2, moe_ffn_dim=32)
+MOE_VARIANTS = {
+    "plain": {},
+    "shared-gated": dict(moe_shared_experts=1, moe_shared_gate=True),
+    "sigmoid-switch-z": dict(moe_score="sigmoid", moe_aux_loss="switch", moe_z_loss_coeff=0.01),
+    "sequence-unnormalised": dict(moe_aux_loss="sequence", moe_norm_topk=False, moe_route_scale=2.0),
+    "groups-bias": dict(n_experts=8, moe_groups=4, moe_topk_groups=2, moe_bias_update_rate=0.01),
+    "capacity": dict(moe_capacity_factor=1.0, moe_shared_experts=1),
+}
+
+
+def _measure_moe_block(config: ModelConfig, kernel: str, recompute: str = "none", seed: int = 0, setup=None):
+    """(saved bytes of block 0's forward, its MoE layer's kept assignments, rows its experts computed)."""
+    from fivefold.model.moe import ExpertKernel
+    from fivefold.parallel.mesh import Mesh
+    from fivefold.parallel.parallelize import apply_model_parallel
+    from fivefold.train.memory import saved_activation_bytes
+
+    model = materialize(build_model(config), "cpu", seed=0)
+    if setup is not None:
+        setup(model)
+    apply_model_parallel(model, Mesh.single(), recompute=recompute)
+    moe = model.layers["0"].feed_forward
+    moe.kernel = ExpertKernel(kernel)
+    x = torch.randn(BATCH, SEQ, config.dim, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+    positions = torch.arange(SEQ)
+    cos, sin = model.rope_cos[positions], model.rope_sin[positions]
+    outputs = []
+    measured = saved_activation_bytes(lambda: outputs.append(model.layers["0"](x, cos, sin)),
+                                      exclude=[*model.parameters(), *model.buffers()])
+    rows = moe.stats.max_received
+    outputs[0].sum().backward()  # the layer records its routing (drops included) in backward
+    kept = int(moe.stats.assignments - moe.stats.dropped)
+    return measured, kept, rows
+
+
+@pytest.mark.parametrize("kernel", ["loop", "grouped"])
+@pytest.mark.parametrize("variant", list(MOE_VARIANTS))
+def test_moe_block_single_process(variant, kernel):
+    """The MoE block's saved tensors equal moe_block_activation_elements, routing options, drops and kernels included."""
+    from fivefold.plan.activations import ExpertRows, moe_block_activation_elements
+
+    config = dataclasses.replace(MOE, **MOE_VARIANTS[variant])
+    config.validate()
+    measured, kept, _ = _measure_moe_block(config, kernel)
+    if variant == "capacity":
+        assert kept < MOE.moe_top_k * BATCH * SEQ  # some assignments were dropped
+    rows = ExpertRows(assignments=kept, rows=kept, kernel=kernel)
+    assert measured == 4 * moe_block_activation_elements(config, ActivationShape(BATCH, SEQ), rows)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_moe_block_with_recomputation(recompute):
+    from fivefold.plan.activations import moe_block_activation_elements
+
+    measured, _, _ = _measure_moe_block(MOE, "loop", recompute)
+    assert measured == 4 * moe_block_activation_elements(MOE, ActivationShape(BATCH, SEQ, recompute=recompute))
+
+
+def _expert_parallel_rank(rank, world_size, ep, etp, kernel):
+    from fivefold.model.moe import MoE
+    from fivefold.parallel.expert_parallel import (AllToAllMeter, apply_expert_parallel, build_expert_groups,
+                                                   cut_experts, shard_experts)
+    from fivefold.parallel.expert_placement import contiguous_placement
+    from fivefold.parallel.mesh import ParallelDims, build_mesh
+
+    mesh = build_mesh(ParallelDims(dp_replicate=world_size, world_size=world_size), "cpu")
+    groups = build_expert_groups(mesh, ep, False, etp)
+    placements = {layer: contiguous_placement(MOE.n_experts, ep) for layer in MOE.moe_layers}
+
+    def setup(model):
+        cut_experts(model, placements, groups.ep_rank)
+        shard_experts(model, etp, groups.etp_rank)
+        apply_expert_parallel(model, groups, placements, "torch", AllToAllMeter())
+        assert isinstance(model.layers["0"].feed_forward, MoE)
+
+    measured, kept, rows = _measure_moe_block(MOE, kernel, seed=rank, setup=setup)
+    return measured, kept, rows
+
+
+@pytest.mark.parametrize("ep,etp,kernel", [(2, 1, "loop"), (4, 1, "grouped"), (2, 2, "loop")],
+                         ids=["ep2", "ep4-grouped", "ep2-etp2"])
+def test_moe_block_under_expert_parallelism(ep, etp, kernel):
+    """Each rank's count, with the rows its experts computed (routing decides them) from the dispatch."""
+    from fivefold.plan.activations import ExpertRows, moe_block_activation_elements
+
+    results = run_distributed(_expert_parallel_rank, ep * etp, ep, etp, kernel)
+    for measured, kept, rows in results:
+        assert kept == MOE.moe_top_k * BATCH * SEQ  # dropless
+        expected = moe_block_activation_elements(MOE, ActivationShape(BATCH, SEQ), ExpertRows(kept, rows, ep, etp, kernel))
+        assert measured == 4 * expected
+    assert len({rows for _, _, rows in results}) > 1  # the ranks' experts computed different numbers of rows

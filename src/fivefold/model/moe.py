@@ -308,10 +308,11 @@ class MoE(nn.Module):
         batch, seq, _ = x.shape
         logits = F.linear(x.reshape(batch * seq, -1).float(), self.replicated(self.router.weight).float())
         scores = logits.softmax(-1) if self.config.moe_score == "softmax" else logits.sigmoid()
-        select = scores + self.expert_bias  # zero unless balancing moves it (or a checkpoint brings one)
-        if self.config.moe_groups > 1:
-            select = limit_to_groups(select, self.config.moe_groups, self.config.moe_topk_groups)
-        experts = select.topk(self.top_k, dim=-1).indices
+        with torch.no_grad():  # which experts: no gradient flows through the choice, so autograd keeps nothing of it
+            select = scores + self.expert_bias  # zero unless balancing moves it (or a checkpoint brings one)
+            if self.config.moe_groups > 1:
+                select = limit_to_groups(select, self.config.moe_groups, self.config.moe_topk_groups)
+            experts = select.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, experts)
         if self.config.moe_norm_topk:
             weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if self.config.moe_score == "sigmoid" else 0.0))

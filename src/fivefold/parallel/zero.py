@@ -417,7 +417,15 @@ class ZeroSync(GradientSync):
                 f"{', bf16 weights + fp32 masters' if self.mixed_precision else ''}{', offloaded to CPU' if z.offload else ''}")
 
     def expected_model_states(self, parameters: int) -> ModelStateBytes:
-        return zero_model_states(parameters, self.zero.stage, self.zero.shards, self.mixed_precision)
+        """The ZeRO formula for the dense parameters over the data-parallel shards, plus (MoE) the routed
+        experts' over their expert-data-parallel shards."""
+        experts = sum(g.numel for z in self.zeros[1:] for g in z.groups)
+        dense = zero_model_states(parameters - experts, self.zero.stage, self.zero.shards, self.mixed_precision)
+        if not experts:
+            return dense
+        routed = zero_model_states(experts, self.zero.stage, self.zeros[1].shards, self.mixed_precision)
+        return ModelStateBytes(dense.parameters + routed.parameters, dense.gradients + routed.gradients,
+                               dense.optimizer + routed.optimizer)
 
     def model_state_tensors(self) -> tuple[list, list, list]:
         groups = [g for z in self.zeros for g in z.groups]

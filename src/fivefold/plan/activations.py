@@ -28,8 +28,26 @@ bytes in fp32):
 
 Derived and measured for the plain Llama block and an explicit head_dim (q != h); the other
 options of the open families (biases, q/k norms, post norms, a sliding window's explicit mask)
-change what autograd keeps and are not counted yet; neither are multi-latent attention and
-mixture-of-experts MLPs (their blocks keep other tensors: the latent, routing and expert rows).
+change what autograd keeps and are not counted yet; neither is multi-latent attention.
+
+A mixture-of-experts block (model/moe.py) keeps, in place of the SwiGLU's 4sbf, for the T = sb
+tokens of the rank, its A kept (token, choice) assignments (kT when dropless) and the R rows its
+experts compute (A in one process; what the all-to-all brought with expert parallelism, after the
+ETP all-gather with expert tensor parallelism), experts of width f_e / etp, E_l of them local:
+
+    router       scores (sigmoid or softmax output) TE, chosen indices 2Tk (int64),
+                 with moe_norm_topk the chosen scores and their sum Tk + T
+    token side   token and assignment indices 2A + 2A, the assignment weights A, the returned
+                 expert rows and their weighted copy 2Ah
+    expert side  the rows' input Rh, SwiGLU 4R f_e/etp; with EP or ETP the regrouping index and
+                 its inverse 4R; the grouped kernel also its stacked weights 3 E_l h f_e/etp and
+                 offsets E_l (int32)
+    shared       4T f_s, with the Qwen2-MoE gate T h + T
+    losses       switch E, sequence bE (each + T with sigmoid scores), z-loss TE + T
+
+(one process: the rows' input is the gathered tokens, so the regrouping indices are absent). Which
+experts are chosen is computed without gradient, so the selection bias and group-limited routing
+keep nothing. Counted for tp = 1 and multi-head attention (`moe_block_activation_elements`).
 """
 
 from __future__ import annotations
@@ -78,3 +96,51 @@ def korthikanti_bytes(model: ModelConfig, shape: ActivationShape) -> int:
     if t > 1:
         return int(s * b * h * (10 + 24 / t + quadratic / t))
     return int(s * b * h * (34 + quadratic))
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """What one rank's MoE layer processes in one micro-batch: its kept assignments and the rows its experts
+    compute (None: dropless in one process, k x tokens both), and how the experts are split."""
+
+    assignments: int | None = None
+    rows: int | None = None
+    ep: int = 1
+    etp: int = 1
+    kernel: str = "loop"  # `loop` or `grouped` (ExpertKernel's resolved choice)
+
+
+def moe_mlp_elements(model: ModelConfig, tokens: int, micro_batch: int, rows: ExpertRows = ExpertRows()) -> int:
+    """Elements a MoE layer's MLP keeps for backward on one rank (module docstring), `tokens` = s x b."""
+    T, E, k, h = tokens, model.n_experts, model.moe_top_k, model.dim
+    A = k * T if rows.assignments is None else rows.assignments
+    R = A if rows.rows is None else rows.rows
+    width = model.expert_hidden_dim // rows.etp
+    local = E // rows.ep
+    total = T * E + 2 * T * k + (T * k + T if model.moe_norm_topk else 0)
+    total += 5 * A + 2 * A * h
+    total += R * h + 4 * R * width + (4 * R if rows.ep * rows.etp > 1 else 0)
+    if rows.kernel == "grouped":
+        total += 3 * local * h * width + local
+    if model.shared_hidden_dim:
+        total += 4 * T * model.shared_hidden_dim + (T * h + T if model.moe_shared_gate else 0)
+    sigmoid_norm = T if model.moe_score == "sigmoid" else 0
+    if model.moe_aux_loss == "switch":
+        total += E + sigmoid_norm
+    elif model.moe_aux_loss == "sequence":
+        total += micro_batch * E + sigmoid_norm
+    if model.moe_z_loss_coeff:
+        total += T * E + T
+    return total
+
+
+def moe_block_activation_elements(model: ModelConfig, shape: ActivationShape, rows: ExpertRows = ExpertRows()) -> int:
+    """Elements a MoE block keeps for backward on one rank: the dense block's count with the MoE MLP in place of
+    the SwiGLU (tp = 1, multi-head attention; full recomputation keeps only the block input either way)."""
+    if shape.tp != 1 or model.attention != "mha":
+        raise ValueError("the MoE block's activation count is derived for tp = 1 and multi-head attention")
+    dense = block_activation_elements(model, shape)
+    if shape.recompute == "full":
+        return dense
+    tokens = shape.seq_len * shape.micro_batch
+    return dense - 4 * tokens * model.ffn_hidden_dim + moe_mlp_elements(model, tokens, shape.micro_batch, rows)

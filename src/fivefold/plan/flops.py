@@ -33,6 +33,7 @@ class ParameterCount:
     head: int
     biases: int = 0
     mlp_active: int = -1  # MLP parameters one token uses (MoE: top-k experts, shared experts, router); -1: all
+    routed_experts: int = 0  # of mlp: the routed experts' weights (what expert parallelism splits)
 
     @property
     def total(self) -> int:
@@ -80,6 +81,7 @@ def count_parameters(config: ModelConfig) -> ParameterCount:
         attention=layers * attention,
         mlp=mlp,
         mlp_active=mlp_active if moe else -1,
+        routed_experts=moe * config.n_experts * expert,
         norms=(2 * layers + 1) * h + layers * (qk_norms + mla_norms),
         head=0 if config.tie_embeddings else config.vocab_size * h,
         biases=layers * attention_biases + dense * mlp_biases,

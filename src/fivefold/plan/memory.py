@@ -8,6 +8,13 @@ split differently (the weights are their own master). ZeRO over N ranks divides 
     stage 2: + gradients           mixed 2 + 14/N         fp32 4 + 12/N
     stage 3: + parameters          mixed 16/N             fp32 16/N
 (ZeRO paper, 7.5B parameters at N = 64: 120, 31.4, 16.6 and 1.9 GB.)
+
+Mixture of experts: expert parallelism (EP) and expert tensor parallelism (ETP) split the routed
+experts' Ψ_e over EP x ETP ranks, and ZeRO shards their states over the expert-data-parallel group
+(EDP = distinct-token ranks / (EP x ETP)) while the dense Ψ - Ψ_e is sharded over the data-parallel
+group as before:
+    Ψ per rank = Ψ - Ψ_e + Ψ_e / (EP x ETP)      (tp = pp = 1)
+    states     = zero(Ψ - Ψ_e, stage, N) + zero(Ψ_e / (EP x ETP), stage, EDP)
 """
 
 from __future__ import annotations
@@ -70,3 +77,18 @@ def training_floor(parameters: int, layers: int, block_elements: int, micro_batc
     fp32 logits with their gradient. Anything else (workspace, the allocator, ZeRO buffers) comes on top."""
     return TrainingFloor(16 * parameters // model_parallel, 4 * layers * block_elements,
                          2 * 4 * micro_batch * seq_len * vocab // model_parallel)
+
+
+def moe_parameters_per_rank(total: int, routed_experts: int, ep: int, etp: int = 1) -> int:
+    """Ψ one rank holds without tensor or pipeline parallelism: the dense part whole, 1 / (EP x ETP) of the experts."""
+    return total - routed_experts + routed_experts // (ep * etp)
+
+
+def moe_model_states(total: int, routed_experts: int, ep: int, etp: int, stage: int, dp_shards: int, edp: int,
+                     mixed_precision: bool) -> ModelStateBytes:
+    """Model-state bytes of one rank of a MoE model: dense states over the dp shards, expert states over EDP."""
+    experts = routed_experts // (ep * etp)
+    dense = zero_model_states(total - routed_experts, stage, dp_shards, mixed_precision)
+    routed = zero_model_states(experts, stage, edp if stage else 1, mixed_precision)
+    return ModelStateBytes(dense.parameters + routed.parameters, dense.gradients + routed.gradients,
+                           dense.optimizer + routed.optimizer)
