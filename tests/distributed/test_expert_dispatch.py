@@ -40,33 +40,31 @@ def _routing(scenario: str, rank: int):
     return x, experts, weights
 
 
-def _check(rank: int, world_size: int, scenario: str, backend: str) -> int:
-    import copy
-
+def _whole_layer():
+    """The MoE layer every rank builds identically: the reference, and the source of each rank's experts."""
     import torch
-    import torch.distributed as dist
 
     from fivefold.model.config import ModelConfig
-    from fivefold.model.moe import MoE, Routing
-    from fivefold.parallel.expert_parallel import AllToAllMeter, ExpertParallelDispatch
+    from fivefold.model.moe import MoE
 
     config = ModelConfig(dim=DIM, n_layers=1, n_heads=2, vocab_size=8, n_experts=4, moe_top_k=K, moe_ffn_dim=8)
     torch.manual_seed(0)
     full = MoE(config, 0)
     for p in full.parameters():
         torch.nn.init.normal_(p, std=0.5)
-    replicated = scenario.endswith("replicated")
-    placement = REPLICATED if replicated else [[r] for r in range(world_size)]
-    local = copy.deepcopy(full)
-    for key in [k for k in local.experts if int(k) not in placement[rank]]:
-        del local.experts[key]
-    group = dist.new_group(list(range(world_size)))
-    local.dispatch = ExpertParallelDispatch(group, rank, placement, 4, backend, AllToAllMeter())
+    return full
+
+
+def _compare_with_reference(local, full, scenario: str, rank: int, world_size: int) -> list:
+    """Run this rank's tokens through the distributed layer and every rank's through the whole one; check this
+    rank's outputs and input gradients. Leaves the gradients in both layers' experts; returns every rank's routing."""
+    import torch
+
+    from fivefold.model.moe import Routing
 
     everyone = [_routing(scenario, r) for r in range(world_size)]
     upstream = torch.Generator().manual_seed(7)
     grads_out = [torch.randn(x.shape, generator=upstream) for x, _, _ in everyone]
-
     x, experts, weights = everyone[rank]
     x = x.clone().requires_grad_()
     out = local.dispatch(x, Routing(experts, weights, None), local)
@@ -77,9 +75,30 @@ def _check(rank: int, world_size: int, scenario: str, backend: str) -> int:
     ref = full.dispatch(ref_x, ref_routing, full)
     (ref * torch.cat(grads_out)).sum().backward()
     start = sum(e[0].shape[0] for e in everyone[:rank])
-    rows = slice(start, start + x.shape[0])
-    torch.testing.assert_close(out, ref[rows], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(x.grad, ref_x.grad[rows], rtol=1e-5, atol=1e-5)
+    mine = slice(start, start + x.shape[0])
+    torch.testing.assert_close(out, ref[mine], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, ref_x.grad[mine], rtol=1e-5, atol=1e-5)
+    return everyone
+
+
+def _check(rank: int, world_size: int, scenario: str, backend: str) -> int:
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    from fivefold.parallel.expert_parallel import AllToAllMeter, ExpertParallelDispatch
+
+    full = _whole_layer()
+    replicated = scenario.endswith("replicated")
+    placement = REPLICATED if replicated else [[r] for r in range(world_size)]
+    local = copy.deepcopy(full)
+    for key in [k for k in local.experts if int(k) not in placement[rank]]:
+        del local.experts[key]
+    group = dist.new_group(list(range(world_size)))
+    local.dispatch = ExpertParallelDispatch(group, rank, placement, 4, backend, AllToAllMeter())
+
+    everyone = _compare_with_reference(local, full, scenario, rank, world_size)
     for e in placement[rank]:
         for mine, theirs in zip(local.experts[str(e)].parameters(), full.experts[str(e)].parameters()):
             grad = mine.grad.clone()
@@ -123,15 +142,9 @@ def _check_etp(rank: int, world_size: int, scenario: str, backend: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from fivefold.model.config import ModelConfig
-    from fivefold.model.moe import MoE, Routing
     from fivefold.parallel.expert_parallel import AllToAllMeter, ExpertParallelDispatch, expert_rows, shard_experts
 
-    config = ModelConfig(dim=DIM, n_layers=1, n_heads=2, vocab_size=8, n_experts=4, moe_top_k=K, moe_ffn_dim=8)
-    torch.manual_seed(0)
-    full = MoE(config, 0)
-    for p in full.parameters():
-        torch.nn.init.normal_(p, std=0.5)
+    full = _whole_layer()
     rows = expert_rows([list(range(world_size))], 2, 2)
     assert rows == {"etp": [[0, 1], [2, 3]], "ep": [[0, 2], [1, 3]], "edp": [[0], [1], [2], [3]]}
     groups = {}
@@ -149,22 +162,7 @@ def _check_etp(rank: int, world_size: int, scenario: str, backend: str) -> int:
     local.dispatch = ExpertParallelDispatch(groups["ep"][0], ep_rank, placement, 4, backend, AllToAllMeter(),
                                             groups["etp"][0])
 
-    everyone = [_routing(scenario, r) for r in range(world_size)]
-    upstream = torch.Generator().manual_seed(7)
-    grads_out = [torch.randn(x.shape, generator=upstream) for x, _, _ in everyone]
-    x, experts, weights = everyone[rank]
-    x = x.clone().requires_grad_()
-    out = local.dispatch(x, Routing(experts, weights, None), local)
-    (out * grads_out[rank]).sum().backward()
-
-    ref_x = torch.cat([e[0] for e in everyone]).requires_grad_()
-    ref_routing = Routing(torch.cat([e[1] for e in everyone]), torch.cat([e[2] for e in everyone]), None)
-    ref = full.dispatch(ref_x, ref_routing, full)
-    (ref * torch.cat(grads_out)).sum().backward()
-    start = sum(e[0].shape[0] for e in everyone[:rank])
-    mine = slice(start, start + x.shape[0])
-    torch.testing.assert_close(out, ref[mine], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(x.grad, ref_x.grad[mine], rtol=1e-5, atol=1e-5)
+    _compare_with_reference(local, full, scenario, rank, world_size)
     half = slice(etp_rank * 4, etp_rank * 4 + 4)  # this rank's 4 of the 8 hidden units
     for e in placement[ep_rank]:
         piece, whole = local.experts[str(e)], full.experts[str(e)]

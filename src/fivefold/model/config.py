@@ -252,7 +252,7 @@ class ModelConfig:
                               "set model.attention = mla and model.rope_scaling = yarn, or leave it at 0")
 
     def _validate_moe(self) -> None:
-        for name in ("moe_top_k", "moe_layer_freq"):
+        for name in ("moe_top_k", "moe_layer_freq", "moe_groups", "moe_topk_groups"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"model.{name} = {getattr(self, name)}: must be a positive integer")
         if self.n_experts == 0:
@@ -275,8 +275,6 @@ class ModelConfig:
 
     def _validate_groups(self) -> None:
         groups, top = self.moe_groups, self.moe_topk_groups
-        if groups < 1 or top < 1:
-            raise ConfigError(f"model.moe_groups = {groups}, moe_topk_groups = {top}: both must be positive integers")
         if groups == 1:
             if top != 1:
                 raise ConfigError(f"model.moe_topk_groups = {top} needs group-limited routing: set model.moe_groups > 1")
