@@ -11,6 +11,8 @@
     fivefold config [--config FILE.toml] [--section.key VALUE ...] | --reference
     fivefold plot-schedule --pp P --microbatches M --schedule gpipe|1f1b|interleaved|zb-h1 [--virtual V] [--output F.png]
     fivefold plot-schedule --trace RUN/pipeline_trace.json [--output F.png]
+    fivefold plan [--config FILE.toml] [--section.key VALUE ...] --gpus N [--cluster PRESET|FILE] [--search ...]
+                  [--tokens T --days D ...]     memory and step time of a layout, the best layout, the GPU budget
     fivefold bench comm [--nproc-per-node N] [--collectives all_reduce,...] [--min-bytes 1K] [--max-bytes 16M] [--json F]
 
 Bad input ends with one line `fivefold: error: ...` naming the setting or file and the fix, and
@@ -229,6 +231,14 @@ def _config(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from fivefold.config import load_config
+    from fivefold.plan.cluster import load_cluster
+    from fivefold.plan.report import run
+
+    return run(args, load_config(args.config, overrides), load_cluster(args.cluster))
+
+
 def _plot_schedule(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -331,6 +341,13 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--seq-len", type=int, default=0, help="context for the attention FLOPs (default: preset max)")
     info.add_argument("--vocab-size", type=int, default=257, help="for presets whose vocabulary comes from the tokenizer")
 
+    plan = sub.add_parser("plan", parents=[common], epilog="Config keys as for train: --section.key VALUE (docs/planner.md).",
+                          help="predicted memory per rank and step time of a layout on a cluster; --search ranks every "
+                               "layout; --tokens gives training time or GPU count")
+    from fivefold.plan.report import add_arguments as plan_arguments
+
+    plan_arguments(plan)
+
     plot = sub.add_parser("plot-schedule", parents=[common],
                           help="draw a pipeline schedule's timeline (PNG), with its bubble")
     plot.add_argument("--pp", type=int, help="pipeline ranks")
@@ -357,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args, rest)
         if args.command == "config":
             return _config(args, rest)
+        if args.command == "plan":
+            return _plan(args, rest)
         if args.command == "convert":
             return _convert(args, rest)
         if args.command == "bench":

@@ -5,7 +5,7 @@
     reference.py  docs/configuration.md from the field docstrings
 """
 
-from fivefold.config.loader import RENAMED, config_from_dict, load_config, parse_overrides
+from fivefold.config.loader import RENAMED, config_from_dict, config_toml, load_config, parse_overrides
 from fivefold.config.reference import describe_config
 from fivefold.config.schema import (
     SECTIONS,
@@ -27,5 +27,5 @@ from fivefold.config.schema import (
 
 __all__ = ["RENAMED", "SECTIONS", "CheckpointConfig", "ContextParallelConfig", "DataConfig", "DataParallelConfig", "ExpertParallelConfig",
            "GradientCommConfig", "JobConfig", "LoggingConfig", "OptimConfig", "ParameterServerConfig",
-           "PipelineParallelConfig", "TensorParallelConfig", "TrainConfig", "check_choice", "config_from_dict",
+           "PipelineParallelConfig", "TensorParallelConfig", "TrainConfig", "check_choice", "config_from_dict", "config_toml",
            "describe_config", "load_config", "parse_overrides"]

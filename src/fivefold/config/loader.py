@@ -10,6 +10,7 @@ older checkpoints are translated through the same table.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import types
 import typing
@@ -267,3 +268,25 @@ def config_from_dict(data: dict[str, Any]) -> JobConfig:
     for section, values in data.items():
         _apply_section(cfg, section, dict(values), "saved config", translate=True)
     return cfg.validate()
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML's
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def config_toml(config: dict[str, dict[str, Any]]) -> str:
+    """A JobConfig dictionary (sections of scalars and lists) as TOML `load_config` reads back."""
+    lines = []
+    for section, values in config.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None)
+        lines.append("")
+    return "\n".join(lines)

@@ -447,11 +447,13 @@ class JobConfig:
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
 
-    def validate(self) -> "JobConfig":
-        """Each section on its own, then the rules that tie sections together (fold name lists: parallel.validate)."""
-        for section in SECTIONS:
+    def validate(self, sections: tuple[str, ...] | None = None) -> "JobConfig":
+        """Each section on its own (`sections`: only these, when the others are known valid), then the rules
+        that tie sections together (fold name lists: parallel.validate)."""
+        sections = SECTIONS if sections is None else sections
+        for section in sections:
             _finite(section, getattr(self, section))
-        for section in SECTIONS:
+        for section in sections:
             validate = getattr(getattr(self, section), "validate", None)
             if validate is not None:
                 validate()

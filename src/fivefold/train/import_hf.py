@@ -17,37 +17,13 @@ checkpoint has consumed no data, so the data settings and the global batch may c
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
-from typing import Any
 
-from fivefold.config import JobConfig, load_config
+from fivefold.config import JobConfig, config_toml, load_config
 from fivefold.data.tokenizer import BPETokenizer
 from fivefold.errors import ConfigError
 
 CONFIG_FILE = "fivefold.toml"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML's
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"no TOML form for {value!r}")
-
-
-def config_toml(config: dict[str, dict[str, Any]]) -> str:
-    """A JobConfig dictionary (sections of scalars and lists) as TOML `load_config` reads back."""
-    lines = []
-    for section, values in config.items():
-        lines.append(f"[{section}]")
-        lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None)
-        lines.append("")
-    return "\n".join(lines)
 
 
 def import_hf(folder: str | Path, run_dir: str | Path, config_path: str | None = None,

@@ -240,3 +240,15 @@ def ideal_bubble(name: str, shape: PipelineShape) -> float:
     if name == "zb-h1":
         return (p - 1) / (3 * m)
     return (p - 1) / m
+
+
+def peak_in_flight(name: str, shape: PipelineShape, rank: int) -> int:
+    """(micro-batch, stage) pairs `rank` holds activations for at its peak, read off the compute orders above:
+    gpipe m; 1f1b and zb-h1 min(m, p - rank); interleaved min(m v, 2 (p - rank - 1) + (v - 1) p + 1).
+    Tests check it against the simulator's count."""
+    p, m, v = shape.ranks, shape.microbatches, shape.virtual
+    if name == "gpipe":
+        return m
+    if name == "interleaved":
+        return min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1)
+    return min(m, p - rank)

@@ -7,7 +7,8 @@ different message at the head of its channel is a schedule error, and a state wh
 move while some have instructions left is a deadlock. Both raise ScheduleError naming the ranks
 and instructions.
 
-Compute passes take the given times (forward, full backward, input-gradient, weight-gradient);
+Compute passes take the given times (forward, full backward, input-gradient, weight-gradient),
+optionally scaled per stage (the planner's uneven stages: the head on the last);
 communication takes `latency`. The result gives the step time (makespan), the bubble (idle
 share of the ranks' time), the peak number of micro-batches each rank holds activations for
 (a forward whose backward, or input-gradient pass, has not run), the peak number of weight-
@@ -34,10 +35,12 @@ class Costs:
     backward_input: float = 1.0
     backward_weight: float = 1.0
     latency: float = 0.0
+    stage_scale: tuple[float, ...] = ()  # per (virtual) stage multiplier of the compute times; () = all 1
 
-    def of(self, op: Op) -> float:
-        return {Op.FORWARD: self.forward, Op.BACKWARD: self.backward, Op.BACKWARD_INPUT: self.backward_input,
+    def of(self, op: Op, stage: int = -1) -> float:
+        base = {Op.FORWARD: self.forward, Op.BACKWARD: self.backward, Op.BACKWARD_INPUT: self.backward_input,
                 Op.BACKWARD_WEIGHT: self.backward_weight}.get(op, 0.0)
+        return base * self.stage_scale[stage] if self.stage_scale and stage >= 0 else base
 
 
 @dataclass
@@ -95,7 +98,7 @@ def simulate(streams: dict[int, list[Instruction]], costs: Costs = Costs()) -> S
                     end = start + costs.latency
                     channels.setdefault((r, ins.peer), deque()).append((_MESSAGE[ins.op], ins.microbatch, end))
                 else:
-                    end = start + costs.of(ins.op)
+                    end = start + costs.of(ins.op, ins.stage)
                     busy[r] += end - start
                     key = (ins.microbatch, ins.stage)
                     if ins.op == Op.FORWARD:

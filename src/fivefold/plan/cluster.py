@@ -1,0 +1,200 @@
+"""Cluster descriptions for the planner: accelerator peak rates and memory, and the two links of a node grid.
+
+A cluster is `accelerators_per_node` accelerators joined inside a node by one link (NVLink through
+NVSwitch on the GPU presets) and across nodes by another (InfiniBand, one NIC per GPU: a rail-
+optimised fat tree), each described by its bandwidth per accelerator per direction and a message
+latency. `ClusterSpec.links()` turns that into comm/cost.py's alpha-beta `Cluster` (alpha =
+latency, beta = 1 / bandwidth), so the planner prices every collective with the same formulas the
+runtime's `auto` all-reduce choice and `fivefold bench comm` use.
+
+Presets come from vendors' data sheets (dense rates, no structured sparsity; docs/planner.md cites
+each). Latencies are not data-sheet figures: they are typical NCCL small-message latencies and are
+marked as such. The CPU machine of this project is described by a file `fivefold bench comm
+--cluster-file` writes from its own fitted links and a timed matmul.
+
+A cluster file is TOML, read without running anything:
+
+    name = "my-h100-pod"
+    accelerators_per_node = 8
+    nodes = 128                      # optional: 0 = as many as a job asks for
+    host_bandwidth_gbs = 64          # optional (default 32): accelerator <-> host, for ZeRO-Offload
+    [accelerator]
+    name = "H100-SXM"
+    memory_gib = 80
+    tflops = {fp32 = 67, bf16 = 989.5}
+    [intra]                          # inside a node, per accelerator and direction
+    bandwidth_gbs = 450
+    latency_us = 3
+    [inter]                          # across nodes
+    bandwidth_gbs = 50
+    latency_us = 6
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fivefold.comm.cost import Cluster, Link
+from fivefold.errors import ConfigError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    memory_gib: float  # usable memory per accelerator
+    tflops: dict[str, float] = field(default_factory=dict)  # dense peak TFLOP/s per compute dtype
+
+    def peak_flops(self, dtype: str) -> float:
+        if dtype not in self.tflops:
+            raise ConfigError(f"accelerator {self.name} has no peak rate for {dtype}: add tflops.{dtype} to the "
+                              f"cluster file (it lists {', '.join(sorted(self.tflops)) or 'none'})")
+        return self.tflops[dtype] * 1e12
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    bandwidth_gbs: float  # GB/s per accelerator per direction
+    latency_us: float
+
+    def link(self) -> Link:
+        return Link(alpha=self.latency_us * 1e-6, beta=1 / (self.bandwidth_gbs * 1e9))
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    accelerator: Accelerator
+    accelerators_per_node: int
+    intra: LinkSpec
+    inter: LinkSpec
+    nodes: int = 0  # 0: as many as the job needs
+    source: str = ""  # where the figures come from
+    host_bandwidth_gbs: float = 32.0  # accelerator <-> host memory per direction (PCIe), for offload
+
+    def links(self) -> Cluster:
+        """The alpha-beta cluster of comm/cost.py (gamma 0: reductions run at memory speed, hidden by the links)."""
+        return Cluster(self.intra.link(), self.inter.link(), self.accelerators_per_node)
+
+    def link_for(self, span: int) -> Link:
+        """The link pacing a collective whose ranks lie within `span` consecutive ranks."""
+        return self.links().link_for(span)
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.accelerator.memory_gib * 2**30)
+
+    def check_size(self, gpus: int) -> None:
+        if self.nodes and gpus > self.nodes * self.accelerators_per_node:
+            raise ConfigError(f"{gpus} accelerators do not fit cluster {self.name}: it has {self.nodes} nodes x "
+                              f"{self.accelerators_per_node}; ask for fewer or describe a larger cluster")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _gpu(name: str, memory_gib: float, fp32: float, bf16: float, fp8: float, nvlink: float, nic: float, pcie: float,
+         source: str) -> ClusterSpec:
+    return ClusterSpec(name, Accelerator(name, memory_gib, {"fp32": fp32, "bf16": bf16, "fp8": fp8} if fp8 else
+                                         {"fp32": fp32, "bf16": bf16}),
+                       8, LinkSpec(nvlink, 3.0), LinkSpec(nic, 6.0), source=source, host_bandwidth_gbs=pcie)
+
+
+# Data-sheet figures per GPU: dense FP32 (no TF32), dense BF16 and FP8 tensor-core TFLOP/s; memory;
+# NVLink bandwidth per direction (half the bidirectional total); one InfiniBand NIC per GPU.
+PRESETS: dict[str, ClusterSpec] = {
+    "a100-80gb": _gpu("A100-80GB", 80, 19.5, 312.0, 0, 300.0, 25.0, 32.0,
+                      "NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB): 19.5 TF FP32, 312 TF BF16, NVLink 600 GB/s, PCIe Gen4 64 GB/s; "
+                      "DGX A100: 8 x 200 Gb/s HDR InfiniBand"),
+    "h100-sxm": _gpu("H100-SXM", 80, 67.0, 989.5, 1979.0, 450.0, 50.0, 64.0,
+                     "NVIDIA H100 Tensor Core GPU data sheet (SXM5): 67 TF FP32, 989.5 TF BF16, 1,979 TF FP8 (dense), "
+                     "NVLink 900 GB/s; DGX H100: 8 x 400 Gb/s NDR InfiniBand"),
+    "h200": _gpu("H200", 141, 67.0, 989.5, 1979.0, 450.0, 50.0, 64.0,
+                 "NVIDIA H200 Tensor Core GPU data sheet (SXM): 141 GB HBM3e, compute as H100 SXM, NVLink 900 GB/s; "
+                 "DGX H200: 8 x 400 Gb/s NDR InfiniBand"),
+    "b200": _gpu("B200", 180, 80.0, 2250.0, 4500.0, 900.0, 50.0, 64.0,
+                 "NVIDIA DGX B200 data sheet: 1,440 GB over 8 GPUs, 72 PF FP8 training (sparse) = 4.5 PF dense per GPU, "
+                 "2.25 PF dense BF16, NVLink 5 1.8 TB/s per GPU, 8 x 400 Gb/s ConnectX-7"),
+}
+
+
+def _section(data: dict, key: str, source: str) -> dict:
+    value = data.get(key)
+    if not isinstance(value, dict):
+        raise ConfigError(f"cluster file {source}: missing table [{key}]")
+    return value
+
+
+def _number(table: dict, key: str, where: str, positive: bool = True) -> float:
+    value = table.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+            (value <= 0 if positive else value < 0):
+        raise ConfigError(f"cluster file: {where}.{key} = {value!r}: must be a {'positive' if positive else 'non-negative'} "
+                          "finite number")
+    return float(value)
+
+
+def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSpec:
+    """A ClusterSpec from a parsed cluster file, every field validated with a message naming it."""
+    known = {"name", "accelerators_per_node", "nodes", "accelerator", "intra", "inter", "source", "host_bandwidth_gbs"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"cluster file {source}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    acc = _section(data, "accelerator", source)
+    tflops = acc.get("tflops")
+    if not isinstance(tflops, dict) or not tflops:
+        raise ConfigError(f"cluster file {source}: accelerator.tflops must be a table of dtype = TFLOP/s, e.g. "
+                          "{fp32 = 67, bf16 = 989.5}")
+    rates = {str(k): _number(tflops, k, "accelerator.tflops") for k in tflops}
+    per_node = data.get("accelerators_per_node")
+    nodes = data.get("nodes", 0)
+    for key, value, low in (("accelerators_per_node", per_node, 1), ("nodes", nodes, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"cluster file {source}: {key} = {value!r}: must be an integer >= {low}")
+    links = {}
+    for key in ("intra", "inter"):
+        table = _section(data, key, source)
+        links[key] = LinkSpec(_number(table, "bandwidth_gbs", key), _number(table, "latency_us", key, positive=False))
+    return ClusterSpec(str(data.get("name", Path(source).stem)),
+                       Accelerator(str(acc.get("name", "accelerator")), _number(acc, "memory_gib", "accelerator"), rates),
+                       per_node, links["intra"], links["inter"], nodes, str(data.get("source", source)),
+                       _number(data, "host_bandwidth_gbs", "(top level)") if "host_bandwidth_gbs" in data else 32.0)
+
+
+def load_cluster(name_or_path: str) -> ClusterSpec:
+    """A preset by name (a100-80gb, h100-sxm, h200, b200) or a cluster TOML file."""
+    if name_or_path.lower() in PRESETS:
+        return PRESETS[name_or_path.lower()]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ConfigError(f"--cluster {name_or_path}: neither a preset ({', '.join(PRESETS)}) nor a file; "
+                          "`fivefold bench comm --cluster-file FILE` writes one for this machine")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cluster file {path} is not valid TOML: {exc}") from exc
+    return cluster_from_dict(data, str(path))
+
+
+def cluster_toml(spec: ClusterSpec) -> str:
+    """The TOML form `load_cluster` reads back."""
+    acc, intra, inter = spec.accelerator, spec.intra, spec.inter
+    rates = ", ".join(f"{k} = {v!r}" for k, v in acc.tflops.items())
+    return "\n".join([
+        f"name = {json.dumps(spec.name)}",
+        f"accelerators_per_node = {spec.accelerators_per_node}",
+        f"nodes = {spec.nodes}",
+        f"source = {json.dumps(spec.source)}",
+        f"host_bandwidth_gbs = {spec.host_bandwidth_gbs!r}",
+        "", "[accelerator]", f"name = {json.dumps(acc.name)}", f"memory_gib = {acc.memory_gib!r}", f"tflops = {{{rates}}}",
+        "", "[intra]", f"bandwidth_gbs = {intra.bandwidth_gbs!r}", f"latency_us = {intra.latency_us!r}",
+        "", "[inter]", f"bandwidth_gbs = {inter.bandwidth_gbs!r}", f"latency_us = {inter.latency_us!r}", "",
+    ])

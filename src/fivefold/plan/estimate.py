@@ -1,0 +1,491 @@
+"""The planner's estimate of one layout: memory per rank by component and step time by phase.
+
+Input is a `JobConfig` (the same object `train` runs) and a number of accelerators on a
+`ClusterSpec`. Degrees come from the runtime's own `dims_for`, the pipeline split from its
+`plan_stages`, and the layout is validated by the runtime's own checks first, so a layout the
+planner accepts is one `train` accepts.
+
+Memory per rank (bytes), for every pipeline rank; the report takes the largest:
+
+    parameters, gradients, optimizer   ZeRO accounting (plan/memory.py) of the rank's Ψ
+                                       (plan/parameters.py): dense Ψ over dp_shard x cp, routed
+                                       experts over EDP; offload moves the optimizer part (fp32
+                                       masters and moments) to host memory
+    activations                        the block formula (plan/activations.py) on s / cp tokens,
+                                       times the blocks of one stage, times the micro-batches the
+                                       schedule keeps in flight (the schedule simulator's peak on
+                                       this rank's real instruction stream); 4 bytes per element
+                                       (fp32), 2 under bf16 autocast (an estimate)
+    logits                             the last stage's fp32 logits and their gradient,
+                                       2 x 4 x b x s/cp x V_t/t
+    buffers                            ZeRO-3's gathered block (two with prefetch); MoE dispatch
+                                       rows (the expected k x tokens x h x 4 in and out)
+
+Step time (seconds) = pipeline makespan + exposed data-parallel communication:
+
+    compute     forward FLOPs of a stage's blocks (2 x matmul parameters x tokens + the attention
+                core 4 q s per token, split by tp and cp; the head on the last stage) at the
+                accelerator's peak x efficiency; backward twice the forward; `full` recompute
+                adds a forward to every backward, `selective` the attention core's
+    tp          4 all-reduces of b s/cp h per block and micro-batch (ring, on the link the tp group
+                spans), 6 with full recompute; not overlapped
+    cp          ring attention passes K and V around cp ranks (cp - 1 steps forward, twice that in
+                backward), overlapped with the attention core: only the excess is exposed
+    ep          2 all-to-alls of k tokens x h forward, 2 backward, per MoE block
+    pipeline    the schedule simulator run on the schedule's own instruction streams with these
+                per-stage times and the activation send time as latency: its makespan includes
+                the bubble
+    dp          over dp x cp on the link the group spans: DDP / ZeRO-1 reduce once in the last
+                micro-batch's backward, ZeRO-2 reduce-scatters in every micro-batch's, ZeRO-3
+                also gathers weights in each forward and backward; ZeRO-1/2 gather the updated
+                weights after the step; only what a pass cannot hide (at least a bucket) counts
+    offload     ZeRO-Offload's gradient shard down and weight shard up over the host link
+
+The estimate is a model: its formulas are listed in docs/planner.md with what each is checked
+against. Model states are exact against the runtime; the time model is not validated yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from fivefold.comm.cost import all_to_all, ring
+from fivefold.config.schema import JobConfig
+from fivefold.errors import ConfigError
+from fivefold.model.config import ModelConfig
+from fivefold.plan.activations import ActivationShape, block_activation_elements, moe_block_activation_elements
+from fivefold.plan.cluster import ClusterSpec
+from fivefold.plan.flops import flops_per_token
+from fivefold.plan.memory import zero_model_states
+from fivefold.plan.parameters import RankParameters, first_block, block_parameters, padded_vocab, rank_parameters
+
+
+LAYOUT_SECTIONS = ("train", "data_parallel", "tensor_parallel", "context_parallel", "pipeline_parallel", "expert_parallel")
+
+
+@dataclass(frozen=True)
+class Degrees:
+    dp: int
+    dp_shard: int
+    tp: int
+    cp: int
+    pp: int
+    ep: int
+    etp: int
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.cp * self.pp
+
+    def describe(self) -> str:
+        parts = [f"dp {self.dp}", f"tp {self.tp}", f"pp {self.pp}", f"cp {self.cp}"]
+        if self.ep * self.etp > 1:
+            parts.append(f"ep {self.ep}" + (f" x etp {self.etp}" if self.etp > 1 else ""))
+        return " x ".join(parts)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank needs on the accelerator, by component, and what offload keeps on the host."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    logits: int
+    buffers: int
+    host: int = 0
+    parameter_count: int = 0  # Ψ on this rank (its tensor / pipeline / expert part, before ZeRO)
+
+    @property
+    def model_states(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.activations + self.logits + self.buffers
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one optimizer step, by phase (compute and exposed communication; the bubble is idle time)."""
+
+    compute: float
+    tp: float
+    cp: float
+    ep: float
+    pp_comm: float
+    bubble: float
+    dp: float
+    offload: float = 0.0  # optimizer shard's gradients down to the host and weights back up
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp + self.cp + self.ep + self.pp_comm + self.bubble + self.dp + self.offload
+
+
+@dataclass
+class Estimate:
+    degrees: Degrees
+    gpus: int
+    memory: RankMemory  # the rank needing the most
+    memory_rank: int  # its pipeline rank
+    per_pp_rank: list[RankMemory]
+    time: StepTime | None  # None: not estimated (over the memory cap in a search)
+    tokens_per_step: int
+    model_flops_per_step: float
+    peak_flops: float
+    capacity: int  # accelerator bytes
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.capacity
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.time.total
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops_per_step / (self.time.total * self.gpus * self.peak_flops)
+
+    def to_dict(self) -> dict:
+        return {"degrees": dataclasses.asdict(self.degrees), "gpus": self.gpus, "fits": self.fits,
+                "capacity_bytes": self.capacity, "memory_bytes": dataclasses.asdict(self.memory) | {"total": self.memory.total},
+                "memory_pp_rank": self.memory_rank,
+                "step_seconds": dataclasses.asdict(self.time) | {"total": self.time.total},
+                "tokens_per_step": self.tokens_per_step, "tokens_per_second": self.tokens_per_second,
+                "mfu": self.mfu, "notes": self.notes}
+
+
+def model_for(config: JobConfig, vocab_size: int = 0) -> ModelConfig:
+    """The model with its vocabulary known: the config's, the given one, or the byte/BPE tokenizer's."""
+    model = dataclasses.replace(config.model)
+    if model.vocab_size == 0:
+        model.vocab_size = vocab_size or {"byte": 257, "bpe": config.data.bpe_vocab_size}.get(config.data.tokenizer, 0)
+        if not model.vocab_size:
+            raise ConfigError(f"the vocabulary comes from data.tokenizer = {config.data.tokenizer}: give --vocab-size")
+    return model
+
+
+def degrees_of(config: JobConfig, gpus: int) -> Degrees:
+    """The runtime's checks, then the degrees (`dims_for`): an infeasible layout raises ConfigError with the reason."""
+    from fivefold.parallel.expert_parallel import check_expert_parallel, token_fiber_size
+    from fivefold.parallel.mesh import dims_for
+    from fivefold.parallel.validate import check_config
+
+    if config.data_parallel.mode == "ps":
+        raise ConfigError("the planner models all-reduce data parallelism (ddp / ZeRO), not data_parallel.mode = ps")
+    config.validate(LAYOUT_SECTIONS)  # a loaded config's other sections were checked by load_config
+    check_config(config)
+    dims = dims_for(config, gpus)
+    ep, tp = config.expert_parallel, config.tensor_parallel
+    check_expert_parallel(config.model, ep.degree, ep.alltoall, token_fiber_size(dims, tp.sequence_parallel and tp.degree > 1),
+                          ep.tensor)
+    return Degrees(dims.dp, dims.dp_shard, dims.tp, dims.cp, dims.pp, ep.degree, ep.tensor)
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def _model_states(params: RankParameters, config: JobConfig, d: Degrees) -> tuple[int, int, int]:
+    z = config.data_parallel
+    mixed = z.zero_stage > 0 and z.param_dtype == "bf16"
+    shards = d.dp_shard * d.cp
+    dense = zero_model_states(params.dense, z.zero_stage, shards, mixed)
+    edp = max(d.dp * d.cp * (d.tp if config.tensor_parallel.sequence_parallel and d.tp > 1 else 1) // (d.ep * d.etp), 1)
+    routed = zero_model_states(params.experts, z.zero_stage, edp if z.zero_stage else 1, mixed)
+    return (dense.parameters + routed.parameters, dense.gradients + routed.gradients, dense.optimizer + routed.optimizer)
+
+
+def _block_activations(model: ModelConfig, layer: int, shape: ActivationShape, d: Degrees) -> int:
+    if model.is_moe_layer(layer) and shape.tp == 1 and model.attention == "mha":
+        return moe_block_activation_elements(model, shape)
+    return block_activation_elements(model, shape)
+
+
+class PipelineRuns:
+    """The schedules' instruction streams and their simulations, shared by the estimates of one search.
+
+    A makespan scales with its costs, so runs are kept per schedule shape and cost *ratios* (rounded
+    to 0.1%): candidates that differ only in ZeRO stage or offload, or in absolute speed, share one run."""
+
+    def __init__(self) -> None:
+        self._streams: dict = {}
+        self._runs: dict = {}
+
+    def streams(self, schedule: str, pp: int, m: int, virtual: int) -> dict:
+        from fivefold.parallel.pipeline.schedules import PipelineShape, all_schedules
+
+        key = (schedule, pp, m, virtual)
+        if key not in self._streams:
+            self._streams[key] = all_schedules(schedule, PipelineShape(pp, m, virtual))
+        return self._streams[key]
+
+    def run(self, schedule: str, pp: int, m: int, virtual: int, costs=None):
+        """(makespan, peak in-flight pairs per rank) of the schedule with `costs` (unit costs when None).
+
+        Past `saturation` micro-batches a schedule is in its steady state: every further group of pp
+        micro-batches adds the same time and no activations (GPipe's peak is all m), so long runs are
+        simulated at two saturated lengths and extrapolated linearly (tests check this against full runs)."""
+        from fivefold.parallel.pipeline.simulate import Costs
+
+        unit = costs.forward if costs is not None else 1.0
+        ratio = (Costs() if costs is None else
+                 Costs(1.0, costs.backward / unit, costs.backward_input / unit, costs.backward_weight / unit,
+                       costs.latency / unit, costs.stage_scale))
+        rounded = tuple(round(x, 3) for x in (ratio.backward, ratio.backward_input, ratio.backward_weight, ratio.latency))
+        scale = tuple(round(x, 3) for x in ratio.stage_scale)
+        key = (schedule, pp, m, virtual, rounded, scale)
+        if key not in self._runs:
+            cap = saturation(pp, virtual)
+            if m <= cap + pp:
+                self._runs[key] = self._simulate(schedule, pp, m, virtual, ratio)
+            else:
+                short, longer = self._simulate(schedule, pp, cap, virtual, ratio), \
+                    self._simulate(schedule, pp, cap + pp, virtual, ratio)
+                per_group = longer[0] - short[0]
+                peak = {r: m for r in short[1]} if schedule == "gpipe" else longer[1]
+                self._runs[key] = (short[0] + (m - cap) / pp * per_group, peak)
+        makespan, peak = self._runs[key]
+        return makespan * unit, peak
+
+    def _simulate(self, schedule: str, pp: int, m: int, virtual: int, costs) -> tuple[float, dict[int, int]]:
+        from fivefold.parallel.pipeline.simulate import simulate
+
+        sim = simulate(self.streams(schedule, pp, m, virtual), costs)
+        return sim.makespan, sim.peak_in_flight
+
+
+def saturation(pp: int, virtual: int) -> int:
+    """A micro-batch count (a multiple of pp) past which every schedule here is in its steady state."""
+    return 2 * pp * virtual + 2 * pp
+
+
+def _in_flight(config: JobConfig, d: Degrees) -> dict[int, int]:
+    """Micro-batch x stage pairs each pipeline rank holds activations for at its peak (1 without a pipeline)."""
+    if d.pp == 1:
+        return {0: 1}
+    from fivefold.parallel.pipeline.schedules import PipelineShape, peak_in_flight
+
+    pipe = config.pipeline_parallel
+    shape = PipelineShape(d.pp, config.train.grad_accum_steps, pipe.virtual)
+    return {r: peak_in_flight(pipe.schedule, shape, r) for r in range(d.pp)}
+
+
+def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]]) -> list[RankMemory]:
+    t = config.train
+    sp = config.tensor_parallel.sequence_parallel and d.tp > 1
+    shape = ActivationShape(t.micro_batch_size, t.seq_len // d.cp, d.tp, sp, t.recompute)
+    element = 2 if t.dtype == "bf16" else 4
+    in_flight = _in_flight(config, d)
+    kinds = {moe: _block_activations(model, layer, shape, d) for moe in (False, True)
+             if (layer := first_block(model, moe)) >= 0}
+    states: dict[tuple, tuple[int, int, int, int]] = {}  # pipeline ranks holding alike blocks hold alike states
+    out = []
+    for rank in range(d.pp):
+        stages = list(range(rank, len(split), d.pp))
+        layers = [layer for s in stages for layer in split[s]]
+        first, last = 0 in stages, len(split) - 1 in stages
+        moe = [layer for layer in layers if model.is_moe_layer(layer)] if model.n_experts else []
+        key = (len(layers), len(moe), first, last)
+        if key not in states:
+            params = rank_parameters(model, layers, first, last, d.tp, d.ep, d.etp, pipelined=d.pp > 1)
+            states[key] = (*_model_states(params, config, d), _buffers(config, model, d, layers, moe, sp), params.total)
+        p, g, o, buffers, count = states[key]
+        host = o if config.data_parallel.offload else 0
+        if model.n_experts:
+            per_stage = max(sum(kinds[model.is_moe_layer(layer)] for layer in split[s]) for s in stages)
+        else:
+            per_stage = max(len(split[s]) for s in stages) * kinds[False]
+        # with interleaving a rank's peak (micro-batch, stage) pairs spread over its stages: the largest bounds each
+        activations = element * per_stage * in_flight[rank]
+        logits = 2 * 4 * t.micro_batch_size * (t.seq_len // d.cp) * padded_vocab(model.vocab_size, d.tp) // d.tp if last else 0
+        out.append(RankMemory(p, g, o - host, activations, logits, buffers, host, count))
+    return out
+
+
+def _buffers(config: JobConfig, model: ModelConfig, d: Degrees, layers: list[int], moe: list[int], sp: bool) -> int:
+    """ZeRO-3's gathered blocks (the current and the prefetched one) and the MoE dispatch rows in and out."""
+    t, buffers = config.train, 0
+    if config.data_parallel.zero_stage == 3 and layers:
+        weight = 2 if config.data_parallel.param_dtype == "bf16" else 4
+        kinds = ({False} if len(moe) < len(layers) else set()) | ({True} if moe else set())
+        biggest = max(block_parameters(model, first_block(model, k), d.tp, d.ep, d.etp).total for k in kinds)
+        buffers += 2 * weight * biggest
+    if moe and d.ep * d.etp > 1:
+        rows = model.moe_top_k * t.micro_batch_size * (t.seq_len // d.cp) // (d.tp if sp else 1)
+        buffers += 2 * rows * model.dim * 4
+    return buffers
+
+
+# ---------------------------------------------------------------------------------------------- time
+def _block_forward_flops(model: ModelConfig, layer: int, tokens: int, seq: int, d: Degrees) -> float:
+    """Forward FLOPs of one block on one rank: 2 x its matmul parameters per token (MoE: the active experts)
+    plus the attention core, for `tokens` tokens of sequences of `seq` (before the cp split)."""
+    full = block_parameters(model, layer)
+    matmul = full.dense - 2 * model.dim
+    if model.is_moe_layer(layer):
+        matmul += full.experts * model.moe_top_k // model.n_experts
+    if model.attention == "mla":
+        width = model.n_heads * (model.qk_nope_head_dim + model.qk_rope_head_dim + model.v_head_dim)
+        attention = 2 * width * seq
+    else:
+        attention = 4 * model.q_dim * seq
+    return (2 * matmul + attention) * tokens / (d.tp * d.cp)
+
+
+def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], cluster: ClusterSpec,
+              efficiency: float, peak: float, runs: PipelineRuns | None = None) -> StepTime:
+    from fivefold.parallel.pipeline.simulate import Costs
+
+    t, rate = config.train, peak * efficiency
+    b, seq, m = t.micro_batch_size, t.seq_len, t.grad_accum_steps
+    tokens = b * seq
+    element = 2 if t.dtype == "bf16" else 4
+    sp = config.tensor_parallel.sequence_parallel and d.tp > 1
+    links = cluster.links()
+    # per (virtual) stage: forward compute seconds of one micro-batch, and its exposed tp / cp / ep seconds
+    forward, comm_tp, comm_cp, comm_ep, attn_core = [], [], [], [], []
+    tp_link = links.link_for(d.tp)
+    cp_link = links.link_for(d.cp * d.tp)
+    ep_link = links.link_for(d.ep * d.etp * (1 if sp else d.tp))
+    activation_bytes = b * (seq // d.cp) * model.dim * element
+    block_flops = {model.is_moe_layer(i): _block_forward_flops(model, i, tokens, seq, d)
+                   for i in {model.is_moe_layer(i): i for i in range(model.n_layers)}.values()}
+    for stage, layers in enumerate(split):
+        flops = sum(block_flops[model.is_moe_layer(layer)] for layer in layers)
+        if stage == len(split) - 1:
+            flops += 2 * padded_vocab(model.vocab_size, d.tp) * model.dim * tokens / (d.tp * d.cp)
+        forward.append(flops / rate)
+        core = 4 * model.q_dim * seq * tokens / (d.tp * d.cp) / rate * len(layers)
+        attn_core.append(core)
+        per_block_tp = ring(activation_bytes, d.tp, tp_link) if d.tp > 1 else 0.0
+        comm_tp.append(per_block_tp * len(layers))
+        if d.cp > 1:
+            kv = 2 * b * (seq // d.cp) * model.kv_dim // d.tp * element
+            comm_cp.append(max(0.0, (d.cp - 1) * cp_link.message(kv) - core / len(layers)) * len(layers))
+        else:
+            comm_cp.append(0.0)
+        moe = sum(model.is_moe_layer(layer) for layer in layers)
+        if moe and d.ep * d.etp > 1:
+            rows = model.moe_top_k * tokens // (d.cp * (d.tp if sp else 1)) * model.dim * element
+            comm_ep.append(moe * all_to_all(rows, d.ep, ep_link))
+        else:
+            comm_ep.append(0.0)
+    recompute = {"none": 0.0, "selective": 1.0, "full": 1.0}[t.recompute]
+    stage_fwd = [f + 2 * tpc + ep + cp for f, tpc, ep, cp in zip(forward, comm_tp, comm_ep, comm_cp)]
+    # backward: twice the compute, the same tp / ep traffic again, cp's ring twice; recompute re-runs the forward
+    stage_bwd = []
+    for i in range(len(split)):
+        again = forward[i] + 2 * comm_tp[i] + comm_ep[i] if t.recompute == "full" else recompute * attn_core[i]
+        stage_bwd.append(2 * forward[i] + 2 * comm_tp[i] + comm_ep[i] + 2 * comm_cp[i] + again)
+    compute_total = m * sum(forward[i] * 3 + (forward[i] if t.recompute == "full" else recompute * attn_core[i])
+                            for i in range(len(split))) / d.pp
+    tp_total = m * sum(4 * c + (2 * c if t.recompute == "full" else 0) for c in comm_tp) / d.pp
+    cp_total = m * sum(3 * c for c in comm_cp) / d.pp
+    ep_total = m * sum(2 * c + (c if t.recompute == "full" else 0) for c in comm_ep) / d.pp
+    if d.pp > 1:
+        pipe = config.pipeline_parallel
+        unit_f, unit_b = max(stage_fwd), max(stage_bwd)
+        scale = tuple(max(f / unit_f, bw / unit_b) for f, bw in zip(stage_fwd, stage_bwd))
+        send = links.link_for(d.world).message(activation_bytes // (d.tp if sp else 1))
+        costs = Costs(forward=unit_f, backward=unit_b, backward_input=unit_b / 2, backward_weight=unit_b / 2,
+                      latency=send, stage_scale=scale)
+        if runs is None:  # the closed form: the slowest stage's work, stretched by the schedule's ideal bubble
+            from fivefold.parallel.pipeline.schedules import PipelineShape, ideal_bubble
+
+            ideal = m * pipe.virtual * (unit_f + unit_b) * max(scale)
+            makespan = ideal * (1 + ideal_bubble(pipe.schedule, PipelineShape(d.pp, m, pipe.virtual))) \
+                + 2 * (d.pp - 1) * send
+        else:
+            makespan = runs.run(pipe.schedule, d.pp, m, pipe.virtual, costs)[0]
+        busy = compute_total + tp_total + cp_total + ep_total
+        idle = max(makespan - busy, 0.0)
+        pp_comm = min(idle, 2 * m * len(split) / d.pp * send)
+        bubble = idle - pp_comm
+        last_backward = stage_bwd[0]
+    else:
+        pp_comm = bubble = 0.0
+        last_backward = stage_bwd[0]
+    dp_time = _data_parallel_time(config, model, d, split, links, stage_fwd[0], last_backward)
+    return StepTime(compute_total, tp_total, cp_total, ep_total, pp_comm, bubble, dp_time,
+                    _offload_time(config, model, d, split, cluster))
+
+
+def _offload_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], cluster: ClusterSpec) -> float:
+    """ZeRO-Offload: this rank's shard of gradients goes to host memory and its updated weights come back,
+    over the host link (PCIe), not overlapped; the CPU optimizer step itself is not counted."""
+    z = config.data_parallel
+    if not z.offload:
+        return 0.0
+    layers = split[0]
+    params = rank_parameters(model, layers, True, len(split) == 1, d.tp, d.ep, d.etp, pipelined=d.pp > 1)
+    weight = 2 if z.param_dtype == "bf16" else 4
+    shard = params.total / (d.dp_shard * d.cp)
+    return 2 * weight * shard / (cluster.host_bandwidth_gbs * 1e9)
+
+
+def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], links,
+                        forward: float, backward: float) -> float:
+    """Exposed data-parallel seconds per step. A ring all-reduce moves a reduce-scatter's bytes and then an
+    all-gather's, `half` each. DDP and ZeRO-1 reduce once, during the last micro-batch's backward; ZeRO-2
+    reduce-scatters in every micro-batch's backward; ZeRO-3 also gathers the weights in each forward and
+    backward (prefetched: hidden behind that pass's compute). ZeRO-1/2 gather the updated weights after the
+    step, exposed. What one pass cannot hide is exposed, and never less than the last bucket."""
+    group = d.dp * d.cp
+    if group == 1:
+        return 0.0
+    z, m = config.data_parallel, config.train.grad_accum_steps
+    stages = list(range(0, len(split), d.pp))
+    layers = [layer for s in stages for layer in split[s]]
+    params = rank_parameters(model, layers, True, len(split) == 1, d.tp, d.ep, d.etp, pipelined=d.pp > 1)
+    grad_bytes = params.total * (2 if z.zero_stage and z.param_dtype == "bf16" else 4)
+    half = ring(grad_bytes, group, links.link_for(group * d.tp)) / 2
+    buckets = max(1, int(grad_bytes // (config.gradient_comm.bucket_mb * 2**20)))
+
+    def hidden_behind(comm: float, compute: float) -> float:
+        return max(comm - compute, comm / buckets)
+
+    if z.zero_stage == 0:
+        return hidden_behind(2 * half, backward)
+    if z.zero_stage == 1:
+        return hidden_behind(half, backward) + half
+    if z.zero_stage == 2:
+        return m * hidden_behind(half, backward) + half
+    return m * (hidden_behind(half, forward) + hidden_behind(2 * half, backward))
+
+
+# ---------------------------------------------------------------------------------------------- together
+def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float = 0.5, vocab_size: int = 0,
+             runs: PipelineRuns | None = None, time_if_over: bool = True, simulate: bool = True) -> Estimate:
+    """Memory and step time of `config` on `gpus` accelerators of `cluster` (ConfigError if it cannot run).
+
+    runs: pipeline simulations to share between estimates (a search's); simulate=False prices the
+    pipeline by the closed-form ideal bubble instead (a search's first pass); time_if_over=False leaves
+    the step time out (None) when the memory is over the accelerator's capacity."""
+    from fivefold.parallel.pipeline.stages import plan_stages
+
+    if not 0 < efficiency <= 1:
+        raise ConfigError(f"efficiency = {efficiency}: the achieved share of peak FLOP/s must lie in (0, 1]")
+    cluster.check_size(gpus)
+    d = degrees_of(config, gpus)
+    model = model_for(config, vocab_size)
+    pipe, t = config.pipeline_parallel, config.train
+    split = plan_stages(model, t.seq_len, d.pp * pipe.virtual, pipe.layers_per_stage, pipe.balance) if d.pp > 1 \
+        else [list(range(model.n_layers))]
+    runs = (runs or PipelineRuns()) if simulate else None
+    memory = memory_per_rank(config, model, d, split)
+    worst = max(range(d.pp), key=lambda r: memory[r].total)
+    dtype = "bf16" if t.dtype == "bf16" else "fp32"
+    peak = cluster.accelerator.peak_flops(dtype)
+    over = memory[worst].total > cluster.memory_bytes
+    time = None if over and not time_if_over else step_time(config, model, d, split, cluster, efficiency, peak, runs)
+    tokens = t.micro_batch_size * t.grad_accum_steps * d.dp * t.seq_len
+    notes = []
+    if any(model.is_moe_layer(i) for i in range(model.n_layers)) and (d.tp > 1 or model.attention != "mha"):
+        notes.append("MoE block activations under tp > 1 or MLA are counted as a dense block's")
+    if d.cp > 1:
+        notes.append("context parallelism's extra saved tensors (ring steps' partial outputs) are not counted")
+    return Estimate(d, gpus, memory[worst], worst, memory, time, tokens, flops_per_token(model, t.seq_len) * tokens,
+                    peak, cluster.memory_bytes, notes)

@@ -1,0 +1,104 @@
+"""Parameters one rank holds under tensor, pipeline and expert parallelism, counted tensor by tensor.
+
+The count follows what the runtime builds (parallel/tensor_parallel.py, pipeline/stages.py,
+parallel/expert_parallel.py), before ZeRO shards anything:
+
+    embedding   vocab-parallel: V_t / t x h rows on the first stage, V_t = V padded to a multiple of t
+    head        column-parallel over the vocabulary, V_t / t x h, and the final norm h, on the last stage;
+                a tied head is the embedding itself with pp = 1, a second copy on the last stage with pp > 1
+    attention   wq h x q/t, wo q/t x h; wk, wv h x kv_t where kv_t = max(n_kv / t, 1) heads of width d
+                (split when t <= n_kv, one replicated head otherwise); biases cut with their rows, wo's
+                bias whole; q/k norms: `head` gains whole (2d), `projection` gains cut like the rows
+    MLA         W_q or W_qa (h x r_q) and its norm whole, W_qb r_q x H/t (n + r), W_kva h x (r_kv + r) and
+                its norm whole, W_kvb r_kv x H/t (n + v), W_o H/t v x h
+    dense MLP   w1, w3 h x f/t, w2 f/t x h; biases 2f/t + h
+    MoE MLP     router h x E and shared experts 3 h f_s (+ h for the gate) whole; E/EP routed experts of
+                3 h f_e / ETP each
+    norms       2h per block, replicated
+
+The test checks the count against `Parallelized.parameters`, the runtime's sum over its modules,
+for tensor, pipeline (interleaved too), tied-head, GQA-replica, bias, MLA and expert layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class RankParameters:
+    """Ψ on one rank, split into what data parallelism shards over dp x cp and what over expert data parallelism."""
+
+    dense: int
+    experts: int  # routed experts (EDP-sharded under ZeRO)
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.experts
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    return -(-vocab // tp) * tp
+
+
+def _attention(model: ModelConfig, tp: int) -> int:
+    h = model.dim
+    if model.attention == "mla":
+        heads, qk = model.n_heads // tp, model.qk_nope_head_dim + model.qk_rope_head_dim
+        if model.q_lora_rank:
+            query = h * model.q_lora_rank + model.q_lora_rank + model.q_lora_rank * heads * qk
+        else:
+            query = h * heads * qk
+        kv = (h * (model.kv_lora_rank + model.qk_rope_head_dim) + model.kv_lora_rank
+              + model.kv_lora_rank * heads * (model.qk_nope_head_dim + model.v_head_dim))
+        return query + kv + heads * model.v_head_dim * h
+    d = model.head_size
+    q = model.q_dim // tp
+    kv = max(model.kv_heads // tp, 1) * d
+    total = 2 * h * q + 2 * h * kv
+    if model.attention_bias in ("qkv", "all"):
+        total += q + 2 * kv + (h if model.attention_bias == "all" else 0)
+    total += {"none": 0, "head": 2 * d, "projection": q + kv}[model.qk_norm]
+    return total
+
+
+def _mlp(model: ModelConfig, layer: int, tp: int, ep: int, etp: int) -> tuple[int, int]:
+    """(dense, routed-expert) parameters of one block's MLP on one rank."""
+    h = model.dim
+    if not model.is_moe_layer(layer):
+        f = model.ffn_hidden_dim // tp
+        return 3 * h * f + (2 * f + h if model.mlp_bias else 0), 0
+    shared = 3 * h * model.shared_hidden_dim + (h if model.moe_shared_gate else 0)
+    experts = model.n_experts // ep * 3 * h * (model.expert_hidden_dim // etp)
+    return h * model.n_experts + shared, experts
+
+
+def block_parameters(model: ModelConfig, layer: int, tp: int = 1, ep: int = 1, etp: int = 1) -> RankParameters:
+    dense, experts = _mlp(model, layer, tp, ep, etp)
+    return RankParameters(_attention(model, tp) + dense + 2 * model.dim, experts)
+
+
+def first_block(model: ModelConfig, moe: bool) -> int:
+    """A block index of the kind asked for (-1 when the model has none)."""
+    if not model.n_experts:
+        return -1 if moe else 0
+    return next((i for i in range(model.n_layers) if model.is_moe_layer(i) == moe), -1)
+
+
+def rank_parameters(model: ModelConfig, layers: list[int], first: bool, last: bool, tp: int = 1, ep: int = 1,
+                    etp: int = 1, pipelined: bool = False) -> RankParameters:
+    """Ψ of a rank holding blocks `layers` (and the embedding if `first`, the head if `last`)."""
+    moe = sum(model.is_moe_layer(layer) for layer in layers) if model.n_experts else 0
+    dense = experts = 0
+    for count, layer in ((len(layers) - moe, first_block(model, False)), (moe, first_block(model, True))):
+        if count:  # every dense block has the same count, every MoE block too
+            block = block_parameters(model, layer, tp, ep, etp)
+            dense, experts = dense + count * block.dense, experts + count * block.experts
+    vocab_rows = padded_vocab(model.vocab_size, tp) // tp * model.dim
+    if first:
+        dense += vocab_rows
+    if last:
+        dense += model.dim + (vocab_rows if not model.tie_embeddings or pipelined else 0)
+    return RankParameters(dense, experts)

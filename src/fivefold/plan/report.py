@@ -1,0 +1,206 @@
+"""`fivefold plan`: the estimate, the search and the calculator as tables, JSON and a memory plot.
+
+    fivefold plan [--config F] [--section.key V ...] --gpus N [--cluster h100-sxm|FILE]
+                  [--efficiency E] [--json OUT] [--plot OUT.png]
+    fivefold plan ... --search [--global-batch B] [--top K] [--no-offload] [--write-best OUT.toml]
+    fivefold plan ... --tokens T (--gpus N | --days D) [--achieved-tflops X | --mfu M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from typing import TYPE_CHECKING
+
+from fivefold.errors import ConfigError
+
+if TYPE_CHECKING:  # the parser is built without torch (`fivefold --help` stays instant)
+    from fivefold.config.schema import JobConfig
+    from fivefold.plan.cluster import ClusterSpec
+    from fivefold.plan.estimate import Estimate
+
+GIB = 2**30
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="the TOML config `train` would run (its model, batch and layout)")
+    parser.add_argument("--gpus", type=int, default=0, help="accelerators the job runs on")
+    parser.add_argument("--cluster", default="h100-sxm",
+                        help="a preset (a100-80gb, h100-sxm, h200, b200) or a cluster TOML file (docs/planner.md)")
+    parser.add_argument("--efficiency", type=float, default=0.5,
+                        help="achieved share of peak FLOP/s in the blocks' matmuls (default 0.5)")
+    parser.add_argument("--vocab-size", type=int, default=0, help="for a model whose vocabulary comes from the tokenizer")
+    parser.add_argument("--json", help="also write the result as JSON here")
+    parser.add_argument("--plot", help="draw the memory per rank by component (PNG)")
+    parser.add_argument("--search", action="store_true", help="rank every feasible layout on --gpus")
+    parser.add_argument("--global-batch", type=int, default=0,
+                        help="sequences per optimizer step for --search (default: the config's micro x accum x dp)")
+    parser.add_argument("--top", type=int, default=10, help="layouts --search prints")
+    parser.add_argument("--no-offload", action="store_true", help="leave ZeRO-Offload out of --search")
+    parser.add_argument("--write-best", help="write the best layout of --search as a TOML `train` accepts")
+    parser.add_argument("--tokens", type=float, default=0, help="training tokens for the calculator")
+    parser.add_argument("--days", type=float, default=0, help="calculator: the GPUs needed to train --tokens in D days")
+    parser.add_argument("--achieved-tflops", type=float, default=0, help="calculator: achieved TFLOP/s per GPU")
+    parser.add_argument("--mfu", type=float, default=0, help="calculator: achieved share of the cluster's peak")
+
+
+def format_estimate(found: Estimate, cluster: ClusterSpec, title: str) -> str:
+    m, t = found.memory, found.time
+    rows = [
+        (title, found.degrees.describe() + f" on {found.gpus} x {cluster.accelerator.name}"),
+        ("memory per rank", f"{m.total / GIB:,.2f} GiB of {found.capacity / GIB:,.0f} GiB "
+                            f"({'fits' if found.fits else 'does NOT fit'}; pipeline rank {found.memory_rank})"),
+        ("  parameters", f"{m.parameters / GIB:,.2f} GiB"),
+        ("  gradients", f"{m.gradients / GIB:,.2f} GiB"),
+        ("  optimizer", f"{m.optimizer / GIB:,.2f} GiB" + (f" (+ {m.host / GIB:,.2f} GiB on the host)" if m.host else "")),
+        ("  activations", f"{m.activations / GIB:,.2f} GiB"),
+        ("  logits", f"{m.logits / GIB:,.2f} GiB"),
+        ("  buffers", f"{m.buffers / GIB:,.2f} GiB"),
+    ]
+    if t is not None:
+        rows += [("step time", f"{t.total:,.4g} s ({found.tokens_per_step:,} tokens: {found.tokens_per_second:,.0f} "
+                               f"tokens/s, MFU {100 * found.mfu:.1f}%)")]
+        rows += [(f"  {name}", f"{value:,.4g} s") for name, value in
+                 (("compute", t.compute), ("tp comm", t.tp), ("cp comm (exposed)", t.cp), ("ep all-to-all", t.ep),
+                  ("pp sends", t.pp_comm), ("pp bubble", t.bubble), ("dp comm (exposed)", t.dp), ("offload", t.offload))
+                 if value or name == "compute"]
+    rows += [("note", note) for note in found.notes]
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def describe_layout(config: JobConfig) -> str:
+    z, t, p = config.data_parallel, config.train, config.pipeline_parallel
+    parts = [f"zero {z.zero_stage}" + (" offload" if z.offload else ""), f"recompute {t.recompute}",
+             f"micro {t.micro_batch_size} x {t.grad_accum_steps}"]
+    if p.degree > 1:
+        parts.append(p.schedule + (f" v{p.virtual}" if p.virtual > 1 else ""))
+    return ", ".join(parts)
+
+
+def plot_memory(entries: list[tuple[str, Estimate]], output: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = ("parameters", "gradients", "optimizer", "activations", "logits", "buffers")
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(entries) + 2), 4.5))
+    bottoms = [0.0] * len(entries)
+    for part in parts:
+        values = [getattr(e.memory, part) / GIB for _, e in entries]
+        ax.bar(range(len(entries)), values, bottom=bottoms, label=part)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    capacity = entries[0][1].capacity / GIB
+    ax.axhline(capacity, color="black", linestyle="--", linewidth=1, label=f"capacity {capacity:.0f} GiB")
+    ax.set_xticks(range(len(entries)), [label for label, _ in entries], rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("GiB per rank")
+    ax.set_title("predicted memory per rank by component")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _default_batch(config: JobConfig, gpus: int) -> int:
+    t = config.train
+    others = config.tensor_parallel.degree * config.pipeline_parallel.degree * config.context_parallel.degree
+    return t.micro_batch_size * t.grad_accum_steps * max(gpus // others, 1)
+
+
+def run(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec) -> int:
+    from fivefold.plan.estimate import estimate
+    if args.gpus < 0 or args.top < 1 or args.global_batch < 0:
+        raise ConfigError("--gpus, --top and --global-batch must be positive")
+    out: dict = {"cluster": cluster.to_dict()}
+    if args.tokens:
+        return _calculator(args, config, cluster, out)
+    if args.gpus < 1:
+        raise ConfigError("fivefold plan needs --gpus N (the accelerators of the job)")
+    if args.search:
+        return _search(args, config, cluster, out)
+    found = estimate(config, args.gpus, cluster, args.efficiency, args.vocab_size)
+    print(format_estimate(found, cluster, "layout"))
+    out["estimate"] = found.to_dict()
+    if args.plot:
+        print(f"wrote {plot_memory([(found.degrees.describe(), found)], args.plot)}")
+    _write_json(args, out)
+    return 0
+
+
+def _search(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec, out: dict) -> int:
+    import time
+
+    from fivefold.config import config_toml
+    from fivefold.plan.search import search
+
+    batch = args.global_batch or _default_batch(config, args.gpus)
+    start = time.perf_counter()
+    result = search(config, args.gpus, cluster, batch, args.efficiency, args.vocab_size, not args.no_offload)
+    seconds = time.perf_counter() - start
+    print(f"searched {result.considered:,} layouts of {args.gpus} x {cluster.accelerator.name} for a global batch of "
+          f"{batch} sequences in {seconds:.1f} s: {len(result.ranked):,} feasible")
+    for reason, count in result.rejected.most_common():
+        print(f"  rejected {count:>7,} by {reason}: e.g. {result.examples[reason]}")
+    if not result.ranked:
+        raise ConfigError("no layout fits: add accelerators, shorten train.seq_len, or use a larger accelerator")
+    print(f"\n{'rank':>4}  {'step (s)':>9}  {'MFU':>6}  {'GiB/rank':>8}  layout")
+    for i, (candidate, found) in enumerate(result.ranked[:args.top], 1):
+        print(f"{i:>4}  {found.time.total:>9.4g}  {100 * found.mfu:>5.1f}%  {found.memory.total / GIB:>8.2f}  "
+              f"{found.degrees.describe()}, {describe_layout(candidate)}")
+    best_config, best = result.ranked[0]
+    print("\n" + format_estimate(best, cluster, "best"))
+    out["search"] = {"considered": result.considered, "seconds": seconds, "global_batch": batch,
+                     "rejected": dict(result.rejected), "examples": result.examples,
+                     "top": [{"layout": describe_layout(c), **e.to_dict()} for c, e in result.ranked[:args.top]]}
+    if args.write_best:
+        path = Path(args.write_best)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"# written by `fivefold plan --search` ({best.degrees.describe()}, {describe_layout(best_config)}, "
+                        f"predicted {best.time.total:.4g} s per step on {args.gpus} x {cluster.accelerator.name})\n"
+                        + config_toml(best_config.to_dict()))
+        print(f"wrote {path}: `fivefold train --config {path} --nproc-per-node ...` runs it")
+    if args.plot:
+        entries = [(f"{i}: {f.degrees.describe()}", f) for i, (_, f) in enumerate(result.ranked[:args.top], 1)]
+        print(f"wrote {plot_memory(entries, args.plot)}")
+    _write_json(args, out)
+    return 0
+
+
+def _calculator(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec, out: dict) -> int:
+    from fivefold.plan.calculator import budget
+    from fivefold.plan.estimate import estimate, model_for
+
+    model = model_for(config, args.vocab_size)
+    seq = config.train.seq_len
+    if args.achieved_tflops:
+        rate, source = args.achieved_tflops * 1e12, "given"
+    elif args.mfu:
+        if not 0 < args.mfu <= 1:
+            raise ConfigError(f"--mfu = {args.mfu}: must lie in (0, 1]")
+        rate = args.mfu * cluster.accelerator.peak_flops("bf16" if config.train.dtype == "bf16" else "fp32")
+        source = f"MFU {args.mfu:.0%} of {cluster.accelerator.name}"
+    else:
+        if args.gpus < 1:
+            raise ConfigError("the calculator needs --achieved-tflops, --mfu, or --gpus N to predict the rate of the "
+                              "config's layout on N accelerators")
+        found = estimate(config, args.gpus, cluster, args.efficiency, args.vocab_size)
+        rate = found.mfu * found.peak_flops
+        source = f"predicted for {found.degrees.describe()} on {cluster.accelerator.name} (MFU {100 * found.mfu:.1f}%)"
+    result = budget(model, args.tokens, seq, rate, gpus=0 if args.days else args.gpus, days=args.days)
+    print(f"{model.name}: {result.describe()} [rate {source}]")
+    out["budget"] = {"tokens": result.tokens, "flops": result.flops, "achieved_tflops_per_gpu": rate / 1e12,
+                     "gpus": result.gpus, "days": result.days, "rate_source": source}
+    _write_json(args, out)
+    return 0
+
+
+def _write_json(args: argparse.Namespace, out: dict) -> None:
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+        print(f"wrote {args.json}")

@@ -1,0 +1,156 @@
+"""Search over layouts: enumerate, reject with a reason, rank the rest by predicted step time.
+
+For a fixed global batch (sequences per optimizer step) on N accelerators, each candidate picks
+tp (powers of two up to the accelerators of a node and the heads), pp (dividing the blocks),
+cp, ep (MoE models), dp = N / (tp pp cp), a ZeRO stage (sharded over all of dp), CPU offload,
+recomputation, the micro-batch (the rest of the batch is accumulation, the pipeline's micro-
+batches) and, with pp > 1, the schedule (1f1b, interleaved with 2 virtual stages, zb-h1, gpipe).
+Sequence parallelism is on whenever tp > 1 (it only saves memory and moves the same bytes).
+
+Each candidate is a `JobConfig` checked by the runtime's own validation (the rejection reason is
+its error's setting: "tensor_parallel.degree", "pipeline_parallel.schedule", ...), then by memory
+(the planner's estimate over the accelerator's capacity: "memory"); the survivors are ranked by
+predicted step time. The winner is written as a complete TOML file that `train` loads unchanged.
+
+Every candidate's memory is estimated before its time, and pipeline simulations are shared
+between candidates with the same (schedule, pp, micro-batches, virtual stages) and stage-time
+ratios, so a 1,024-GPU search over tens of thousands of candidates takes seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+from fivefold.config.schema import JobConfig
+from fivefold.errors import ConfigError
+from fivefold.plan.cluster import ClusterSpec
+from fivefold.plan.estimate import Estimate, PipelineRuns, estimate, model_for
+
+SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("gpipe", 1))
+
+
+@dataclass
+class SearchResult:
+    ranked: list[tuple[JobConfig, Estimate]]
+    rejected: Counter = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)  # reason -> one full message
+    considered: int = 0
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def reason_of(message: str) -> str:
+    """The setting a runtime error names first ("tensor_parallel.degree = 3 must ..." -> tensor_parallel.degree)."""
+    found = re.search(r"\b([a-z_]+\.[a-z_]+)\b", message)
+    return found.group(1) if found else message.split(":")[0][:40]
+
+
+def candidates(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: int, offload: bool = True,
+               vocab_size: int = 0):
+    """Every layout of the space, as JobConfigs (not yet validated). Pipelined ones carry their stage split
+    explicitly (pipeline_parallel.layers_per_stage, the cost-balanced split of pipeline/stages.py)."""
+    from fivefold.parallel.pipeline.stages import plan_stages
+
+    model = base.model
+    sized = model_for(base, vocab_size) if model.vocab_size == 0 else model
+    splits: dict[int, list[int]] = {}
+
+    def split_for(stages: int) -> list[int]:
+        if stages not in splits:
+            try:
+                splits[stages] = [len(s) for s in plan_stages(sized, base.train.seq_len, stages, None,
+                                                              base.pipeline_parallel.balance)]
+            except ConfigError:
+                splits[stages] = []  # more stages than blocks: the runtime's check names it
+        return splits[stages]
+
+    tps = [t for t in _powers_of_two(min(cluster.accelerators_per_node, gpus)) if gpus % t == 0]
+    pps = [p for p in _divisors(gpus) if p <= model.n_layers]
+    cps = [c for c in _powers_of_two(min(8, gpus)) if gpus % c == 0]
+    eps = [e for e in _divisors(gpus) if model.n_experts and model.n_experts % e == 0] if model.n_experts else [1]
+    for tp, pp, cp in itertools.product(tps, pps, cps):
+        if gpus % (tp * pp * cp):
+            continue
+        dp = gpus // (tp * pp * cp)
+        if global_batch % dp:
+            continue
+        per_replica = global_batch // dp
+        micro_batches = [b for b in _powers_of_two(per_replica) if per_replica % b == 0]
+        schedules = SCHEDULES if pp > 1 else (("1f1b", 1),)
+        for ep, zero, off, recompute, micro, (schedule, virtual) in itertools.product(
+                eps, (0, 1, 2, 3), (False, True) if offload else (False,), ("none", "selective", "full"),
+                micro_batches, schedules):
+            if off and zero == 0:
+                continue
+            layers = split_for(pp * virtual) if pp > 1 else []
+            yield _layout(base, tp, pp, cp, dp, ep, zero, off, recompute, micro, per_replica // micro, schedule, virtual,
+                          layers)
+
+
+def _layout(base: JobConfig, tp: int, pp: int, cp: int, dp: int, ep: int, zero: int, offload: bool, recompute: str,
+            micro: int, accum: int, schedule: str, virtual: int, layers: list[int]) -> JobConfig:
+    r = dataclasses.replace
+    return r(base,
+             train=r(base.train, micro_batch_size=micro, grad_accum_steps=accum, recompute=recompute),
+             data_parallel=r(base.data_parallel, replicate=1 if zero else dp, shard=dp if zero else 1, zero_stage=zero,
+                             offload=offload, param_dtype=_param_dtype(base, zero)),
+             tensor_parallel=r(base.tensor_parallel, degree=tp, sequence_parallel=tp > 1),
+             context_parallel=r(base.context_parallel, degree=cp),
+             pipeline_parallel=r(base.pipeline_parallel, degree=pp, schedule=schedule, virtual=virtual,
+                                 layers_per_stage=list(layers)),
+             expert_parallel=r(base.expert_parallel, degree=ep))
+
+
+def _rank_key(pair: tuple[JobConfig, Estimate]) -> tuple[float, int]:
+    """Fastest first; of equally fast layouts (the same to three significant digits), the least memory first."""
+    found = pair[1]
+    return float(f"{found.time.total:.3g}"), found.memory.total
+
+
+def _param_dtype(base: JobConfig, zero: int) -> str:
+    """bf16 compute weights under ZeRO when the run computes in bf16 (or asked for them); DDP keeps fp32."""
+    wanted = base.train.dtype == "bf16" or base.data_parallel.param_dtype == "bf16"
+    return "bf16" if zero and wanted else "fp32"
+
+
+def search(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: int, efficiency: float = 0.5,
+           vocab_size: int = 0, offload: bool = True, refine: int = 50) -> SearchResult:
+    """Rank every feasible layout by predicted step time (fastest first).
+
+    A first pass prices pipelines by the closed-form ideal bubble; the `refine` best are then estimated
+    again with the schedule simulator and re-ranked, so the top of the list carries simulated times."""
+    if global_batch < 1:
+        raise ConfigError(f"--global-batch = {global_batch}: must be a positive number of sequences")
+    result, runs = SearchResult([]), PipelineRuns()
+    for config in candidates(base, gpus, cluster, global_batch, offload, vocab_size):
+        result.considered += 1
+        try:
+            found = estimate(config, gpus, cluster, efficiency, vocab_size, time_if_over=False, simulate=False)
+        except ConfigError as exc:
+            reason = reason_of(str(exc))
+            result.rejected[reason] += 1
+            result.examples.setdefault(reason, str(exc))
+            continue
+        if not found.fits:
+            result.rejected["memory"] += 1
+            result.examples.setdefault("memory", f"{found.memory.total / 2**30:.1f} GiB per rank over the "
+                                                 f"{found.capacity / 2**30:.0f} GiB of a {cluster.accelerator.name}")
+            continue
+        result.ranked.append((config, found))
+    if not result.ranked and not result.considered:
+        raise ConfigError(f"no layout of {gpus} accelerators splits a global batch of {global_batch} sequences: "
+                          "make --global-batch a multiple of a data-parallel degree (e.g. of --gpus)")
+    result.ranked.sort(key=_rank_key)
+    best = [(config, estimate(config, gpus, cluster, efficiency, vocab_size, runs)) for config, _ in result.ranked[:refine]]
+    result.ranked[:refine] = sorted(best, key=_rank_key)
+    return result

@@ -1,0 +1,167 @@
+"""The planner: cluster files, per-rank counts, pipeline peaks and extrapolation, the calculator, search, CLI.
+
+The planner-vs-runtime check of parameters and model-state bytes per rank, layout by layout, is in
+tests/distributed/test_plan_vs_runtime.py.
+"""
+
+import dataclasses
+import json
+
+import pytest
+
+from fivefold.cli import main
+from fivefold.config import load_config
+from fivefold.errors import ConfigError
+from fivefold.model.presets import PRESETS, get_preset
+from fivefold.parallel.pipeline.schedules import PipelineShape, all_schedules, peak_in_flight
+from fivefold.parallel.pipeline.simulate import Costs, simulate
+from fivefold.plan.calculator import budget
+from fivefold.plan.cluster import PRESETS as CLUSTERS
+from fivefold.plan.cluster import cluster_from_dict, cluster_toml, load_cluster
+from fivefold.plan.estimate import PipelineRuns, estimate
+from fivefold.plan.flops import count_parameters
+from fivefold.plan.memory import zero_model_states
+from fivefold.plan.parameters import rank_parameters
+from fivefold.plan.search import search
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_one_rank_holds_the_whole_count(name):
+    model = get_preset(name)
+    model.vocab_size = model.vocab_size or 257
+    count, held = count_parameters(model), rank_parameters(model, list(range(model.n_layers)), True, True)
+    assert held.total == count.total and held.experts == count.routed_experts
+
+
+def test_splits_add_up_to_the_whole():
+    """tp pieces of the split tensors, pipeline stages and expert shards add back up to the model."""
+    model = get_preset("mixtral-8x7b")
+    whole = count_parameters(model).total
+    stages = [rank_parameters(model, list(range(i * 8, i * 8 + 8)), i == 0, i == 3, pipelined=True) for i in range(4)]
+    assert sum(s.total for s in stages) == whole
+    experts = rank_parameters(model, list(range(32)), True, True, ep=8)
+    assert experts.experts * 8 == count_parameters(model).routed_experts
+
+
+@pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 3)])
+def test_closed_form_peak_in_flight_equals_the_simulator(schedule, virtual):
+    for pp in (2, 3, 4, 5):
+        for m in range(pp, 5 * pp + 1, pp):
+            shape = PipelineShape(pp, m, virtual)
+            sim = simulate(all_schedules(schedule, shape))
+            assert {r: peak_in_flight(schedule, shape, r) for r in range(pp)} == sim.peak_in_flight, (pp, m)
+
+
+@pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+def test_long_pipelines_are_extrapolated_exactly(schedule, virtual):
+    """Past saturation each group of pp micro-batches adds the same time: the two-run extrapolation equals a
+    full simulation, with uneven stages and send latency."""
+    runs = PipelineRuns()
+    for pp in (2, 4):
+        for m in range(pp, 16 * pp + 1, pp):
+            costs = Costs(1.0, 2.0, 1.0, 1.0, 0.1, tuple([1.0] * (pp * virtual - 1) + [1.4]))
+            fast = runs.run(schedule, pp, m, virtual, costs)
+            full = simulate(all_schedules(schedule, PipelineShape(pp, m, virtual)), costs)
+            assert fast[0] == pytest.approx(full.makespan, rel=1e-12) and fast[1] == full.peak_in_flight
+
+
+def test_stage_scale_slows_only_its_stage():
+    shape = PipelineShape(2, 4)
+    plain = simulate(all_schedules("1f1b", shape), Costs())
+    doubled = simulate(all_schedules("1f1b", shape), Costs(stage_scale=(2.0, 2.0)))
+    assert doubled.makespan == pytest.approx(2 * plain.makespan)
+    last_slow = simulate(all_schedules("1f1b", shape), Costs(stage_scale=(1.0, 2.0)))
+    assert plain.makespan < last_slow.makespan < doubled.makespan
+
+
+def test_the_175b_worked_example():
+    """Narayanan et al.'s example: 175B on 300B tokens at 160 TFLOP/s per GPU: about 800 GPUs for 30 days."""
+    gpt3 = get_preset("gpt3-175b")
+    gpus = budget(gpt3, 300e9, 2048, 160e12, days=30).gpus
+    assert 750 <= gpus <= 800
+    assert 28 <= budget(gpt3, 300e9, 2048, 160e12, gpus=800).days <= 30
+    with pytest.raises(ConfigError, match="exactly one"):
+        budget(gpt3, 300e9, 2048, 160e12, gpus=800, days=30)
+
+
+def test_cluster_files_round_trip_and_bad_ones_name_the_key(tmp_path):
+    for spec in CLUSTERS.values():
+        path = tmp_path / f"{spec.name}.toml"
+        path.write_text(cluster_toml(spec))
+        assert load_cluster(str(path)) == dataclasses.replace(spec)
+    good = json.loads(json.dumps(CLUSTERS["h100-sxm"].to_dict()))
+    for change, named in ((("intra", "bandwidth_gbs", -1), "intra.bandwidth_gbs"), (("accelerator", "memory_gib", 0), "memory_gib"),
+                          ((None, "accelerators_per_node", 0), "accelerators_per_node"), ((None, "colour", 1), "colour")):
+        data = json.loads(json.dumps(good))
+        section, key, value = change
+        (data[section] if section else data)[key] = value
+        with pytest.raises(ConfigError, match=named):
+            cluster_from_dict(data)
+    with pytest.raises(ConfigError, match="neither a preset"):
+        load_cluster(str(tmp_path / "missing.toml"))
+    assert CLUSTERS["h100-sxm"].accelerator.peak_flops("bf16") == 989.5e12
+    with pytest.raises(ConfigError, match="fp8"):
+        CLUSTERS["a100-80gb"].accelerator.peak_flops("fp8")
+
+
+def _config(*overrides):
+    return load_config(None, ["--model.preset", "llama3-8b", "--train.seq_len", "2048", "--train.micro_batch_size", "1",
+                              "--train.dtype", "bf16", *overrides])
+
+
+def test_estimate_components():
+    config = _config("--tensor_parallel.degree", "4", "--tensor_parallel.sequence_parallel", "true",
+                     "--data_parallel.zero_stage", "1", "--data_parallel.shard", "4", "--data_parallel.param_dtype", "bf16")
+    found = estimate(config, 16, CLUSTERS["h100-sxm"])
+    assert (found.degrees.dp, found.degrees.tp) == (4, 4)
+    psi = found.memory.parameter_count
+    assert psi == rank_parameters(get_preset("llama3-8b"), list(range(32)), True, True, tp=4).total
+    states = zero_model_states(psi, 1, 4, True)
+    assert (found.memory.parameters, found.memory.gradients, found.memory.optimizer) == \
+        (states.parameters, states.gradients, states.optimizer)
+    assert found.fits and 0 < found.mfu < 0.5 and found.time.tp > 0 and found.time.dp > 0
+    assert found.tokens_per_step == 4 * 2048
+    offload = estimate(_config("--tensor_parallel.degree", "4", "--data_parallel.zero_stage", "1", "--data_parallel.shard",
+                               "4", "--data_parallel.offload", "true"), 16, CLUSTERS["h100-sxm"])
+    assert offload.memory.optimizer == 0 and offload.memory.host > 0 and offload.time.offload > 0
+
+
+def test_an_infeasible_layout_is_refused_by_the_runtime_rules():
+    with pytest.raises(ConfigError, match="tensor_parallel.degree"):
+        estimate(_config("--tensor_parallel.degree", "3"), 3, CLUSTERS["h100-sxm"])
+    with pytest.raises(ConfigError, match="do not fit cluster"):
+        estimate(_config(), 64, dataclasses.replace(CLUSTERS["h100-sxm"], nodes=2))
+
+
+def test_search_ranks_feasible_layouts_and_writes_a_config_train_accepts(tmp_path):
+    config = _config()
+    result = search(config, 16, CLUSTERS["h100-sxm"], 32)
+    assert result.ranked and result.considered == len(result.ranked) + sum(result.rejected.values())
+    assert "memory" in result.rejected and "data_parallel.zero_stage" in result.rejected  # DDP of 8B does not fit
+    times = [float(f"{e.time.total:.3g}") for _, e in result.ranked[:50]]  # ties: least memory first
+    assert times == sorted(times)
+    assert all(e.fits for _, e in result.ranked)
+    out = tmp_path / "best.toml"
+    code = main(["plan", "--model.preset", "llama3-8b", "--train.seq_len", "2048", "--train.dtype", "bf16",
+                 "--gpus", "16", "--search", "--global-batch", "32", "--top", "3", "--write-best", str(out),
+                 "--json", str(tmp_path / "plan.json"), "--plot", str(tmp_path / "memory.png")])
+    assert code == 0
+    best = load_config(str(out))
+    assert best == result.ranked[0][0]
+    from fivefold.train.launch import check_before_launch
+
+    check_before_launch(dataclasses.replace(best, train=dataclasses.replace(best.train, output_dir=str(tmp_path / "run"))), 16)
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert report["search"]["top"][0]["step_seconds"]["total"] == pytest.approx(result.ranked[0][1].time.total)
+    assert (tmp_path / "memory.png").stat().st_size > 0
+
+
+def test_plan_command_estimate_and_calculator(capsys, tmp_path):
+    assert main(["plan", "--config", "configs/tiny.toml", "--gpus", "1", "--cluster", "a100-80gb"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per rank" in out and "step time" in out
+    assert main(["plan", "--model.preset", "gpt3-175b", "--train.seq_len", "2048", "--tokens", "300e9", "--days", "30",
+                 "--achieved-tflops", "160"]) == 0
+    assert " 779 GPUs for 30.0 days" in capsys.readouterr().out
+    assert main(["plan", "--config", "configs/tiny.toml", "--gpus", "1", "--cluster", str(tmp_path / "none.toml")]) == 2
+    assert "neither a preset" in capsys.readouterr().err
