@@ -23,7 +23,8 @@ def test_bus_factors_are_nccl_tests():
 def test_bench_comm_table_and_json(tmp_path, world_size):
     out = tmp_path / "comm.json"
     run = subprocess.run([sys.executable, "-m", "fivefold", "bench", "comm", f"--nproc-per-node={world_size}",
-                          "--min-bytes=1K", "--max-bytes=4K", "--iters=3", "--warmup=1", f"--json={out}"],
+                          "--min-bytes=1K", "--max-bytes=4K", "--iters=3", "--warmup=1", f"--json={out}",
+                          f"--cluster-file={tmp_path / 'here.toml'}"],
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "Warning" not in run.stderr, run.stderr[-3000:]  # no FutureWarning (or any other) for a user to puzzle over
@@ -46,3 +47,12 @@ def test_bench_comm_table_and_json(tmp_path, world_size):
                                                                      ("ring", "halving_doubling", "rabenseifner", "tree")}
     for row in checked:
         assert row["sent_bytes"] == pytest.approx(row["predicted_bytes"]), (row["collective"], row["algorithm"], row["size"])
+    # this machine as a planner cluster file: the fitted links and the timed matmul rates, read back by the planner
+    from fivefold.plan.cluster import load_cluster
+
+    here = load_cluster(str(tmp_path / "here.toml"))
+    intra = report["links"]["intra"]
+    assert here.accelerators_per_node == report["node_size"]
+    assert here.intra.latency_us == pytest.approx(intra["alpha"] * 1e6)
+    assert here.intra.bandwidth_gbs == pytest.approx(1 / intra["beta"] / 1e9)
+    assert here.accelerator.tflops == report["matmul_tflops"] and here.accelerator.peak_flops("fp32") > 0

@@ -6,7 +6,9 @@ iterations), algbw = size / time, busbw = algbw x the nccl-tests bus factor (all
 reduce-scatter, all-gather and all-to-all (p-1)/p; broadcast 1), so busbw is comparable with the
 link's bandwidth whatever p is. Beside each measured time stands the alpha-beta-gamma prediction
 (comm/cost.py) from links fitted by ping-pong on this machine at the start (comm/measure.py),
-and their ratio. Rank 0 prints the table and writes JSON with `--json`.
+and their ratio. Rank 0 prints the table and writes JSON with `--json`. `--cluster-file F` also
+times a matmul on every rank at once (fp32 and bf16: the rate a rank achieves while the others
+compute too) and writes this machine as a planner cluster file (plan/cluster.py) with the fitted links.
 
 Run under torchrun (`fivefold bench comm --nproc-per-node 4` starts it); gloo on CPU, NCCL on GPU.
 """
@@ -181,9 +183,44 @@ def run(args: argparse.Namespace) -> dict:
                         predicted_bytes = None
                 rows.append(Row(collective, algorithm, nbytes, count, "float32", seconds * 1e6, algbw,
                                 algbw * bus_factor(collective, p), predicted, sent, predicted_bytes))
+    rates = {dtype: matmul_tflops(dtype, device) for dtype in ("fp32", "bf16")} if args.cluster_file else {}
     return {"world_size": p, "backend": dist.get_backend(), "device": device.type, "node_size": node_size,
-            "links": {"intra": asdict(cluster.intra), "inter": asdict(cluster.inter)},
+            "links": {"intra": asdict(cluster.intra), "inter": asdict(cluster.inter)}, "matmul_tflops": rates,
             "rows": [asdict(r) | {"measured_over_predicted": r.ratio} for r in rows]}
+
+
+def matmul_tflops(dtype: str, device: torch.device, n: int = 512, seconds: float = 0.5) -> float:
+    """TFLOP/s of an n x n matmul on every rank at once, the slowest rank's (collective)."""
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    a = torch.randn(n, n, device=device).to(torch_dtype)
+    b = torch.randn(n, n, device=device).to(torch_dtype)
+    a @ b  # warm up
+    dist.barrier()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        calls += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    rate = torch.tensor(2 * n**3 * calls / (time.perf_counter() - start) / 1e12, dtype=torch.float64, device=device)
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN)
+    return float(rate)
+
+
+def cluster_file_of(report: dict) -> str:
+    """This machine as a planner cluster file: achieved matmul rates (use `plan --efficiency 1`), fitted links."""
+    from fivefold.plan.cluster import Accelerator, ClusterSpec, LinkSpec, cluster_toml
+
+    def spec(link: dict) -> LinkSpec:
+        return LinkSpec(1 / max(link["beta"], 1e-30) / 1e9, max(link["alpha"], 0.0) * 1e6)  # a fit can dip below 0
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / report["node_size"] / 2**30
+    spec_ = ClusterSpec(f"this-machine-{report['backend']}",
+                        Accelerator(f"{report['device']} rank", round(memory, 2), report["matmul_tflops"]),
+                        report["node_size"], spec(report["links"]["intra"]), spec(report["links"]["inter"]),
+                        source=f"fivefold bench comm on {report['world_size']} ranks: fitted links, timed matmuls "
+                               "(achieved rates: plan with --efficiency 1)")
+    return cluster_toml(spec_)
 
 
 def format_table(report: dict) -> str:
@@ -228,6 +265,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--node-size", type=int, default=0, help="ranks per (pretend) node; 0 = LOCAL_WORLD_SIZE")
     parser.add_argument("--json", help="also write the report here")
+    parser.add_argument("--cluster-file", help="also time matmuls and write this machine as a `fivefold plan --cluster` file")
 
 
 def _normalise(args: argparse.Namespace) -> argparse.Namespace:
@@ -264,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 Path(args.json).write_text(json.dumps(report, indent=2))
                 print(f"wrote {args.json}")
+            if args.cluster_file:
+                Path(args.cluster_file).write_text(cluster_file_of(report))
+                print(f"wrote {args.cluster_file}")
     finally:
         dist.destroy_process_group()
     return 0
