@@ -47,9 +47,12 @@ def test_benchmark_runs_and_prints_result(script, extra, expected):
     ("faults.py", ["--heartbeat", "1", "--steps", "6", "--fail-every", "3", "--ckpt-every", "2", "--saves", "1",
                    "--dim", "32"], "hung_rank_heartbeats="),
     ("diagnosis.py", ["--per-class", "1", "--classes", "completed,disk_full"], "accuracy="),
+    ("plan_vs_measured.py", ["--quick", "--steps", "1", "--warmup", "1", "--layers", "2", "--seq-len", "64"],
+     "median_abs_error="),
 ])
 def test_reliability_benchmark_runs_and_prints_result(script, args, expected):
-    """The reliability benchmarks compare with a fault-free run, SHA-256 or a labelled truth, not a model's loss."""
+    """The reliability benchmarks compare with a fault-free run, SHA-256 or a labelled truth, not a model's loss;
+    plan_vs_measured compares the planner's prediction with the measured step."""
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
                          capture_output=True, text=True, timeout=600, check=True).stdout
     name = script.removesuffix(".py")

@@ -1,0 +1,165 @@
+"""The planner's predicted step time against the trainer's measured one, layout by layout, on this machine.
+
+For each world size the ranks first describe this machine as the planner sees it: links fitted by
+ping-pong (comm/measure.py) and the matmul rate each rank achieves while the others compute too
+(comm/bench.py matmul_tflops), so the cluster file is fitted with the contention the layouts meet.
+Then each layout builds the real Trainer (configs/tiny.toml's model on the embedded corpus, shrunk
+by the options), takes warm-up steps and times more (wall clock, slowest rank, median), and the
+planner predicts the same config on that cluster. The achieved share of the matmul rate (the
+planner's --efficiency) is fitted once, on the one-rank layout with no recomputation, and used for
+every other layout, so the table checks everything the planner adds: parallel splits, communication,
+recomputation, the pipeline bubble.
+
+    python benchmarks/plan_vs_measured.py                    # the table of docs/planner.md
+    python benchmarks/plan_vs_measured.py --steps 2 --quick  # a few layouts (the test's run)
+
+Prints one row per layout (predicted, measured, error) and
+RESULT name=plan_vs_measured layouts=N median_abs_error=... worst_abs_error=...
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ranks import spawn  # noqa: E402
+
+ROOT = Path(__file__).parent.parent
+
+# (world size, name, overrides): every fold of the runtime, on 1, 2 and 4 ranks
+LAYOUTS = [
+    (1, "single", []),
+    (1, "single-selective", ["--train.recompute", "selective"]),
+    (1, "single-full", ["--train.recompute", "full"]),
+    (1, "single-accum2", ["--train.grad_accum_steps", "2"]),
+    (1, "single-micro2x2", ["--train.micro_batch_size", "2", "--train.grad_accum_steps", "2"]),
+    (2, "dp2", []),
+    (2, "dp2-zero1", ["--data_parallel.zero_stage", "1", "--data_parallel.shard", "2"]),
+    (2, "dp2-zero2", ["--data_parallel.zero_stage", "2", "--data_parallel.shard", "2"]),
+    (2, "dp2-zero3", ["--data_parallel.zero_stage", "3", "--data_parallel.shard", "2"]),
+    (2, "tp2", ["--tensor_parallel.degree", "2"]),
+    (2, "tp2-sp", ["--tensor_parallel.degree", "2", "--tensor_parallel.sequence_parallel", "true"]),
+    (2, "cp2-ring", ["--context_parallel.degree", "2"]),
+    (2, "pp2-1f1b", ["--pipeline_parallel.degree", "2", "--train.grad_accum_steps", "4"]),
+    (2, "pp2-gpipe", ["--pipeline_parallel.degree", "2", "--pipeline_parallel.schedule", "gpipe", "--train.grad_accum_steps", "4"]),
+    (2, "pp2-zbh1", ["--pipeline_parallel.degree", "2", "--pipeline_parallel.schedule", "zb-h1", "--train.grad_accum_steps", "4"]),
+    (2, "dp2-full", ["--train.recompute", "full"]),
+    (4, "dp4", []),
+    (4, "dp4-zero3", ["--data_parallel.zero_stage", "3", "--data_parallel.shard", "4"]),
+    (4, "dp2-tp2", ["--tensor_parallel.degree", "2"]),
+    (4, "tp4", ["--tensor_parallel.degree", "4"]),
+    (4, "dp2-pp2", ["--pipeline_parallel.degree", "2", "--train.grad_accum_steps", "4"]),
+    (4, "pp4", ["--pipeline_parallel.degree", "4", "--train.grad_accum_steps", "8"]),
+    (4, "pp2-interleaved", ["--pipeline_parallel.degree", "2", "--pipeline_parallel.schedule", "interleaved",
+                            "--pipeline_parallel.virtual", "2", "--train.grad_accum_steps", "4", "--data_parallel.replicate", "2"]),
+    (4, "dp2-cp2", ["--context_parallel.degree", "2"]),
+    (4, "tp2-pp2", ["--tensor_parallel.degree", "2", "--pipeline_parallel.degree", "2", "--train.grad_accum_steps", "4"]),
+]
+QUICK = {"single", "single-full", "dp2", "tp2", "pp2-1f1b"}
+
+
+def _measure(rank: int, world_size: int, job) -> dict:
+    """On every rank: fit the links and the matmul rate, then time each layout's steps."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import torch
+    import torch.distributed as dist
+
+    from fivefold.comm.bench import matmul_tflops
+    from fivefold.comm.measure import measure_cluster
+    from fivefold.comm.p2p import Ranks
+    from fivefold.train.trainer import Trainer
+
+    configs, steps, warmup = job
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    links = measure_cluster(Ranks.world(), world_size) if world_size > 1 else None
+    rates = {dtype: matmul_tflops(dtype, torch.device("cpu")) for dtype in ("fp32",)}
+    times = {}
+    for name, config in configs:
+        trainer = Trainer(config)
+        samples = []
+        for step in range(warmup + steps):
+            dist.barrier()
+            start = time.perf_counter()
+            trainer.train_step()
+            elapsed = torch.tensor(time.perf_counter() - start)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if step >= warmup:
+                samples.append(float(elapsed))
+        times[name] = statistics.median(samples)
+    return {"links": dataclasses.asdict(links) if links else None, "rates": rates, "times": times}
+
+
+def _cluster(world_size: int, measured: dict):
+    from fivefold.plan.cluster import Accelerator, ClusterSpec, LinkSpec
+
+    link = measured["links"]["intra"] if measured["links"] else {"alpha": 1e-6, "beta": 1e-9}
+    spec = LinkSpec(1 / max(link["beta"], 1e-30) / 1e9, max(link["alpha"], 0.0) * 1e6)
+    return ClusterSpec(f"this machine, {world_size} ranks", Accelerator("cpu rank", 8.0, measured["rates"]),
+                       max(world_size, 1), spec, spec)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per layout")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(sorted(QUICK))}")
+    parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--timeout", type=float, default=1800)
+    args = parser.parse_args()
+
+    from fivefold.config import load_config
+    from fivefold.plan.estimate import estimate
+
+    out_root = Path(os.environ.get("TMPDIR", "/tmp")) / f"plan_vs_measured-{os.getpid()}"
+    base = ["--train.seq_len", str(args.seq_len), "--train.micro_batch_size", str(args.micro_batch),
+            "--model.n_layers", str(args.layers), "--train.steps", str(args.steps + args.warmup + 1),
+            "--train.eval_every", "0", "--checkpoint.enabled", "false", "--logging.progress", "false",
+            "--logging.tensorboard", "false", "--logging.plot", "false", "--logging.sample_tokens", "0",
+            "--train.log_every", "1000"]
+    layouts = [row for row in LAYOUTS if not args.quick or row[1] in QUICK]
+    rows = []
+    for world_size in sorted({w for w, _, _ in layouts}):
+        configs = [(name, load_config(ROOT / "configs" / "tiny.toml",
+                                      [*base, *extra, "--train.output_dir", str(out_root / name)]))
+                   for w, name, extra in layouts if w == world_size]
+        measured = spawn(_measure, world_size, (configs, args.steps, args.warmup), args.timeout)
+        cluster = _cluster(world_size, measured)
+        for name, config in configs:
+            rows.append({"world_size": world_size, "name": name, "config": config, "cluster": cluster,
+                         "measured": measured["times"][name]})
+    # the achieved share of the matmul rate, fitted on the one-rank plain layout (or the first row)
+    anchor = next((r for r in rows if r["name"] == "single"), rows[0])
+    unit = estimate(anchor["config"], anchor["world_size"], anchor["cluster"], 1.0, vocab_size=257).time.total
+    efficiency = min(1.0, unit / anchor["measured"])
+    errors = []
+    print(f"# efficiency {efficiency:.3f} (fitted on {anchor['name']}); seq {args.seq_len}, micro-batch {args.micro_batch}, "
+          f"{args.layers} layers of tiny")
+    print(f"# {'layout':<18}{'ranks':>6}{'predicted(s)':>14}{'measured(s)':>13}{'error':>9}")
+    for row in rows:
+        predicted = estimate(row["config"], row["world_size"], row["cluster"], efficiency, vocab_size=257).time.total
+        error = predicted / row["measured"] - 1
+        row.update(predicted=predicted, error=error)
+        if row is not anchor:
+            errors.append(abs(error))
+        print(f"  {row['name']:<18}{row['world_size']:>6}{predicted:>14.4f}{row['measured']:>13.4f}{100 * error:>8.1f}%")
+    if args.json:
+        Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k not in ("config", "cluster")} for r in rows],
+                                              indent=2))
+    median = statistics.median(errors) if errors else 0.0
+    print(f"RESULT name=plan_vs_measured layouts={len(rows)} efficiency={efficiency:.4f} "
+          f"median_abs_error={median:.4f} worst_abs_error={max(errors, default=0.0):.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
