@@ -2,7 +2,7 @@
 
 For each world size the ranks first describe this machine as the planner sees it: links fitted by
 ping-pong (comm/measure.py) and the matmul rate each rank achieves while the others compute too
-(comm/bench.py matmul_tflops), so the cluster file is fitted with the contention the layouts meet.
+and memory bandwidth (comm/bench.py matmul_tflops, memory_gbs), so the cluster file is fitted with the contention the layouts meet.
 Then each layout builds the real Trainer (configs/tiny.toml's model on the embedded corpus, shrunk
 by the options), takes warm-up steps and times more (wall clock, slowest rank, median), and the
 planner predicts the same config on that cluster. The achieved share of the matmul rate (the
@@ -14,7 +14,9 @@ recomputation, the pipeline bubble.
     python benchmarks/plan_vs_measured.py --steps 2 --quick  # a few layouts (the test's run)
 
 Prints one row per layout (predicted, measured, error) and
-RESULT name=plan_vs_measured layouts=N median_abs_error=... worst_abs_error=...
+RESULT name=plan_vs_measured layouts=N median_abs_error=... worst_abs_error=... kendall_tau=... best_gap=...
+(Kendall's tau between the predicted and measured order of the layouts of the largest world size,
+and how much slower the predicted best measures than the measured best).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
     import torch
     import torch.distributed as dist
 
-    from fivefold.comm.bench import matmul_tflops
+    from fivefold.comm.bench import matmul_tflops, memory_gbs
     from fivefold.comm.measure import measure_cluster
     from fivefold.comm.p2p import Ranks
     from fivefold.train.trainer import Trainer
@@ -80,6 +82,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     links = measure_cluster(Ranks.world(), world_size) if world_size > 1 else None
     rates = {dtype: matmul_tflops(dtype, torch.device("cpu")) for dtype in ("fp32",)}
+    bandwidth = memory_gbs(torch.device("cpu"))
     times = {}
     for name, config in configs:
         trainer = Trainer(config)
@@ -93,7 +96,8 @@ def _measure(rank: int, world_size: int, job) -> dict:
             if step >= warmup:
                 samples.append(float(elapsed))
         times[name] = statistics.median(samples)
-    return {"links": dataclasses.asdict(links) if links else None, "rates": rates, "times": times}
+    return {"links": dataclasses.asdict(links) if links else None, "rates": rates, "memory_gbs": bandwidth,
+            "times": times}
 
 
 def _cluster(world_size: int, measured: dict):
@@ -101,8 +105,43 @@ def _cluster(world_size: int, measured: dict):
 
     link = measured["links"]["intra"] if measured["links"] else {"alpha": 1e-6, "beta": 1e-9}
     spec = LinkSpec(1 / max(link["beta"], 1e-30) / 1e9, max(link["alpha"], 0.0) * 1e6)
-    return ClusterSpec(f"this machine, {world_size} ranks", Accelerator("cpu rank", 8.0, measured["rates"]),
+    return ClusterSpec(f"this machine, {world_size} ranks", Accelerator("cpu rank", 8.0, measured["rates"], measured["memory_gbs"]),
                        max(world_size, 1), spec, spec)
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a: (concordant - discordant) pairs over all pairs."""
+    pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
+    if not pairs:
+        return 1.0
+    score = sum((a[i] - a[j]) * (b[i] - b[j]) > 0 for i, j in pairs) - sum((a[i] - a[j]) * (b[i] - b[j]) < 0 for i, j in pairs)
+    return score / len(pairs)
+
+
+def plot_scatter(rows: list[dict], output: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for world in sorted({r["world_size"] for r in rows}):
+        mine = [r for r in rows if r["world_size"] == world]
+        ax.scatter([r["measured"] for r in mine], [r["predicted"] for r in mine], label=f"{world} rank(s)")
+    top = max(max(r["measured"], r["predicted"]) for r in rows) * 1.1
+    ax.plot([0, top], [0, top], color="black", linewidth=1)
+    ax.plot([0, top], [0, 1.1 * top], color="grey", linewidth=0.5, linestyle="--")
+    ax.plot([0, top], [0, 0.9 * top], color="grey", linewidth=0.5, linestyle="--", label="+-10%")
+    ax.set_xlabel("measured step (s)")
+    ax.set_ylabel("predicted step (s)")
+    ax.set_title("fivefold plan vs measured, this machine")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def main() -> int:
@@ -114,6 +153,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(sorted(QUICK))}")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--plot", help="draw predicted vs measured (PNG)")
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args()
 
@@ -139,8 +179,11 @@ def main() -> int:
                          "measured": measured["times"][name]})
     # the achieved share of the matmul rate, fitted on the one-rank plain layout (or the first row)
     anchor = next((r for r in rows if r["name"] == "single"), rows[0])
-    unit = estimate(anchor["config"], anchor["world_size"], anchor["cluster"], 1.0, vocab_size=257).time.total
-    efficiency = min(1.0, unit / anchor["measured"])
+    # t(e) = M / e + R: the matmul seconds M at full rate and the rest R, from two estimates; solve t(e) = measured
+    full = estimate(anchor["config"], anchor["world_size"], anchor["cluster"], 1.0, vocab_size=257).time.total
+    half = estimate(anchor["config"], anchor["world_size"], anchor["cluster"], 0.5, vocab_size=257).time.total
+    matmuls, rest = half - full, 2 * full - half
+    efficiency = min(1.0, matmuls / max(anchor["measured"] - rest, 1e-12))
     errors = []
     print(f"# efficiency {efficiency:.3f} (fitted on {anchor['name']}); seq {args.seq_len}, micro-batch {args.micro_batch}, "
           f"{args.layers} layers of tiny")
@@ -152,12 +195,21 @@ def main() -> int:
         if row is not anchor:
             errors.append(abs(error))
         print(f"  {row['name']:<18}{row['world_size']:>6}{predicted:>14.4f}{row['measured']:>13.4f}{100 * error:>8.1f}%")
+    four = [r for r in rows if r["world_size"] == max(w for w, _, _ in layouts)]
+    tau = kendall_tau([r["predicted"] for r in four], [r["measured"] for r in four])
+    chosen = min(four, key=lambda r: r["predicted"])
+    best_gap = chosen["measured"] / min(r["measured"] for r in four) - 1
+    print(f"# {len(four)} layouts on {four[0]['world_size']} ranks: Kendall tau {tau:.3f} between predicted and measured "
+          f"order; the predicted best ({chosen['name']}) measures {100 * best_gap:.1f}% over the measured best")
+    if args.plot:
+        print(f"wrote {plot_scatter(rows, args.plot)}")
     if args.json:
         Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k not in ("config", "cluster")} for r in rows],
                                               indent=2))
     median = statistics.median(errors) if errors else 0.0
     print(f"RESULT name=plan_vs_measured layouts={len(rows)} efficiency={efficiency:.4f} "
-          f"median_abs_error={median:.4f} worst_abs_error={max(errors, default=0.0):.4f}")
+          f"median_abs_error={median:.4f} worst_abs_error={max(errors, default=0.0):.4f} kendall_tau={tau:.4f} "
+          f"best_gap={best_gap:.4f}")
     return 0
 
 

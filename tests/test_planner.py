@@ -126,6 +126,18 @@ def test_estimate_components():
     assert offload.memory.optimizer == 0 and offload.memory.host > 0 and offload.time.offload > 0
 
 
+def test_memory_bound_terms():
+    """AdamW moves 28 bytes per parameter it updates (its ZeRO shard) at the memory bandwidth; without a
+    bandwidth the memory-bound terms are left out, and compute is then the matmul time alone."""
+    h100 = CLUSTERS["h100-sxm"]
+    config = _config("--data_parallel.zero_stage", "1", "--data_parallel.shard", "8")
+    found = estimate(config, 8, h100)
+    assert found.time.optimizer == pytest.approx(28 * found.memory.parameter_count / 8 / 3350e9)
+    blind = dataclasses.replace(h100, accelerator=dataclasses.replace(h100.accelerator, memory_bandwidth_gbs=0.0))
+    plain = estimate(config, 8, blind)
+    assert plain.time.optimizer == 0 and plain.time.compute < found.time.compute
+
+
 def test_an_infeasible_layout_is_refused_by_the_runtime_rules():
     with pytest.raises(ConfigError, match="tensor_parallel.degree"):
         estimate(_config("--tensor_parallel.degree", "3"), 3, CLUSTERS["h100-sxm"])

@@ -56,3 +56,4 @@ def test_bench_comm_table_and_json(tmp_path, world_size):
     assert here.intra.latency_us == pytest.approx(intra["alpha"] * 1e6)
     assert here.intra.bandwidth_gbs == pytest.approx(1 / intra["beta"] / 1e9)
     assert here.accelerator.tflops == report["matmul_tflops"] and here.accelerator.peak_flops("fp32") > 0
+    assert here.accelerator.memory_bandwidth_gbs == report["memory_gbs"] > 0

@@ -7,8 +7,8 @@ reduce-scatter, all-gather and all-to-all (p-1)/p; broadcast 1), so busbw is com
 link's bandwidth whatever p is. Beside each measured time stands the alpha-beta-gamma prediction
 (comm/cost.py) from links fitted by ping-pong on this machine at the start (comm/measure.py),
 and their ratio. Rank 0 prints the table and writes JSON with `--json`. `--cluster-file F` also
-times a matmul on every rank at once (fp32 and bf16: the rate a rank achieves while the others
-compute too) and writes this machine as a planner cluster file (plan/cluster.py) with the fitted links.
+times a matmul (fp32 and bf16) and an add on every rank at once (the rates a rank achieves while
+the others compute too) and writes this machine as a planner cluster file (plan/cluster.py) with the fitted links.
 
 Run under torchrun (`fivefold bench comm --nproc-per-node 4` starts it); gloo on CPU, NCCL on GPU.
 """
@@ -184,8 +184,9 @@ def run(args: argparse.Namespace) -> dict:
                 rows.append(Row(collective, algorithm, nbytes, count, "float32", seconds * 1e6, algbw,
                                 algbw * bus_factor(collective, p), predicted, sent, predicted_bytes))
     rates = {dtype: matmul_tflops(dtype, device) for dtype in ("fp32", "bf16")} if args.cluster_file else {}
+    bandwidth = memory_gbs(device) if args.cluster_file else 0.0
     return {"world_size": p, "backend": dist.get_backend(), "device": device.type, "node_size": node_size,
-            "links": {"intra": asdict(cluster.intra), "inter": asdict(cluster.inter)}, "matmul_tflops": rates,
+            "links": {"intra": asdict(cluster.intra), "inter": asdict(cluster.inter)}, "matmul_tflops": rates, "memory_gbs": bandwidth,
             "rows": [asdict(r) | {"measured_over_predicted": r.ratio} for r in rows]}
 
 
@@ -207,6 +208,23 @@ def matmul_tflops(dtype: str, device: torch.device, n: int = 512, seconds: float
     return float(rate)
 
 
+def memory_gbs(device: torch.device, nbytes: int = 32 << 20, seconds: float = 0.5) -> float:
+    """GB/s of an in-place float32 add (reads two vectors, writes one) on every rank at once, the slowest rank's."""
+    x = torch.ones(nbytes // 4, device=device)
+    y = torch.ones(nbytes // 4, device=device)
+    x.add_(y)
+    dist.barrier()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        x.add_(y)
+        calls += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    rate = torch.tensor(3 * nbytes * calls / (time.perf_counter() - start) / 1e9, dtype=torch.float64, device=device)
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN)
+    return float(rate)
+
+
 def cluster_file_of(report: dict) -> str:
     """This machine as a planner cluster file: achieved matmul rates (use `plan --efficiency 1`), fitted links."""
     from fivefold.plan.cluster import Accelerator, ClusterSpec, LinkSpec, cluster_toml
@@ -216,7 +234,8 @@ def cluster_file_of(report: dict) -> str:
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / report["node_size"] / 2**30
     spec_ = ClusterSpec(f"this-machine-{report['backend']}",
-                        Accelerator(f"{report['device']} rank", round(memory, 2), report["matmul_tflops"]),
+                        Accelerator(f"{report['device']} rank", round(memory, 2), report["matmul_tflops"],
+                                    report["memory_gbs"]),
                         report["node_size"], spec(report["links"]["intra"]), spec(report["links"]["inter"]),
                         source=f"fivefold bench comm on {report['world_size']} ranks: fitted links, timed matmuls "
                                "(achieved rates: plan with --efficiency 1)")

@@ -22,6 +22,7 @@ A cluster file is TOML, read without running anything:
     name = "H100-SXM"
     memory_gib = 80
     tflops = {fp32 = 67, bf16 = 989.5}
+    memory_bandwidth_gbs = 3350      # optional: memory-bound work (kept activations, the optimizer step)
     [intra]                          # inside a node, per accelerator and direction
     bandwidth_gbs = 450
     latency_us = 3
@@ -52,6 +53,7 @@ class Accelerator:
     name: str
     memory_gib: float  # usable memory per accelerator
     tflops: dict[str, float] = field(default_factory=dict)  # dense peak TFLOP/s per compute dtype
+    memory_bandwidth_gbs: float = 0.0  # HBM (or DRAM) GB/s for memory-bound work; 0 = not modelled
 
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.tflops:
@@ -101,27 +103,27 @@ class ClusterSpec:
         return asdict(self)
 
 
-def _gpu(name: str, memory_gib: float, fp32: float, bf16: float, fp8: float, nvlink: float, nic: float, pcie: float,
-         source: str) -> ClusterSpec:
+def _gpu(name: str, memory_gib: float, hbm: float, fp32: float, bf16: float, fp8: float, nvlink: float, nic: float,
+         pcie: float, source: str) -> ClusterSpec:
     return ClusterSpec(name, Accelerator(name, memory_gib, {"fp32": fp32, "bf16": bf16, "fp8": fp8} if fp8 else
-                                         {"fp32": fp32, "bf16": bf16}),
+                                         {"fp32": fp32, "bf16": bf16}, hbm),
                        8, LinkSpec(nvlink, 3.0), LinkSpec(nic, 6.0), source=source, host_bandwidth_gbs=pcie)
 
 
 # Data-sheet figures per GPU: dense FP32 (no TF32), dense BF16 and FP8 tensor-core TFLOP/s; memory;
 # NVLink bandwidth per direction (half the bidirectional total); one InfiniBand NIC per GPU.
 PRESETS: dict[str, ClusterSpec] = {
-    "a100-80gb": _gpu("A100-80GB", 80, 19.5, 312.0, 0, 300.0, 25.0, 32.0,
-                      "NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB): 19.5 TF FP32, 312 TF BF16, NVLink 600 GB/s, PCIe Gen4 64 GB/s; "
+    "a100-80gb": _gpu("A100-80GB", 80, 2039.0, 19.5, 312.0, 0, 300.0, 25.0, 32.0,
+                      "NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB): 2,039 GB/s HBM2e, 19.5 TF FP32, 312 TF BF16, NVLink 600 GB/s; "
                       "DGX A100: 8 x 200 Gb/s HDR InfiniBand"),
-    "h100-sxm": _gpu("H100-SXM", 80, 67.0, 989.5, 1979.0, 450.0, 50.0, 64.0,
-                     "NVIDIA H100 Tensor Core GPU data sheet (SXM5): 67 TF FP32, 989.5 TF BF16, 1,979 TF FP8 (dense), "
+    "h100-sxm": _gpu("H100-SXM", 80, 3350.0, 67.0, 989.5, 1979.0, 450.0, 50.0, 64.0,
+                     "NVIDIA H100 Tensor Core GPU data sheet (SXM5): 3.35 TB/s HBM3, 67 TF FP32, 989.5 TF BF16, 1,979 TF FP8 (dense), "
                      "NVLink 900 GB/s; DGX H100: 8 x 400 Gb/s NDR InfiniBand"),
-    "h200": _gpu("H200", 141, 67.0, 989.5, 1979.0, 450.0, 50.0, 64.0,
-                 "NVIDIA H200 Tensor Core GPU data sheet (SXM): 141 GB HBM3e, compute as H100 SXM, NVLink 900 GB/s; "
+    "h200": _gpu("H200", 141, 4800.0, 67.0, 989.5, 1979.0, 450.0, 50.0, 64.0,
+                 "NVIDIA H200 Tensor Core GPU data sheet (SXM): 141 GB HBM3e at 4.8 TB/s, compute as H100 SXM, NVLink 900 GB/s; "
                  "DGX H200: 8 x 400 Gb/s NDR InfiniBand"),
-    "b200": _gpu("B200", 180, 80.0, 2250.0, 4500.0, 900.0, 50.0, 64.0,
-                 "NVIDIA DGX B200 data sheet: 1,440 GB over 8 GPUs, 72 PF FP8 training (sparse) = 4.5 PF dense per GPU, "
+    "b200": _gpu("B200", 180, 8000.0, 80.0, 2250.0, 4500.0, 900.0, 50.0, 64.0,
+                 "NVIDIA DGX B200 data sheet: 1,440 GB and 64 TB/s HBM3e over 8 GPUs, 72 PF FP8 training (sparse) = 4.5 PF dense per GPU, "
                  "2.25 PF dense BF16, NVLink 5 1.8 TB/s per GPU, 8 x 400 Gb/s ConnectX-7"),
 }
 
@@ -163,8 +165,10 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
     for key in ("intra", "inter"):
         table = _section(data, key, source)
         links[key] = LinkSpec(_number(table, "bandwidth_gbs", key), _number(table, "latency_us", key, positive=False))
+    bandwidth = _number(acc, "memory_bandwidth_gbs", "accelerator", positive=False) if "memory_bandwidth_gbs" in acc else 0.0
     return ClusterSpec(str(data.get("name", Path(source).stem)),
-                       Accelerator(str(acc.get("name", "accelerator")), _number(acc, "memory_gib", "accelerator"), rates),
+                       Accelerator(str(acc.get("name", "accelerator")), _number(acc, "memory_gib", "accelerator"), rates,
+                                   bandwidth),
                        per_node, links["intra"], links["inter"], nodes, str(data.get("source", source)),
                        _number(data, "host_bandwidth_gbs", "(top level)") if "host_bandwidth_gbs" in data else 32.0)
 
@@ -195,6 +199,7 @@ def cluster_toml(spec: ClusterSpec) -> str:
         f"source = {json.dumps(spec.source)}",
         f"host_bandwidth_gbs = {spec.host_bandwidth_gbs!r}",
         "", "[accelerator]", f"name = {json.dumps(acc.name)}", f"memory_gib = {acc.memory_gib!r}", f"tflops = {{{rates}}}",
+        f"memory_bandwidth_gbs = {acc.memory_bandwidth_gbs!r}",
         "", "[intra]", f"bandwidth_gbs = {intra.bandwidth_gbs!r}", f"latency_us = {intra.latency_us!r}",
         "", "[inter]", f"bandwidth_gbs = {inter.bandwidth_gbs!r}", f"latency_us = {inter.latency_us!r}", "",
     ])

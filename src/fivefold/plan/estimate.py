@@ -25,8 +25,12 @@ Step time (seconds) = pipeline makespan + exposed data-parallel communication:
 
     compute     forward FLOPs of a stage's blocks (2 x matmul parameters x tokens + the attention
                 core 4 q s per token, split by tp and cp; the head on the last stage) at the
-                accelerator's peak x efficiency; backward twice the forward; `full` recompute
-                adds a forward to every backward, `selective` the attention core's
+                accelerator's peak x efficiency, plus the bytes the blocks write outside their
+                matmuls (the kept activations, the logits) at its memory bandwidth; backward twice
+                the forward; `full` recompute adds a forward to every backward, `selective` the
+                attention core's
+    optimizer   AdamW reads 16 and writes 12 bytes per parameter it updates (its ZeRO shard),
+                at the memory bandwidth
     tp          4 all-reduces of b s/cp h per block and micro-batch (ring, on the link the tp group
                 spans), 6 with full recompute; not overlapped
     cp          ring attention passes K and V around cp ranks (cp - 1 steps forward, twice that in
@@ -120,10 +124,12 @@ class StepTime:
     bubble: float
     dp: float
     offload: float = 0.0  # optimizer shard's gradients down to the host and weights back up
+    optimizer: float = 0.0  # the AdamW step, memory-bound
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp + self.cp + self.ep + self.pp_comm + self.bubble + self.dp + self.offload
+        return (self.compute + self.tp + self.cp + self.ep + self.pp_comm + self.bubble + self.dp + self.offload
+                + self.optimizer)
 
 
 @dataclass
@@ -163,6 +169,8 @@ class Estimate:
 
 def model_for(config: JobConfig, vocab_size: int = 0) -> ModelConfig:
     """The model with its vocabulary known: the config's, the given one, or the byte/BPE tokenizer's."""
+    if config.model.vocab_size:
+        return config.model
     model = dataclasses.replace(config.model)
     if model.vocab_size == 0:
         model.vocab_size = vocab_size or {"byte": 257, "bpe": config.data.bpe_vocab_size}.get(config.data.tokenizer, 0)
@@ -352,13 +360,18 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     cp_link = links.link_for(d.cp * d.tp)
     ep_link = links.link_for(d.ep * d.etp * (1 if sp else d.tp))
     activation_bytes = b * (seq // d.cp) * model.dim * element
-    block_flops = {model.is_moe_layer(i): _block_forward_flops(model, i, tokens, seq, d)
-                   for i in {model.is_moe_layer(i): i for i in range(model.n_layers)}.values()}
+    block_flops = {moe: _block_forward_flops(model, layer, tokens, seq, d) for moe in (False, True)
+                   if (layer := first_block(model, moe)) >= 0}
+    bandwidth = cluster.accelerator.memory_bandwidth_gbs * 1e9
+    written = _written_per_block(model, config, d) if bandwidth else {}
     for stage, layers in enumerate(split):
-        flops = sum(block_flops[model.is_moe_layer(layer)] for layer in layers)
+        moe = sum(model.is_moe_layer(layer) for layer in layers) if model.n_experts else 0
+        flops = (len(layers) - moe) * block_flops.get(False, 0) + moe * block_flops.get(True, 0)
+        traffic = (len(layers) - moe) * written.get(False, 0) + moe * written.get(True, 0) if bandwidth else 0
         if stage == len(split) - 1:
             flops += 2 * padded_vocab(model.vocab_size, d.tp) * model.dim * tokens / (d.tp * d.cp)
-        forward.append(flops / rate)
+            traffic += 2 * 4 * tokens // d.cp * padded_vocab(model.vocab_size, d.tp) // d.tp
+        forward.append(flops / rate + (traffic / bandwidth if bandwidth else 0.0))
         core = 4 * model.q_dim * seq * tokens / (d.tp * d.cp) / rate * len(layers)
         attn_core.append(core)
         per_block_tp = ring(activation_bytes, d.tp, tp_link) if d.tp > 1 else 0.0
@@ -368,7 +381,6 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
             comm_cp.append(max(0.0, (d.cp - 1) * cp_link.message(kv) - core / len(layers)) * len(layers))
         else:
             comm_cp.append(0.0)
-        moe = sum(model.is_moe_layer(layer) for layer in layers)
         if moe and d.ep * d.etp > 1:
             rows = model.moe_top_k * tokens // (d.cp * (d.tp if sp else 1)) * model.dim * element
             comm_ep.append(moe * all_to_all(rows, d.ep, ep_link))
@@ -411,7 +423,32 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
         last_backward = stage_bwd[0]
     dp_time = _data_parallel_time(config, model, d, split, links, stage_fwd[0], last_backward)
     return StepTime(compute_total, tp_total, cp_total, ep_total, pp_comm, bubble, dp_time,
-                    _offload_time(config, model, d, split, cluster))
+                    _offload_time(config, model, d, split, cluster), _optimizer_time(config, model, d, split, bandwidth))
+
+
+def _written_per_block(model: ModelConfig, config: JobConfig, d: Degrees) -> dict[bool, int]:
+    """Bytes one block's forward writes to memory outside its matmuls, per micro-batch: the tensors it keeps
+    for backward (docs/activation_memory.md's count, no recomputation), each written once; backward reads
+    and writes them again (twice the forward, as for the FLOPs)."""
+    t = config.train
+    sp = config.tensor_parallel.sequence_parallel and d.tp > 1
+    shape = ActivationShape(t.micro_batch_size, t.seq_len // d.cp, d.tp, sp, "none")
+    element = 2 if t.dtype == "bf16" else 4
+    return {moe: element * _block_activations(model, layer, shape, d) for moe in (False, True)
+            if (layer := first_block(model, moe)) >= 0}
+
+
+def _optimizer_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], bandwidth: float) -> float:
+    """AdamW on the accelerator: per parameter it updates, read weight, gradient and both moments (16 bytes) and
+    write weight and moments (12), memory-bound; with ZeRO each rank updates its shard; offload runs it on the host."""
+    z = config.data_parallel
+    if not bandwidth or z.offload:
+        return 0.0
+    params = rank_parameters(model, split[0], True, len(split) == 1, d.tp, d.ep, d.etp, pipelined=d.pp > 1).total
+    if d.pp > 1:
+        params = max(params, rank_parameters(model, split[-1], False, True, d.tp, d.ep, d.etp, pipelined=True).total)
+    shards = d.dp_shard * d.cp if z.zero_stage else 1
+    return 28 * params / shards / bandwidth
 
 
 def _offload_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], cluster: ClusterSpec) -> float:
@@ -484,7 +521,7 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
     time = None if over and not time_if_over else step_time(config, model, d, split, cluster, efficiency, peak, runs)
     tokens = t.micro_batch_size * t.grad_accum_steps * d.dp * t.seq_len
     notes = []
-    if any(model.is_moe_layer(i) for i in range(model.n_layers)) and (d.tp > 1 or model.attention != "mha"):
+    if model.n_experts and (d.tp > 1 or model.attention != "mha"):
         notes.append("MoE block activations under tp > 1 or MLA are counted as a dense block's")
     if d.cp > 1:
         notes.append("context parallelism's extra saved tensors (ring steps' partial outputs) are not counted")
