@@ -16,6 +16,8 @@ from fivefold.train.trainer import Trainer
 from distributed.spawn import run_distributed
 from parity.harness import with_changes
 
+MOE = {"n_experts": 4, "moe_top_k": 2, "moe_ffn_dim": 32, "moe_shared_experts": 1}
+MLA = {"attention": "mla", "kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}
 LAYOUTS = {  # name -> sections changed from the micro job (4 ranks)
     "tp2-dp2-zero1": dict(tensor_parallel={"degree": 2}, data_parallel={"zero_stage": 1, "shard": 2}),
     "tp4-kv-replicated": dict(tensor_parallel={"degree": 4}),
@@ -30,10 +32,32 @@ LAYOUTS = {  # name -> sections changed from the micro job (4 ranks)
     "pp4-uneven": dict(pipeline_parallel={"degree": 4, "layers_per_stage": [2, 1, 1, 1]}, model={"n_layers": 5},
                        train={"grad_accum_steps": 4}),
     "cp2-dp2-zero2": dict(context_parallel={"degree": 2}, data_parallel={"zero_stage": 2, "shard": 2}),
-    "ep2-zero3-edp2": dict(model={"n_experts": 4, "moe_top_k": 2, "moe_ffn_dim": 32, "moe_shared_experts": 1},
-                           expert_parallel={"degree": 2}, data_parallel={"zero_stage": 3, "shard": 4}),
-    "mla-tp2-dp2": dict(model={"attention": "mla", "kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 8,
-                               "qk_rope_head_dim": 4, "v_head_dim": 8}, tensor_parallel={"degree": 2}),
+    "ep2-zero3-edp2": dict(model=MOE, expert_parallel={"degree": 2}, data_parallel={"zero_stage": 3, "shard": 4}),
+    "mla-tp2-dp2": dict(model=MLA, tensor_parallel={"degree": 2}),
+    "mla-pp2-dp2": dict(model={**MLA, "q_lora_rank": 0}, pipeline_parallel={"degree": 2}, train={"grad_accum_steps": 2}),
+    "ddp4": dict(),
+    "dp4-zero1": dict(data_parallel={"zero_stage": 1, "shard": 4}),
+    "dp4-zero1-bf16": dict(data_parallel={"zero_stage": 1, "shard": 4, "param_dtype": "bf16"}),
+    "dp4-zero2": dict(data_parallel={"zero_stage": 2, "shard": 4}),
+    "dp4-zero3": dict(data_parallel={"zero_stage": 3, "shard": 4}),
+    "dp4-zero3-offload": dict(data_parallel={"zero_stage": 3, "shard": 4, "param_dtype": "bf16", "offload": True}),
+    "hsdp-2x2-zero3": dict(data_parallel={"zero_stage": 3, "shard": 2, "replicate": 2}),
+    "pp2-gpipe-dp2-zero1": dict(pipeline_parallel={"degree": 2, "schedule": "gpipe"}, train={"grad_accum_steps": 2},
+                                data_parallel={"zero_stage": 1, "shard": 2}),
+    "pp2-zbh1-tp2": dict(pipeline_parallel={"degree": 2, "schedule": "zb-h1"}, tensor_parallel={"degree": 2},
+                         train={"grad_accum_steps": 2}),
+    "pp4-tied": dict(pipeline_parallel={"degree": 4}, model={"n_layers": 4, "tie_embeddings": True},
+                     train={"grad_accum_steps": 4}),
+    "cp2-tp2": dict(context_parallel={"degree": 2}, tensor_parallel={"degree": 2}),
+    "cp4-ulysses": dict(context_parallel={"degree": 4, "method": "ulysses"}, model={"n_heads": 4, "n_kv_heads": 4}),
+    "cp4-2d": dict(context_parallel={"degree": 4, "method": "2d", "heads": 2}),
+    "cp2-dp2-zero3": dict(context_parallel={"degree": 2}, data_parallel={"zero_stage": 3, "shard": 2}),
+    "ep4-ddp": dict(model=MOE, expert_parallel={"degree": 4}),
+    "ep2-etp2-ddp": dict(model=MOE, expert_parallel={"degree": 2, "tensor": 2}),
+    "ep2-tp2sp": dict(model=MOE, expert_parallel={"degree": 2}, tensor_parallel={"degree": 2, "sequence_parallel": True}),
+    "ep2-pp2": dict(model={**MOE, "n_layers": 4}, expert_parallel={"degree": 2}, pipeline_parallel={"degree": 2},
+                    train={"grad_accum_steps": 2}),
+    "moe-first-dense-ep2": dict(model={**MOE, "n_layers": 3, "moe_first_dense": 1}, expert_parallel={"degree": 2}),
 }
 
 
