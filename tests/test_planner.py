@@ -168,6 +168,28 @@ def test_search_ranks_feasible_layouts_and_writes_a_config_train_accepts(tmp_pat
     assert (tmp_path / "memory.png").stat().st_size > 0
 
 
+def test_pipeline_stages_are_moved_to_fit_memory():
+    """1F1B's first rank keeps the most micro-batches in flight: under a 64 GiB cap the balanced 8/8/8/8 split of
+    Llama-3 8B does not fit, and moving blocks off the fullest ranks gives an uneven split that does, which the
+    runtime's own checks accept as written."""
+    from fivefold.parallel.validate import check_config
+    from fivefold.plan.search import fit_stages
+
+    config = _config("--train.seq_len", "4096", "--train.micro_batch_size", "2", "--pipeline_parallel.degree", "4",
+                     "--pipeline_parallel.layers_per_stage", "8,8,8,8", "--train.grad_accum_steps", "8")
+    h100 = CLUSTERS["h100-sxm"]
+    capped = dataclasses.replace(h100, accelerator=dataclasses.replace(h100.accelerator, memory_gib=64))
+    balanced = estimate(config, 4, capped)
+    assert not balanced.fits and balanced.memory_rank == 0
+    moved, found = fit_stages(config, balanced, 4, capped)
+    split = moved.pipeline_parallel.layers_per_stage
+    assert found.fits and sum(split) == 32 and split[0] < 8 and split != [8, 8, 8, 8]
+    assert estimate(moved, 4, capped).memory.total == found.memory.total
+    check_config(moved)
+    tight = dataclasses.replace(h100, accelerator=dataclasses.replace(h100.accelerator, memory_gib=55))
+    assert fit_stages(config, estimate(config, 4, tight), 4, tight) is None  # the ranks' total is over their caps
+
+
 def test_plan_command_estimate_and_calculator(capsys, tmp_path):
     assert main(["plan", "--config", "configs/tiny.toml", "--gpus", "1", "--cluster", "a100-80gb"]) == 0
     out = capsys.readouterr().out

@@ -76,7 +76,7 @@ def describe_layout(config: JobConfig) -> str:
     parts = [f"zero {z.zero_stage}" + (" offload" if z.offload else ""), f"recompute {t.recompute}",
              f"micro {t.micro_batch_size} x {t.grad_accum_steps}"]
     if p.degree > 1:
-        parts.append(p.schedule + (f" v{p.virtual}" if p.virtual > 1 else ""))
+        parts.append(p.schedule + (f" v{p.virtual}" if p.virtual > 1 else "") + f" stages {p.layers_per_stage}")
     return ", ".join(parts)
 
 
@@ -144,7 +144,8 @@ def _search(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec, o
     result = search(config, args.gpus, cluster, batch, args.efficiency, args.vocab_size, not args.no_offload)
     seconds = time.perf_counter() - start
     print(f"searched {result.considered:,} layouts of {args.gpus} x {cluster.accelerator.name} for a global batch of "
-          f"{batch} sequences in {seconds:.1f} s: {len(result.ranked):,} feasible")
+          f"{batch} sequences in {seconds:.1f} s: {len(result.ranked):,} feasible"
+          + (f" ({result.rebalanced:,} with blocks moved between pipeline stages to fit memory)" if result.rebalanced else ""))
     for reason, count in result.rejected.most_common():
         print(f"  rejected {count:>7,} by {reason}: e.g. {result.examples[reason]}")
     if not result.ranked:
@@ -155,7 +156,7 @@ def _search(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec, o
               f"{found.degrees.describe()}, {describe_layout(candidate)}")
     best_config, best = result.ranked[0]
     print("\n" + format_estimate(best, cluster, "best"))
-    out["search"] = {"considered": result.considered, "seconds": seconds, "global_batch": batch,
+    out["search"] = {"considered": result.considered, "rebalanced": result.rebalanced, "seconds": seconds, "global_batch": batch,
                      "rejected": dict(result.rejected), "examples": result.examples,
                      "top": [{"layout": describe_layout(c), **e.to_dict()} for c, e in result.ranked[:args.top]]}
     if args.write_best:

@@ -9,8 +9,9 @@ Sequence parallelism is on whenever tp > 1 (it only saves memory and moves the s
 
 Each candidate is a `JobConfig` checked by the runtime's own validation (the rejection reason is
 its error's setting: "tensor_parallel.degree", "pipeline_parallel.schedule", ...), then by memory
-(the planner's estimate over the accelerator's capacity: "memory"); the survivors are ranked by
-predicted step time. The winner is written as a complete TOML file that `train` loads unchanged.
+(the planner's estimate over the accelerator's capacity: "memory"); a pipelined candidate over
+the cap first gets its blocks moved off its fullest ranks (`fit_stages`: an uneven split, the
+DAPPLE-style memory-aware stage planning); the survivors are ranked by predicted step time. The winner is written as a complete TOML file that `train` loads unchanged.
 
 Every candidate's memory is estimated before its time, and pipeline simulations are shared
 between candidates with the same (schedule, pp, micro-batches, virtual stages) and stage-time
@@ -39,6 +40,7 @@ class SearchResult:
     rejected: Counter = field(default_factory=Counter)
     examples: dict[str, str] = field(default_factory=dict)  # reason -> one full message
     considered: int = 0
+    rebalanced: int = 0  # pipelined layouts that fit only with blocks moved off their fullest rank
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -111,6 +113,36 @@ def _layout(base: JobConfig, tp: int, pp: int, cp: int, dp: int, ep: int, zero: 
              expert_parallel=r(base.expert_parallel, degree=ep))
 
 
+def fit_stages(config: JobConfig, found: Estimate, gpus: int, cluster: ClusterSpec, efficiency: float = 0.5,
+               vocab_size: int = 0) -> tuple[JobConfig, Estimate] | None:
+    """Pipeline planning under a memory cap: move blocks, one at a time, from the pipeline rank furthest over the
+    accelerator's memory to its neighbour with the most room (1F1B's first ranks hold the most micro-batches in
+    flight, the last the logits), until every rank fits. Returns the uneven split (as an explicit
+    pipeline_parallel.layers_per_stage, which the runtime runs as written) with its estimate, or None.
+
+    Tried only where it can work: one stage per rank, some rank with room, and the ranks' total within their caps."""
+    pipe = config.pipeline_parallel
+    cap, ranks = found.capacity, found.per_pp_rank
+    if pipe.degree == 1 or pipe.virtual != 1 or not pipe.layers_per_stage or min(m.total for m in ranks) >= cap \
+            or sum(m.total for m in ranks) > cap * len(ranks):
+        return None
+    split, seen = list(pipe.layers_per_stage), set()
+    while tuple(split) not in seen:
+        seen.add(tuple(split))
+        over = max(range(len(ranks)), key=lambda r: ranks[r].total)
+        if split[over] <= 1:
+            return None
+        target = min((n for n in (over - 1, over + 1) if 0 <= n < len(ranks)), key=lambda n: ranks[n].total)
+        split[over] -= 1
+        split[target] += 1
+        moved = dataclasses.replace(config, pipeline_parallel=dataclasses.replace(pipe, layers_per_stage=list(split)))
+        found = estimate(moved, gpus, cluster, efficiency, vocab_size, time_if_over=False, simulate=False)
+        if found.fits:
+            return moved, found
+        ranks = found.per_pp_rank
+    return None
+
+
 def _rank_key(pair: tuple[JobConfig, Estimate]) -> tuple[float, int]:
     """Fastest first; of equally fast layouts (the same to three significant digits), the least memory first."""
     found = pair[1]
@@ -142,6 +174,11 @@ def search(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: int, 
             result.examples.setdefault(reason, str(exc))
             continue
         if not found.fits:
+            moved = fit_stages(config, found, gpus, cluster, efficiency, vocab_size)
+            if moved is not None:
+                result.rebalanced += 1
+                result.ranked.append(moved)
+                continue
             result.rejected["memory"] += 1
             result.examples.setdefault("memory", f"{found.memory.total / 2**30:.1f} GiB per rank over the "
                                                  f"{found.capacity / 2**30:.0f} GiB of a {cluster.accelerator.name}")
