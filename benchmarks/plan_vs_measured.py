@@ -59,10 +59,39 @@ LAYOUTS = [
     (4, "tp4", ["--tensor_parallel.degree", "4"]),
     (4, "dp2-pp2", ["--pipeline_parallel.degree", "2", "--train.grad_accum_steps", "4"]),
     (4, "pp4", ["--pipeline_parallel.degree", "4", "--train.grad_accum_steps", "8"]),
-    (4, "pp2-interleaved", ["--pipeline_parallel.degree", "2", "--pipeline_parallel.schedule", "interleaved",
-                            "--pipeline_parallel.virtual", "2", "--train.grad_accum_steps", "4", "--data_parallel.replicate", "2"]),
+    (4, "dp2-pp2-interleaved", ["--pipeline_parallel.degree", "2", "--pipeline_parallel.schedule", "interleaved",
+                                "--pipeline_parallel.virtual", "2", "--train.grad_accum_steps", "4",
+                                "--data_parallel.replicate", "2"]),
     (4, "dp2-cp2", ["--context_parallel.degree", "2"]),
     (4, "tp2-pp2", ["--tensor_parallel.degree", "2", "--pipeline_parallel.degree", "2", "--train.grad_accum_steps", "4"]),
+    (1, "single-seq256", ["--train.seq_len", "256"]),
+    (1, "single-micro8", ["--train.micro_batch_size", "8"]),
+    (1, "single-micro8-full", ["--train.micro_batch_size", "8", "--train.recompute", "full"]),
+    (1, "single-6-layers", ["--model.n_layers", "6"]),
+    (2, "dp2-seq256", ["--train.seq_len", "256"]),
+    (2, "dp2-accum2", ["--train.grad_accum_steps", "2"]),
+    (2, "dp2-selective", ["--train.recompute", "selective"]),
+    (2, "dp2-zero3-bf16", ["--data_parallel.zero_stage", "3", "--data_parallel.shard", "2", "--data_parallel.param_dtype", "bf16"]),
+    (2, "tp2-full", ["--tensor_parallel.degree", "2", "--train.recompute", "full"]),
+    (2, "cp2-ulysses", ["--context_parallel.degree", "2", "--context_parallel.method", "ulysses"]),
+    (2, "pp2-1f1b-m8", ["--pipeline_parallel.degree", "2", "--train.grad_accum_steps", "8", "--train.micro_batch_size", "2"]),
+    (2, "pp2-interleaved", ["--pipeline_parallel.degree", "2", "--pipeline_parallel.schedule", "interleaved",
+                            "--pipeline_parallel.virtual", "2", "--train.grad_accum_steps", "4"]),
+    (4, "dp4-zero1", ["--data_parallel.zero_stage", "1", "--data_parallel.shard", "4"]),
+    (4, "dp4-zero2", ["--data_parallel.zero_stage", "2", "--data_parallel.shard", "4"]),
+    (4, "dp4-full", ["--train.recompute", "full"]),
+    (4, "dp4-selective", ["--train.recompute", "selective"]),
+    (4, "dp4-micro2", ["--train.micro_batch_size", "2"]),
+    (4, "dp2-tp2-sp", ["--tensor_parallel.degree", "2", "--tensor_parallel.sequence_parallel", "true"]),
+    (4, "dp2-tp2-zero1", ["--tensor_parallel.degree", "2", "--data_parallel.zero_stage", "1", "--data_parallel.shard", "2"]),
+    (4, "cp4-ring", ["--context_parallel.degree", "4"]),
+    (4, "cp2-tp2", ["--context_parallel.degree", "2", "--tensor_parallel.degree", "2"]),
+    (4, "pp4-gpipe", ["--pipeline_parallel.degree", "4", "--pipeline_parallel.schedule", "gpipe", "--train.grad_accum_steps", "8"]),
+    (4, "pp4-zbh1", ["--pipeline_parallel.degree", "4", "--pipeline_parallel.schedule", "zb-h1", "--train.grad_accum_steps", "8"]),
+    (4, "dp2-pp2-zbh1", ["--pipeline_parallel.degree", "2", "--pipeline_parallel.schedule", "zb-h1", "--train.grad_accum_steps", "4"]),
+    (4, "dp2-pp2-zero1", ["--pipeline_parallel.degree", "2", "--train.grad_accum_steps", "4", "--data_parallel.zero_stage", "1",
+                          "--data_parallel.shard", "2"]),
+    (4, "dp2-cp2-zero3", ["--context_parallel.degree", "2", "--data_parallel.zero_stage", "3", "--data_parallel.shard", "2"]),
 ]
 QUICK = {"single", "single-full", "dp2", "tp2", "pp2-1f1b"}
 
@@ -81,7 +110,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
     configs, steps, warmup = job
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     links = measure_cluster(Ranks.world(), world_size) if world_size > 1 else None
-    rates = {dtype: matmul_tflops(dtype, torch.device("cpu")) for dtype in ("fp32",)}
+    rates = {dtype: matmul_tflops(dtype, torch.device("cpu")) for dtype in ("fp32", "bf16")}
     bandwidth = memory_gbs(torch.device("cpu"))
     times = {}
     for name, config in configs:

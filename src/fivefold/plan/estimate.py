@@ -179,6 +179,12 @@ def model_for(config: JobConfig, vocab_size: int = 0) -> ModelConfig:
     return model
 
 
+def compute_dtype(config: JobConfig) -> str:
+    """The dtype the matmuls run in: bf16 under autocast (train.dtype) or with ZeRO's bf16 compute weights."""
+    z = config.data_parallel
+    return "bf16" if config.train.dtype == "bf16" or (z.zero_stage and z.param_dtype == "bf16") else "fp32"
+
+
 def degrees_of(config: JobConfig, gpus: int) -> Degrees:
     """The runtime's checks, then the degrees (`dims_for`): an infeasible layout raises ConfigError with the reason."""
     from fivefold.parallel.expert_parallel import check_expert_parallel, token_fiber_size
@@ -515,7 +521,7 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
     runs = (runs or PipelineRuns()) if simulate else None
     memory = memory_per_rank(config, model, d, split)
     worst = max(range(d.pp), key=lambda r: memory[r].total)
-    dtype = "bf16" if t.dtype == "bf16" else "fp32"
+    dtype = compute_dtype(config)
     peak = cluster.accelerator.peak_flops(dtype)
     over = memory[worst].total > cluster.memory_bytes
     time = None if over and not time_if_over else step_time(config, model, d, split, cluster, efficiency, peak, runs)

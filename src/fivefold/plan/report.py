@@ -175,7 +175,7 @@ def _search(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec, o
 
 def _calculator(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec, out: dict) -> int:
     from fivefold.plan.calculator import budget
-    from fivefold.plan.estimate import estimate, model_for
+    from fivefold.plan.estimate import compute_dtype, estimate, model_for
 
     model = model_for(config, args.vocab_size)
     seq = config.train.seq_len
@@ -184,7 +184,7 @@ def _calculator(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpe
     elif args.mfu:
         if not 0 < args.mfu <= 1:
             raise ConfigError(f"--mfu = {args.mfu}: must lie in (0, 1]")
-        rate = args.mfu * cluster.accelerator.peak_flops("bf16" if config.train.dtype == "bf16" else "fp32")
+        rate = args.mfu * cluster.accelerator.peak_flops(compute_dtype(config))
         source = f"MFU {args.mfu:.0%} of {cluster.accelerator.name}"
     else:
         if args.gpus < 1:
