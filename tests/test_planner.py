@@ -82,6 +82,8 @@ def test_the_175b_worked_example():
     assert 28 <= budget(gpt3, 300e9, 2048, 160e12, gpus=800).days <= 30
     with pytest.raises(ConfigError, match="exactly one"):
         budget(gpt3, 300e9, 2048, 160e12, gpus=800, days=30)
+    with pytest.raises(ConfigError, match="finite"):
+        budget(gpt3, 300e9, 2048, 160e12, days=float("inf"))
 
 
 def test_cluster_files_round_trip_and_bad_ones_name_the_key(tmp_path):

@@ -46,6 +46,8 @@ def budget(model: ModelConfig, tokens: float, seq_len: int, achieved_flops_per_g
     """Days for `gpus`, or GPUs (rounded up) for `days`: give exactly one."""
     if (gpus > 0) == (days > 0):
         raise ConfigError("the calculator needs exactly one of --gpus and --days")
+    if not (math.isfinite(gpus) and math.isfinite(days)):
+        raise ConfigError(f"--gpus = {gpus}, --days = {days}: give a finite number")
     for name, value in (("--tokens", tokens), ("the achieved rate", achieved_flops_per_gpu)):
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(f"{name} = {value}: must be a positive number")
