@@ -201,3 +201,37 @@ def test_plan_command_estimate_and_calculator(capsys, tmp_path):
     assert " 779 GPUs for 30.0 days" in capsys.readouterr().out
     assert main(["plan", "--config", "configs/tiny.toml", "--gpus", "1", "--cluster", str(tmp_path / "none.toml")]) == 2
     assert "neither a preset" in capsys.readouterr().err
+
+
+# ---- published rows (plan/published.py): the calibration table's inputs are the paper's models
+
+
+def test_sc21_rows_have_the_published_parameter_counts_and_flops():
+    """Each Table 1 row built as our model has the published size within the table's rounding (0.05B)
+    plus 0.5% (Megatron's learned positions and biases, which ours lacks), and the paper's FLOP count per
+    iteration equals ours with full recomputation's extra forward (4/3 x the blocks' training FLOPs; the
+    head is not recomputed), to the SwiGLU width's rounding."""
+    from fivefold.plan.flops import count_parameters, flops_per_token
+    from fivefold.plan.published import SC21_TABLE1, paper_flops, sc21_config
+
+    for run in SC21_TABLE1:
+        config = sc21_config(run)
+        assert (config.tensor_parallel.degree, config.pipeline_parallel.degree) == (run.tp, run.pp)
+        assert config.train.micro_batch_size * config.train.grad_accum_steps * run.dp == run.batch
+        params = count_parameters(config.model).total / 1e9
+        assert abs(params - run.params_billion) <= 0.05 + 0.005 * run.params_billion, (run.name, params)
+        head = 2 * config.model.dim * config.model.vocab_size
+        per_token = 4 / 3 * (flops_per_token(config.model, config.train.seq_len) - 3 * head) + 3 * head
+        assert per_token * run.batch * config.train.seq_len == pytest.approx(paper_flops(run), rel=1e-4), run.name
+
+
+def test_sc21_rows_plan_on_the_a100_preset():
+    """Every row fits an A100-80GB as the paper ran it, and its predicted rate is a plausible share of peak."""
+    from fivefold.plan.published import SC21_TABLE1, paper_flops, sc21_config
+
+    cluster = load_cluster("a100-80gb")
+    for run in SC21_TABLE1[:6]:
+        found = estimate(sc21_config(run), run.gpus, cluster, 0.5)
+        assert found.fits, run.name
+        rate = paper_flops(run) / (found.time.total * run.gpus)
+        assert 0.25 * cluster.accelerator.peak_flops("bf16") < rate < 0.55 * cluster.accelerator.peak_flops("bf16")

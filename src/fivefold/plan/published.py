@@ -1,0 +1,88 @@
+"""Published training runs the planner is calibrated against: Megatron-LM's weak-scaling table (SC21).
+
+Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM" (SC21, arXiv 2104.04473), Table 1: GPT models from 1.7B to 1T parameters on up to
+3,072 A100-80GB GPUs of NVIDIA's Selene (8 GPUs per node, NVLink/NVSwitch inside, 8 HDR
+InfiniBand links per node), vocabulary 51,200, sequence 2,048, mixed precision, full activation
+recomputation. The same table is in NVIDIA/Megatron-LM's repository as images/cases_april2021.png
+(added in commit 50a4b5fa02, April 2021), whose README says a model-parallel size above 8 is tensor
+parallelism 8 times pipeline parallelism. Achieved teraFLOP/s there count the paper's
+96 B s l h^2 (1 + s / 6h + V / 16 l h) FLOPs per iteration, the recomputed forward included.
+
+Our model is Llama-shaped (SwiGLU, RoPE, RMSNorm, no biases); each row is built with the GPT
+row's width, depth, tied embeddings and vocabulary and a SwiGLU width of 8h/3 (rounded to a multiple of tp), which keeps
+the MLP's 8 h^2 weights, so the parameter count is the published one within its rounding (tested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.config import JobConfig
+from fivefold.config.loader import load_config
+
+SC21_SOURCE = ("Narayanan et al., SC21 (arXiv 2104.04473), Table 1; NVIDIA/Megatron-LM "
+               "images/cases_april2021.png (commit 50a4b5fa02)")
+SC21_VOCAB = 51200
+SC21_SEQ = 2048
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One row of a published weak-scaling table."""
+
+    name: str
+    hidden: int
+    layers: int
+    params_billion: float
+    tp: int
+    pp: int
+    gpus: int
+    batch: int  # global batch, sequences
+    tflops_per_gpu: float  # achieved, as the paper counts it
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def heads(self) -> int:
+        """Head dim 128 (the table does not list heads; they do not change the FLOP count)."""
+        return self.hidden // 128
+
+
+# name, h, l, params (B), tp, pp, GPUs, batch, achieved TFLOP/s per GPU
+SC21_TABLE1 = [
+    PublishedRun("1.7B", 2304, 24, 1.7, 1, 1, 32, 512, 137),
+    PublishedRun("3.6B", 3072, 30, 3.6, 2, 1, 64, 512, 138),
+    PublishedRun("7.5B", 4096, 36, 7.5, 4, 1, 128, 512, 142),
+    PublishedRun("18B", 6144, 40, 18.4, 8, 1, 256, 1024, 135),
+    PublishedRun("39B", 8192, 48, 39.1, 8, 2, 512, 1536, 138),
+    PublishedRun("76B", 10240, 60, 76.1, 8, 4, 1024, 1792, 140),
+    PublishedRun("145B", 12288, 80, 145.6, 8, 8, 1536, 2304, 148),
+    PublishedRun("310B", 16384, 96, 310.1, 8, 16, 1920, 2160, 155),
+    PublishedRun("530B", 20480, 105, 529.6, 8, 35, 2520, 2520, 163),
+    PublishedRun("1T", 25600, 128, 1008.0, 8, 64, 3072, 3072, 163),
+]
+
+
+def paper_flops(run: PublishedRun, seq_len: int = SC21_SEQ, vocab: int = SC21_VOCAB) -> float:
+    """FLOPs of one iteration as SC21 counts them (with full recomputation's extra forward)."""
+    b, s, layers, h = run.batch, seq_len, run.layers, run.hidden
+    return 96 * b * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))
+
+
+def sc21_config(run: PublishedRun, micro_batch: int = 1, schedule: str = "1f1b") -> JobConfig:
+    """The row as a fivefold job: its degrees, bf16 compute, full recomputation, DDP (2021: no ZeRO)."""
+    ffn = round(8 * run.hidden / 3 / run.tp) * run.tp
+    accum = run.batch // (run.dp * micro_batch)
+    overrides = [
+        f"--model.dim={run.hidden}", f"--model.n_layers={run.layers}", f"--model.n_heads={run.heads}", f"--model.n_kv_heads={run.heads}",
+        f"--model.vocab_size={SC21_VOCAB}", f"--model.ffn_dim={ffn}", f"--model.max_seq_len={SC21_SEQ}",
+        f"--train.seq_len={SC21_SEQ}", f"--train.micro_batch_size={micro_batch}", f"--train.grad_accum_steps={accum}",
+        "--model.tie_embeddings=true", "--train.dtype=bf16", "--train.recompute=full",
+        f"--tensor_parallel.degree={run.tp}", f"--pipeline_parallel.degree={run.pp}",
+    ]
+    if run.pp > 1:
+        overrides.append(f"--pipeline_parallel.schedule={schedule}")
+    return load_config(None, overrides)
