@@ -1,7 +1,7 @@
 """The planner's predicted step time against the trainer's measured one, layout by layout, on this machine.
 
 For each world size the ranks first describe this machine as the planner sees it: links fitted by
-ping-pong (comm/measure.py) and the matmul rate each rank achieves while the others compute too
+ping-pong (comm/measure.py), each gloo collective's own link (comm/bench.py measure_native_links) and the matmul rate each rank achieves while the others compute too
 and memory bandwidth (comm/bench.py matmul_tflops, memory_gbs), so the cluster file is fitted with the contention the layouts meet.
 Then each layout builds the real Trainer (configs/tiny.toml's model on the embedded corpus, shrunk
 by the options), takes warm-up steps and times more (wall clock, slowest rank, median), and the
@@ -12,6 +12,7 @@ recomputation, the pipeline bubble.
 
     python benchmarks/plan_vs_measured.py                    # the table of docs/planner.md
     python benchmarks/plan_vs_measured.py --steps 2 --quick  # a few layouts (the test's run)
+    python benchmarks/plan_vs_measured.py --replay rows.json # predict an earlier run's --json again
 
 Prints one row per layout (predicted, measured, error) and
 RESULT name=plan_vs_measured layouts=N median_abs_error=... worst_abs_error=... kendall_tau=... best_gap=...
@@ -102,7 +103,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
     import torch
     import torch.distributed as dist
 
-    from fivefold.comm.bench import matmul_tflops, memory_gbs
+    from fivefold.comm.bench import matmul_tflops, measure_native_links, memory_gbs
     from fivefold.comm.measure import measure_cluster
     from fivefold.comm.p2p import Ranks
     from fivefold.train.trainer import Trainer
@@ -110,6 +111,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
     configs, steps, warmup = job
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     links = measure_cluster(Ranks.world(), world_size) if world_size > 1 else None
+    native = measure_native_links(torch.device("cpu")) if world_size > 1 else {}
     rates = {dtype: matmul_tflops(dtype, torch.device("cpu")) for dtype in ("fp32", "bf16")}
     bandwidth = memory_gbs(torch.device("cpu"))
     times = {}
@@ -125,17 +127,34 @@ def _measure(rank: int, world_size: int, job) -> dict:
             if step >= warmup:
                 samples.append(float(elapsed))
         times[name] = statistics.median(samples)
-    return {"links": dataclasses.asdict(links) if links else None, "rates": rates, "memory_gbs": bandwidth,
-            "times": times}
+    return {"links": dataclasses.asdict(links) if links else None,
+            "native": {name: dataclasses.asdict(link) for name, link in native.items()},
+            "rates": rates, "memory_gbs": bandwidth, "times": times}
 
 
 def _cluster(world_size: int, measured: dict):
     from fivefold.plan.cluster import Accelerator, ClusterSpec, LinkSpec
 
-    link = measured["links"]["intra"] if measured["links"] else {"alpha": 1e-6, "beta": 1e-9}
-    spec = LinkSpec(1 / max(link["beta"], 1e-30) / 1e9, max(link["alpha"], 0.0) * 1e6)
+    def spec(link: dict) -> LinkSpec:
+        return LinkSpec(1 / max(link["beta"], 1e-30) / 1e9, max(link["alpha"], 0.0) * 1e6)
+
+    link = spec(measured["links"]["intra"] if measured["links"] else {"alpha": 1e-6, "beta": 1e-9})
     return ClusterSpec(f"this machine, {world_size} ranks", Accelerator("cpu rank", 8.0, measured["rates"], measured["memory_gbs"]),
-                       max(world_size, 1), spec, spec)
+                       max(world_size, 1), link, link,
+                       collectives={name: spec(native) for name, native in measured.get("native", {}).items()})
+
+
+def fit_efficiency(rows: list[dict]) -> tuple[float, dict]:
+    """The achieved share of the matmul rate, fitted on the one-rank plain layout (or the first row). The
+    planner's step is t(e) = M / e + R (the matmul seconds M at full rate and the rest R, read off two
+    estimates); solve t(e) = measured."""
+    from fivefold.plan.estimate import estimate
+
+    anchor = next((r for r in rows if r["name"] == "single"), rows[0])
+    full = estimate(anchor["config"], anchor["world_size"], anchor["cluster"], 1.0, vocab_size=257).time.total
+    half = estimate(anchor["config"], anchor["world_size"], anchor["cluster"], 0.5, vocab_size=257).time.total
+    matmuls, rest = half - full, 2 * full - half
+    return min(1.0, matmuls / max(anchor["measured"] - rest, 1e-12)), anchor
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -148,10 +167,9 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 
 def plot_scatter(rows: list[dict], output: str) -> Path:
-    import matplotlib
+    from fivefold.plotting import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5.5, 5))
     for world in sorted({r["world_size"] for r in rows}):
@@ -166,11 +184,7 @@ def plot_scatter(rows: list[dict], output: str) -> Path:
     ax.set_title("fivefold plan vs measured, this machine")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = Path(output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, output)
 
 
 def main() -> int:
@@ -184,9 +198,11 @@ def main() -> int:
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--plot", help="draw predicted vs measured (PNG)")
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--replay", help="predict again the measurements stored by an earlier run's --json")
     args = parser.parse_args()
 
     from fivefold.config import load_config
+    from fivefold.plan.cluster import cluster_from_dict
     from fivefold.plan.estimate import estimate
 
     out_root = Path(os.environ.get("TMPDIR", "/tmp")) / f"plan_vs_measured-{os.getpid()}"
@@ -196,23 +212,25 @@ def main() -> int:
             "--logging.tensorboard", "false", "--logging.plot", "false", "--logging.sample_tokens", "0",
             "--train.log_every", "1000"]
     layouts = [row for row in LAYOUTS if not args.quick or row[1] in QUICK]
+    if args.replay:  # the stored measurements of an earlier run (its --json), predicted again
+        stored = {r["name"]: r for r in json.loads(Path(args.replay).read_text())}
+        layouts = [row for row in layouts if row[1] in stored]
     rows = []
     for world_size in sorted({w for w, _, _ in layouts}):
         configs = [(name, load_config(ROOT / "configs" / "tiny.toml",
                                       [*base, *extra, "--train.output_dir", str(out_root / name)]))
                    for w, name, extra in layouts if w == world_size]
+        if args.replay:
+            for name, config in configs:
+                rows.append({"world_size": world_size, "name": name, "config": config,
+                             "cluster": cluster_from_dict(stored[name]["cluster"]), "measured": stored[name]["measured"]})
+            continue
         measured = spawn(_measure, world_size, (configs, args.steps, args.warmup), args.timeout)
         cluster = _cluster(world_size, measured)
         for name, config in configs:
             rows.append({"world_size": world_size, "name": name, "config": config, "cluster": cluster,
                          "measured": measured["times"][name]})
-    # the achieved share of the matmul rate, fitted on the one-rank plain layout (or the first row)
-    anchor = next((r for r in rows if r["name"] == "single"), rows[0])
-    # t(e) = M / e + R: the matmul seconds M at full rate and the rest R, from two estimates; solve t(e) = measured
-    full = estimate(anchor["config"], anchor["world_size"], anchor["cluster"], 1.0, vocab_size=257).time.total
-    half = estimate(anchor["config"], anchor["world_size"], anchor["cluster"], 0.5, vocab_size=257).time.total
-    matmuls, rest = half - full, 2 * full - half
-    efficiency = min(1.0, matmuls / max(anchor["measured"] - rest, 1e-12))
+    efficiency, anchor = fit_efficiency(rows)
     errors = []
     print(f"# efficiency {efficiency:.3f} (fitted on {anchor['name']}); seq {args.seq_len}, micro-batch {args.micro_batch}, "
           f"{args.layers} layers of tiny")
@@ -233,8 +251,8 @@ def main() -> int:
     if args.plot:
         print(f"wrote {plot_scatter(rows, args.plot)}")
     if args.json:
-        Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k not in ("config", "cluster")} for r in rows],
-                                              indent=2))
+        Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "config"} |
+                                               {"cluster": r["cluster"].to_dict()} for r in rows], indent=2))
     median = statistics.median(errors) if errors else 0.0
     print(f"RESULT name=plan_vs_measured layouts={len(rows)} efficiency={efficiency:.4f} "
           f"median_abs_error={median:.4f} worst_abs_error={max(errors, default=0.0):.4f} kendall_tau={tau:.4f} "

@@ -101,6 +101,9 @@ def test_cluster_files_round_trip_and_bad_ones_name_the_key(tmp_path):
             cluster_from_dict(data)
     with pytest.raises(ConfigError, match="neither a preset"):
         load_cluster(str(tmp_path / "missing.toml"))
+    for bad in ({"broadcast": {"bandwidth_gbs": 1, "latency_us": 1}}, {"all_reduce": {"bandwidth_gbs": 0, "latency_us": 1}}):
+        with pytest.raises(ConfigError, match="collectives"):
+            cluster_from_dict(good | {"collectives": bad})
     assert CLUSTERS["h100-sxm"].accelerator.peak_flops("bf16") == 989.5e12
     with pytest.raises(ConfigError, match="fp8"):
         CLUSTERS["a100-80gb"].accelerator.peak_flops("fp8")
@@ -235,3 +238,35 @@ def test_sc21_rows_plan_on_the_a100_preset():
         assert found.fits, run.name
         rate = paper_flops(run) / (found.time.total * run.gpus)
         assert 0.25 * cluster.accelerator.peak_flops("bf16") < rate < 0.55 * cluster.accelerator.peak_flops("bf16")
+
+
+def test_native_collective_links_are_fitted_round_trip_and_price_the_planner(tmp_path):
+    """A link fitted to a collective's times in the ring form reproduces them; a cluster file carrying it
+    round-trips, and the planner prices that collective (inside a node) on it, the rest on the intra link."""
+    from fivefold.comm.cost import Link, fit_native_link, native_collective
+
+    truth = Link(alpha=800e-6, beta=1 / 0.7e9)
+    for collective, p in (("all_reduce", 4), ("reduce_scatter", 2), ("all_gather", 4), ("all_to_all", 3)):
+        sizes = [256e3, 1e6, 4e6]
+        fitted = fit_native_link(collective, p, sizes, [native_collective(collective, n, p, truth) for n in sizes])
+        assert fitted.alpha == pytest.approx(truth.alpha) and fitted.beta == pytest.approx(truth.beta)
+    from fivefold.plan.cluster import LinkSpec
+
+    base = CLUSTERS["h100-sxm"]
+    slow = dataclasses.replace(base, collectives={"all_reduce": LinkSpec(5.0, 50.0)})
+    path = tmp_path / "slow.toml"
+    path.write_text(cluster_toml(slow))
+    assert load_cluster(str(path)) == slow
+    assert slow.collective_link("all_reduce", 8).beta == pytest.approx(1 / 5e9)
+    assert slow.collective_link("all_reduce", 16) == base.link_for(16)  # across nodes: the links as before
+    assert slow.collective_link("all_gather", 8) == base.link_for(8)
+    config = _config("--tensor_parallel.degree", "8")
+    fast, slower = estimate(config, 8, base), estimate(config, 8, slow)
+    activation = 1 * 2048 * 4096 * 2  # one micro-batch's bf16 activations: what each all-reduce sums
+    ratio = native_collective("all_reduce", activation, 8, slow.collective_link("all_reduce", 8)) / \
+        native_collective("all_reduce", activation, 8, base.link_for(8))
+    assert slower.time.tp == pytest.approx(fast.time.tp * ratio) and ratio > 10
+    assert slower.time.compute == fast.time.compute
+    # sequence parallelism prices all-gather + reduce-scatter instead: the slow all-reduce link is not used
+    sp = _config("--tensor_parallel.degree", "8", "--tensor_parallel.sequence_parallel", "true")
+    assert estimate(sp, 8, slow).time.tp == pytest.approx(estimate(sp, 8, base).time.tp)

@@ -57,3 +57,9 @@ def test_bench_comm_table_and_json(tmp_path, world_size):
     assert here.intra.bandwidth_gbs == pytest.approx(1 / intra["beta"] / 1e9)
     assert here.accelerator.tflops == report["matmul_tflops"] and here.accelerator.peak_flops("fp32") > 0
     assert here.accelerator.memory_bandwidth_gbs == report["memory_gbs"] > 0
+    # each backend collective's own fitted link (two sizes were timed), carried into the cluster file
+    assert set(report["native_links"]) == {"all_reduce", "reduce_scatter", "all_gather", "all_to_all"}
+    for name, link in report["native_links"].items():
+        assert here.collectives[name].bandwidth_gbs == pytest.approx(1 / max(link["beta"], 1e-30) / 1e9)
+        assert here.collective_link(name, world_size).alpha == pytest.approx(max(link["alpha"], 0.0))
+    assert "native all_reduce fitted" in run.stdout

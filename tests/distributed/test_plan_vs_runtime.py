@@ -6,7 +6,8 @@ the runtime's modules hold (`Parallelized.parameters`) and exactly the model-sta
 runtime's own ZeRO formula on that Ψ; the measured bytes equal them up to ZeRO's padding (< N
 elements of <= 16 bytes per flat group). Layouts cover tensor (GQA split and replicated, biases,
 q/k projection norms, sequence parallel), pipeline (1F1B, interleaved, tied head, 4 stages),
-context, ZeRO 1/2/3 (mixed precision), expert parallelism with ZeRO over EDP, and MLA.
+context, ZeRO 1/2/3 (mixed precision), expert parallelism with ZeRO over EDP, and MLA. DDP's flat
+gradient buckets (the layouts without ZeRO) are planned equal to the bytes the runtime allocates.
 """
 
 import pytest
@@ -36,6 +37,7 @@ LAYOUTS = {  # name -> sections changed from the micro job (4 ranks)
     "mla-tp2-dp2": dict(model=MLA, tensor_parallel={"degree": 2}),
     "mla-pp2-dp2": dict(model={**MLA, "q_lora_rank": 0}, pipeline_parallel={"degree": 2}, train={"grad_accum_steps": 2}),
     "ddp4": dict(),
+    "ddp4-bf16-reduce": dict(gradient_comm={"reduce_dtype": "bf16", "bucket_mb": 0.01}),
     "dp4-zero1": dict(data_parallel={"zero_stage": 1, "shard": 4}),
     "dp4-zero1-bf16": dict(data_parallel={"zero_stage": 1, "shard": 4, "param_dtype": "bf16"}),
     "dp4-zero2": dict(data_parallel={"zero_stage": 2, "shard": 4}),
@@ -79,10 +81,12 @@ def _measure(rank, world_size, configs):
         groups = sum(len(z.groups) for z in zero)
         planned = estimate(config, world_size, PRESETS["h100-sxm"], vocab_size=trainer.model_config.vocab_size)
         mine = planned.per_pp_rank[trainer.mesh.local_rank("pp")]
+        ddps = [getattr(trainer.sync, name, None) for name in ("ddp", "expert_ddp")]
+        buckets = sum(ddp.gradient_bytes() for ddp in ddps if ddp is not None)
         out.append((trainer.parallel.parameters, mine.parameter_count,
                     tuple(trainer.report.expected_model_states().__dict__.values()),
                     (mine.parameters, mine.gradients, mine.optimizer + mine.host),
-                    tuple(trainer.report.model_state_bytes.__dict__.values()), groups))
+                    tuple(trainer.report.model_state_bytes.__dict__.values()), groups, (mine.buckets, buckets)))
     return out
 
 
@@ -95,8 +99,9 @@ def test_planner_model_states_equal_the_runtime(job, tmp_path):
                for name, changes in LAYOUTS.items()]
     results = run_distributed(_measure, 4, configs, timeout=600)
     for rank, rank_results in enumerate(results):
-        for name, (psi, planned_psi, formula, planned, measured, groups) in zip(LAYOUTS, rank_results):
+        for name, (psi, planned_psi, formula, planned, measured, groups, buckets) in zip(LAYOUTS, rank_results):
             assert planned_psi == psi, f"{name} rank {rank}: planner Ψ {planned_psi:,}, runtime {psi:,}"
+            assert buckets[0] == buckets[1], f"{name} rank {rank}: DDP buckets planned {buckets[0]:,}, runtime {buckets[1]:,}"
             assert planned == formula, f"{name} rank {rank}: planner {planned}, runtime's formula {formula}"
             slack = groups * 3 * 16
             for label, m, e in zip(("parameters", "gradients", "optimizer"), measured, planned):

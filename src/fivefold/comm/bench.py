@@ -8,7 +8,9 @@ link's bandwidth whatever p is. Beside each measured time stands the alpha-beta-
 (comm/cost.py) from links fitted by ping-pong on this machine at the start (comm/measure.py),
 and their ratio. Rank 0 prints the table and writes JSON with `--json`. `--cluster-file F` also
 times a matmul (fp32 and bf16) and an add on every rank at once (the rates a rank achieves while
-the others compute too) and writes this machine as a planner cluster file (plan/cluster.py) with the fitted links.
+the others compute too) and writes this machine as a planner cluster file (plan/cluster.py) with the fitted links
+and, for each backend collective timed at two or more sizes, the link its ring form runs at
+(cost.fit_native_link): the planner prices that collective on it.
 
 Run under torchrun (`fivefold bench comm --nproc-per-node 4` starts it); gloo on CPU, NCCL on GPU.
 """
@@ -31,7 +33,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from fivefold.comm import ALL_REDUCE, all_reduce, default_node_size
 from fivefold.comm.alltoall import pairwise_all_to_all
-from fivefold.comm.cost import predict_collective, traffic
+from fivefold.comm.cost import NATIVE_COLLECTIVES, Link, fit_native_link, predict_collective, traffic
 from fivefold.comm.measure import measure_cluster
 from fivefold.comm.native import all_gather_flat, reduce_scatter_flat
 from fivefold.comm.p2p import Ranks
@@ -145,6 +147,29 @@ def time_call(fn, iterations: int, warmup: int, device: torch.device) -> float:
     return float(elapsed) / iterations
 
 
+def fit_native_links(rows: list[Row], p: int) -> dict[str, Link]:
+    """Per backend collective measured at two or more sizes: the link its ring form runs at (cost.fit_native_link)."""
+    fitted = {}
+    for collective in NATIVE_COLLECTIVES:
+        mine = [r for r in rows if r.collective == collective and r.algorithm == "native"]
+        if p > 1 and len({r.size for r in mine}) >= 2:
+            fitted[collective] = fit_native_link(collective, p, [r.size for r in mine], [r.time_us * 1e-6 for r in mine])
+    return fitted
+
+
+def measure_native_links(device: torch.device, sizes: tuple[int, ...] = (256 << 10, 1 << 20, 4 << 20),
+                         iterations: int = 5) -> dict[str, Link]:
+    """Time the backend's own collectives over the world at `sizes` bytes per rank and fit their links (collective)."""
+    ranks, rows = Ranks.world(), []
+    for collective in NATIVE_COLLECTIVES:
+        for size in sizes:
+            count = max(ranks.size, size // 4 // ranks.size * ranks.size)
+            x = torch.zeros(count, dtype=torch.float32, device=device)
+            seconds = time_call(operation(collective, "native", x, ranks, ranks.size), iterations, 1, device)
+            rows.append(Row(collective, "native", count * 4, count, "float32", seconds * 1e6, 0.0, 0.0, None))
+    return fit_native_links(rows, ranks.size)
+
+
 def sizes_between(low: int, high: int, factor: int) -> list[int]:
     out, size = [], low
     while size <= high:
@@ -185,8 +210,10 @@ def run(args: argparse.Namespace) -> dict:
                                 algbw * bus_factor(collective, p), predicted, sent, predicted_bytes))
     rates = {dtype: matmul_tflops(dtype, device) for dtype in ("fp32", "bf16")} if args.cluster_file else {}
     bandwidth = memory_gbs(device) if args.cluster_file else 0.0
+    native = {name: asdict(link) for name, link in fit_native_links(rows, p).items()}
     return {"world_size": p, "backend": dist.get_backend(), "device": device.type, "node_size": node_size,
-            "links": {"intra": asdict(cluster.intra), "inter": asdict(cluster.inter)}, "matmul_tflops": rates, "memory_gbs": bandwidth,
+            "links": {"intra": asdict(cluster.intra), "inter": asdict(cluster.inter)}, "native_links": native,
+            "matmul_tflops": rates, "memory_gbs": bandwidth,
             "rows": [asdict(r) | {"measured_over_predicted": r.ratio} for r in rows]}
 
 
@@ -237,8 +264,9 @@ def cluster_file_of(report: dict) -> str:
                         Accelerator(f"{report['device']} rank", round(memory, 2), report["matmul_tflops"],
                                     report["memory_gbs"]),
                         report["node_size"], spec(report["links"]["intra"]), spec(report["links"]["inter"]),
-                        source=f"fivefold bench comm on {report['world_size']} ranks: fitted links, timed matmuls "
-                               "(achieved rates: plan with --efficiency 1)")
+                        source=f"fivefold bench comm on {report['world_size']} ranks: fitted links and native "
+                               "collectives, timed matmuls (achieved rates: plan with --efficiency 1)",
+                        collectives={name: spec(link) for name, link in report.get("native_links", {}).items()})
     return cluster_toml(spec_)
 
 
@@ -261,6 +289,9 @@ def format_table(report: dict) -> str:
         lines.append(f"  {r['collective']:<15}{r['algorithm']:<17}{r['size']:>10}{r['count']:>10}{r['dtype']:>8}"
                      f"{r['time_us']:>12.1f}{r['algbw_gbs']:>13.3f}{r['busbw_gbs']:>13.3f}{predicted}{ratio}"
                      f"{sent}{predicted_bytes}")
+    for name, link in report.get("native_links", {}).items():
+        lines.append(f"# native {name} fitted (ring form): alpha {link['alpha'] * 1e6:.1f} us, "
+                     f"{1 / max(link['beta'], 1e-30) / 1e9:.2f} GB/s")
     return "\n".join(lines)
 
 

@@ -12,6 +12,12 @@ seconds) pairs by least squares. `predict_collective` covers the other collectiv
 `uneven_all_to_all` prices an expert dispatch from the exact bytes per rank pair (`dispatch_bytes`,
 from the routing counts), which the runtime's own byte count is tested against.
 
+`native_collective` prices the backend's own collectives (gloo's, NCCL's) in the ring form
+(all-reduce 2(p-1) messages of n/p, reduce-scatter / all-gather / all-to-all p-1 of them) on a link
+that `fit_native_link` fits to that collective's measured times, so a planner cluster file can
+carry one effective link per collective where the backend's implementation is slower or faster
+than point-to-point messages predict.
+
 `traffic` gives the model's count of what the busiest rank sends (messages, bytes): the
 coefficients of alpha and beta in the formulas above for the non-pipelined algorithms. Tests count
 the messages the runtime really posts and compare.
@@ -227,6 +233,32 @@ def predict_collective(collective: str, algorithm: str, n: float, p: int, cluste
     if collective == "all_to_all":
         return all_to_all(n, p, link)
     raise ValueError(f"no cost formula for collective {collective!r}")
+
+
+NATIVE_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+
+
+def _ring_form(collective: str, p: int) -> tuple[int, float]:
+    """(messages, bytes per byte of the vector) the busiest rank sends in the ring form of `collective`."""
+    if collective == "all_reduce":
+        return 2 * (p - 1), 2 * (p - 1) / p
+    if collective in ("reduce_scatter", "all_gather", "all_to_all"):
+        return p - 1, (p - 1) / p
+    raise ValueError(f"no ring form for collective {collective!r}; use one of {', '.join(NATIVE_COLLECTIVES)}")
+
+
+def native_collective(collective: str, n: float, p: int, link: Link) -> float:
+    """Seconds of the backend's `collective` over n bytes (a rank's whole vector) in the ring form."""
+    if p == 1:
+        return 0.0
+    messages, volume = _ring_form(collective, p)
+    return messages * link.alpha + volume * n * link.beta
+
+
+def fit_native_link(collective: str, p: int, sizes: list[float], seconds: list[float]) -> Link:
+    """The link on which `native_collective` reproduces measured (bytes, seconds) at p ranks, by least squares."""
+    messages, volume = _ring_form(collective, p)
+    return fit_link([volume * n / messages for n in sizes], [t / messages for t in seconds])
 
 
 def _tree_links(p: int, position: int) -> int:

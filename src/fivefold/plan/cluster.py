@@ -29,6 +29,14 @@ A cluster file is TOML, read without running anything:
     [inter]                          # across nodes
     bandwidth_gbs = 50
     latency_us = 6
+    [collectives.all_reduce]         # optional: the backend's own collective inside a node, fitted
+    bandwidth_gbs = 0.9              # (ring form, comm/cost.py native_collective) by bench comm
+    latency_us = 900
+
+`[collectives.<name>]` (all_reduce, reduce_scatter, all_gather, all_to_all) replaces the intra
+link for that collective when it runs natively within a node: `fivefold bench comm --cluster-file`
+fits it from the backend's measured times, because gloo's collectives on a shared CPU run slower
+than its point-to-point messages predict. The GPU presets leave it out (NCCL is priced on the links).
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fivefold.comm.cost import Cluster, Link
+from fivefold.comm.cost import NATIVE_COLLECTIVES, Cluster, Link
 from fivefold.errors import ConfigError
 
 try:
@@ -81,6 +89,7 @@ class ClusterSpec:
     nodes: int = 0  # 0: as many as the job needs
     source: str = ""  # where the figures come from
     host_bandwidth_gbs: float = 32.0  # accelerator <-> host memory per direction (PCIe), for offload
+    collectives: dict[str, LinkSpec] = field(default_factory=dict)  # fitted native collectives inside a node
 
     def links(self) -> Cluster:
         """The alpha-beta cluster of comm/cost.py (gamma 0: reductions run at memory speed, hidden by the links)."""
@@ -89,6 +98,13 @@ class ClusterSpec:
     def link_for(self, span: int) -> Link:
         """The link pacing a collective whose ranks lie within `span` consecutive ranks."""
         return self.links().link_for(span)
+
+    def collective_link(self, collective: str, span: int) -> Link:
+        """The link pricing the backend's `collective` over ranks within `span` consecutive ranks: the
+        collective's fitted link inside a node when the file has one, else the link pacing the span."""
+        if collective in self.collectives and span <= self.accelerators_per_node:
+            return self.collectives[collective].link()
+        return self.link_for(span)
 
     @property
     def memory_bytes(self) -> int:
@@ -146,7 +162,8 @@ def _number(table: dict, key: str, where: str, positive: bool = True) -> float:
 
 def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSpec:
     """A ClusterSpec from a parsed cluster file, every field validated with a message naming it."""
-    known = {"name", "accelerators_per_node", "nodes", "accelerator", "intra", "inter", "source", "host_bandwidth_gbs"}
+    known = {"name", "accelerators_per_node", "nodes", "accelerator", "intra", "inter", "source", "host_bandwidth_gbs",
+             "collectives"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"cluster file {source}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -166,11 +183,19 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
         table = _section(data, key, source)
         links[key] = LinkSpec(_number(table, "bandwidth_gbs", key), _number(table, "latency_us", key, positive=False))
     bandwidth = _number(acc, "memory_bandwidth_gbs", "accelerator", positive=False) if "memory_bandwidth_gbs" in acc else 0.0
+    collectives = data.get("collectives", {})
+    if not isinstance(collectives, dict) or any(k not in NATIVE_COLLECTIVES or not isinstance(v, dict)
+                                                for k, v in collectives.items()):
+        raise ConfigError(f"cluster file {source}: [collectives] holds tables named {', '.join(NATIVE_COLLECTIVES)}, "
+                          f"each with bandwidth_gbs and latency_us; found {collectives!r}")
+    fitted = {k: LinkSpec(_number(v, "bandwidth_gbs", f"collectives.{k}"),
+                          _number(v, "latency_us", f"collectives.{k}", positive=False)) for k, v in collectives.items()}
     return ClusterSpec(str(data.get("name", Path(source).stem)),
                        Accelerator(str(acc.get("name", "accelerator")), _number(acc, "memory_gib", "accelerator"), rates,
                                    bandwidth),
                        per_node, links["intra"], links["inter"], nodes, str(data.get("source", source)),
-                       _number(data, "host_bandwidth_gbs", "(top level)") if "host_bandwidth_gbs" in data else 32.0)
+                       _number(data, "host_bandwidth_gbs", "(top level)") if "host_bandwidth_gbs" in data else 32.0,
+                       fitted)
 
 
 def load_cluster(name_or_path: str) -> ClusterSpec:
@@ -202,4 +227,7 @@ def cluster_toml(spec: ClusterSpec) -> str:
         f"memory_bandwidth_gbs = {acc.memory_bandwidth_gbs!r}",
         "", "[intra]", f"bandwidth_gbs = {intra.bandwidth_gbs!r}", f"latency_us = {intra.latency_us!r}",
         "", "[inter]", f"bandwidth_gbs = {inter.bandwidth_gbs!r}", f"latency_us = {inter.latency_us!r}", "",
+        *(line for name, link in spec.collectives.items()
+          for line in (f"[collectives.{name}]", f"bandwidth_gbs = {link.bandwidth_gbs!r}",
+                       f"latency_us = {link.latency_us!r}", "")),
     ])

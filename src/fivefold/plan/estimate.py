@@ -55,7 +55,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from fivefold.comm.cost import all_to_all, ring
+from fivefold.comm.cost import native_collective
 from fivefold.config.schema import JobConfig
 from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
@@ -102,6 +102,7 @@ class RankMemory:
     buffers: int
     host: int = 0
     parameter_count: int = 0  # Ψ on this rank (its tensor / pipeline / expert part, before ZeRO)
+    buckets: int = 0  # DDP's flat gradient buckets (a second copy of the gradients, in gradient_comm.reduce_dtype)
 
     @property
     def model_states(self) -> int:
@@ -109,7 +110,7 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        return self.model_states + self.activations + self.logits + self.buffers
+        return self.model_states + self.activations + self.logits + self.buffers + self.buckets
 
 
 @dataclass(frozen=True)
@@ -306,8 +307,9 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
         key = (len(layers), len(moe), first, last)
         if key not in states:
             params = rank_parameters(model, layers, first, last, d.tp, d.ep, d.etp, pipelined=d.pp > 1)
-            states[key] = (*_model_states(params, config, d), _buffers(config, model, d, layers, moe, sp), params.total)
-        p, g, o, buffers, count = states[key]
+            states[key] = (*_model_states(params, config, d), _buffers(config, model, d, layers, moe, sp), params.total,
+                           ddp_bucket_bytes(config, params, d))
+        p, g, o, buffers, count, buckets = states[key]
         host = o if config.data_parallel.offload else 0
         if model.n_experts:
             per_stage = max(sum(kinds[model.is_moe_layer(layer)] for layer in split[s]) for s in stages)
@@ -316,8 +318,22 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
         # with interleaving a rank's peak (micro-batch, stage) pairs spread over its stages: the largest bounds each
         activations = element * per_stage * in_flight[rank]
         logits = 2 * 4 * t.micro_batch_size * (t.seq_len // d.cp) * padded_vocab(model.vocab_size, d.tp) // d.tp if last else 0
-        out.append(RankMemory(p, g, o - host, activations, logits, buffers, host, count))
+        out.append(RankMemory(p, g, o - host, activations, logits, buffers, host, count, buckets))
     return out
+
+
+def ddp_bucket_bytes(config: JobConfig, params: RankParameters, d: Degrees) -> int:
+    """DDP (zero_stage 0) copies every gradient into flat buckets in `gradient_comm.reduce_dtype` to all-reduce
+    them (parallel/data_parallel.py make_buckets): the dense part's when dp x cp > 1, the routed experts' when
+    their expert-data-parallel group (the ranks holding a stage's distinct tokens over ep x etp) has more than
+    one rank. ZeRO reduces in its own flat groups."""
+    z = config.data_parallel
+    if z.zero_stage or z.mode != "ddp":
+        return 0
+    element = 2 if config.gradient_comm.reduce_dtype == "bf16" else 4
+    sp = config.tensor_parallel.sequence_parallel and d.tp > 1
+    edp = d.dp * d.cp * (d.tp if sp else 1) // (d.ep * d.etp)
+    return element * ((params.dense if d.dp * d.cp > 1 else 0) + (params.experts if edp > 1 else 0))
 
 
 def _buffers(config: JobConfig, model: ModelConfig, d: Degrees, layers: list[int], moe: list[int], sp: bool) -> int:
@@ -362,9 +378,14 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     links = cluster.links()
     # per (virtual) stage: forward compute seconds of one micro-batch, and its exposed tp / cp / ep seconds
     forward, comm_tp, comm_cp, comm_ep, attn_core = [], [], [], [], []
-    tp_link = links.link_for(d.tp)
-    cp_link = links.link_for(d.cp * d.tp)
-    ep_link = links.link_for(d.ep * d.etp * (1 if sp else d.tp))
+    if sp:  # an all-gather before and a reduce-scatter after, instead of one all-reduce
+        def tp_collective(n: float) -> float:
+            return (native_collective("all_gather", n, d.tp, cluster.collective_link("all_gather", d.tp)) +
+                    native_collective("reduce_scatter", n, d.tp, cluster.collective_link("reduce_scatter", d.tp))) / 2
+    else:
+        def tp_collective(n: float) -> float:
+            return native_collective("all_reduce", n, d.tp, cluster.collective_link("all_reduce", d.tp))
+    ep_link = cluster.collective_link("all_to_all", d.ep * d.etp * (1 if sp else d.tp))
     activation_bytes = b * (seq // d.cp) * model.dim * element
     block_flops = {moe: _block_forward_flops(model, layer, tokens, seq, d) for moe in (False, True)
                    if (layer := first_block(model, moe)) >= 0}
@@ -380,29 +401,28 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
         forward.append(flops / rate + (traffic / bandwidth if bandwidth else 0.0))
         core = 4 * model.q_dim * seq * tokens / (d.tp * d.cp) / rate * len(layers)
         attn_core.append(core)
-        per_block_tp = ring(activation_bytes, d.tp, tp_link) if d.tp > 1 else 0.0
+        per_block_tp = tp_collective(activation_bytes) if d.tp > 1 else 0.0
         comm_tp.append(per_block_tp * len(layers))
-        if d.cp > 1:
-            kv = 2 * b * (seq // d.cp) * model.kv_dim // d.tp * element
-            comm_cp.append(max(0.0, (d.cp - 1) * cp_link.message(kv) - core / len(layers)) * len(layers))
-        else:
-            comm_cp.append(0.0)
+        comm_cp.append(_context_parallel_block(config, model, d, core / len(layers), element, cluster) * len(layers))
         if moe and d.ep * d.etp > 1:
             rows = model.moe_top_k * tokens // (d.cp * (d.tp if sp else 1)) * model.dim * element
-            comm_ep.append(moe * all_to_all(rows, d.ep, ep_link))
+            comm_ep.append(moe * native_collective("all_to_all", rows, d.ep, ep_link))
         else:
             comm_ep.append(0.0)
     recompute = {"none": 0.0, "selective": 1.0, "full": 1.0}[t.recompute]
     stage_fwd = [f + 2 * tpc + ep + cp for f, tpc, ep, cp in zip(forward, comm_tp, comm_ep, comm_cp)]
-    # backward: twice the compute, the same tp / ep traffic again, cp's ring twice; recompute re-runs the forward
+    # backward: twice the compute, the same tp / ep traffic again, cp's ring twice (K/V, then their gradients;
+    # Ulysses' all-to-alls once); recompute re-runs the forward (selective: the attention core, cp included)
+    cp_backward = 1.0 if config.context_parallel.method == "ulysses" else 2.0
     stage_bwd = []
     for i in range(len(split)):
         again = forward[i] + 2 * comm_tp[i] + comm_ep[i] if t.recompute == "full" else recompute * attn_core[i]
-        stage_bwd.append(2 * forward[i] + 2 * comm_tp[i] + comm_ep[i] + 2 * comm_cp[i] + again)
+        again += recompute * comm_cp[i]
+        stage_bwd.append(2 * forward[i] + 2 * comm_tp[i] + comm_ep[i] + cp_backward * comm_cp[i] + again)
     compute_total = m * sum(forward[i] * 3 + (forward[i] if t.recompute == "full" else recompute * attn_core[i])
                             for i in range(len(split))) / d.pp
     tp_total = m * sum(4 * c + (2 * c if t.recompute == "full" else 0) for c in comm_tp) / d.pp
-    cp_total = m * sum(3 * c for c in comm_cp) / d.pp
+    cp_total = m * sum((1 + cp_backward + recompute) * c for c in comm_cp) / d.pp
     ep_total = m * sum(2 * c + (c if t.recompute == "full" else 0) for c in comm_ep) / d.pp
     if d.pp > 1:
         pipe = config.pipeline_parallel
@@ -427,9 +447,35 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     else:
         pp_comm = bubble = 0.0
         last_backward = stage_bwd[0]
-    dp_time = _data_parallel_time(config, model, d, split, links, stage_fwd[0], last_backward)
+    dp_time = _data_parallel_time(config, model, d, split, cluster, stage_fwd[0], last_backward)
     return StepTime(compute_total, tp_total, cp_total, ep_total, pp_comm, bubble, dp_time,
                     _offload_time(config, model, d, split, cluster), _optimizer_time(config, model, d, split, bandwidth))
+
+
+def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, core: float, element: int,
+                            cluster: ClusterSpec) -> float:
+    """Exposed context-parallel seconds of one block's attention forward. Ring: r - 1 K/V blocks pass
+    around a ring of r ranks, point to point, overlapped with the attention core (Liu et al.'s ring
+    attention); Ulysses: all-to-alls of q, k, v to heads and of the output back (Jacobs et al.), not
+    overlapped; 2d: Ulysses over `heads` ranks, then a ring over the rest on 1/heads of the heads."""
+    cp = config.context_parallel
+    if d.cp == 1:
+        return 0.0
+    heads = {"ring": 1, "ulysses": d.cp, "2d": cp.heads}[cp.method]
+    t = config.train
+    local = t.micro_batch_size * (t.seq_len // d.cp)  # tokens a rank holds
+    exposed = 0.0
+    if heads > 1:
+        qkv = local * (model.q_dim + 2 * model.kv_dim) // d.tp * element
+        out = local * model.q_dim // d.tp * element
+        link = cluster.collective_link("all_to_all", d.cp * d.tp)
+        exposed += native_collective("all_to_all", qkv, heads, link) + native_collective("all_to_all", out, heads, link)
+    ring_ranks = d.cp // heads
+    if ring_ranks > 1:
+        kv = 2 * local * heads * model.kv_dim // (d.tp * heads) * element
+        send = cluster.link_for(d.cp * d.tp)
+        exposed += max(0.0, (ring_ranks - 1) * send.message(kv) - core)
+    return exposed
 
 
 def _written_per_block(model: ModelConfig, config: JobConfig, d: Degrees) -> dict[bool, int]:
@@ -470,34 +516,49 @@ def _offload_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list
     return 2 * weight * shard / (cluster.host_bandwidth_gbs * 1e9)
 
 
-def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], links,
+def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], cluster: ClusterSpec,
                         forward: float, backward: float) -> float:
-    """Exposed data-parallel seconds per step. A ring all-reduce moves a reduce-scatter's bytes and then an
-    all-gather's, `half` each. DDP and ZeRO-1 reduce once, during the last micro-batch's backward; ZeRO-2
+    """Exposed data-parallel seconds per step. DDP and ZeRO-1 reduce once, during the last micro-batch's
+    backward (DDP all-reduces, natively or with its configured algorithm; ZeRO reduce-scatters); ZeRO-2
     reduce-scatters in every micro-batch's backward; ZeRO-3 also gathers the weights in each forward and
     backward (prefetched: hidden behind that pass's compute). ZeRO-1/2 gather the updated weights after the
     step, exposed. What one pass cannot hide is exposed, and never less than the last bucket."""
+    from fivefold.comm.cost import best_all_reduce, predict
+
     group = d.dp * d.cp
     if group == 1:
         return 0.0
-    z, m = config.data_parallel, config.train.grad_accum_steps
+    z, m, g = config.data_parallel, config.train.grad_accum_steps, config.gradient_comm
     stages = list(range(0, len(split), d.pp))
     layers = [layer for s in stages for layer in split[s]]
     params = rank_parameters(model, layers, True, len(split) == 1, d.tp, d.ep, d.etp, pipelined=d.pp > 1)
-    grad_bytes = params.total * (2 if z.zero_stage and z.param_dtype == "bf16" else 4)
-    half = ring(grad_bytes, group, links.link_for(group * d.tp)) / 2
-    buckets = max(1, int(grad_bytes // (config.gradient_comm.bucket_mb * 2**20)))
+    weight_bytes = params.total * (2 if z.zero_stage and z.param_dtype == "bf16" else 4)
+    grad_bytes = params.total * 2 if g.reduce_dtype == "bf16" else weight_bytes
+    span = group * d.tp
+    buckets = max(1, int(grad_bytes // (g.bucket_mb * 2**20)))
+
+    def native(collective: str, n: float) -> float:
+        return native_collective(collective, n, group, cluster.collective_link(collective, span))
 
     def hidden_behind(comm: float, compute: float) -> float:
         return max(comm - compute, comm / buckets)
 
     if z.zero_stage == 0:
-        return hidden_behind(2 * half, backward)
+        if g.allreduce_algorithm == "native":
+            reduce = native("all_reduce", grad_bytes)
+        else:
+            links = cluster.links()
+            algorithm = g.allreduce_algorithm
+            if algorithm == "auto":
+                algorithm = best_all_reduce(grad_bytes / buckets, group, links)
+            reduce = predict(algorithm, grad_bytes, group, links)
+        return hidden_behind(reduce, backward)
+    scatter, gather = native("reduce_scatter", grad_bytes), native("all_gather", weight_bytes)
     if z.zero_stage == 1:
-        return hidden_behind(half, backward) + half
+        return hidden_behind(scatter, backward) + gather
     if z.zero_stage == 2:
-        return m * hidden_behind(half, backward) + half
-    return m * (hidden_behind(half, forward) + hidden_behind(2 * half, backward))
+        return m * hidden_behind(scatter, backward) + gather
+    return m * (hidden_behind(gather, forward) + hidden_behind(gather + scatter, backward))
 
 
 # ---------------------------------------------------------------------------------------------- together

@@ -58,6 +58,7 @@ def format_estimate(found: Estimate, cluster: ClusterSpec, title: str) -> str:
         ("  activations", f"{m.activations / GIB:,.2f} GiB"),
         ("  logits", f"{m.logits / GIB:,.2f} GiB"),
         ("  buffers", f"{m.buffers / GIB:,.2f} GiB"),
+        ("  DDP buckets", f"{m.buckets / GIB:,.2f} GiB"),
     ]
     if t is not None:
         rows += [("step time", f"{t.total:,.4g} s ({found.tokens_per_step:,} tokens: {found.tokens_per_second:,.0f} "
@@ -81,12 +82,10 @@ def describe_layout(config: JobConfig) -> str:
 
 
 def plot_memory(entries: list[tuple[str, Estimate]], output: str) -> Path:
-    import matplotlib
+    from fivefold.plotting import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    parts = ("parameters", "gradients", "optimizer", "activations", "logits", "buffers")
+    plt = pyplot()
+    parts = ("parameters", "gradients", "optimizer", "activations", "logits", "buffers", "buckets")
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(entries) + 2), 4.5))
     bottoms = [0.0] * len(entries)
     for part in parts:
@@ -100,11 +99,7 @@ def plot_memory(entries: list[tuple[str, Estimate]], output: str) -> Path:
     ax.set_title("predicted memory per rank by component")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path = Path(output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, output)
 
 
 def _default_batch(config: JobConfig, gpus: int) -> int:

@@ -137,10 +137,9 @@ def read_metrics(path: Path, notice: Callable[[str], None] | None = print) -> li
 
 def plot_losses(metrics_path: Path, png_path: Path, baseline: float | None = None) -> Path:
     """Train and validation loss against step; the unigram baseline as a dashed line."""
-    import matplotlib
+    from fivefold.plotting import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     records = read_metrics(metrics_path)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
@@ -157,6 +156,4 @@ def plot_losses(metrics_path: Path, png_path: Path, baseline: float | None = Non
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
-    return png_path
+    return save_figure(fig, png_path)

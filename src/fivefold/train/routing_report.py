@@ -126,10 +126,9 @@ def plot_expert_load(metrics_path: Path, png_path: Path) -> Path | str:
                 records.append(record)
     if not records:
         return "no routing statistics logged"
-    import matplotlib
+    from fivefold.plotting import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     layers = sorted(records[-1]["moe_load"], key=int)
     fig, axes = plt.subplots(len(layers), 1, figsize=(8, 1.2 + 1.8 * len(layers)), squeeze=False)
@@ -145,6 +144,4 @@ def plot_expert_load(metrics_path: Path, png_path: Path) -> Path | str:
     axes[-1, 0].set_xlabel("step")
     fig.suptitle("expert load (share of routed assignments)")
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-    return png_path
+    return save_figure(fig, png_path, dpi=100)

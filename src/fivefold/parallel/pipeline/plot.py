@@ -59,10 +59,9 @@ def plot_trace(trace_path: str | Path, output: str | Path) -> Path:
 
 
 def _draw(name: str, shape: PipelineShape, boxes, makespan: float, title: str, xlabel: str, output) -> Path:
-    import matplotlib
+    from fivefold.plotting import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     v = shape.virtual
     longest = max((end - start for *_, start, end in boxes), default=1.0)
@@ -84,8 +83,4 @@ def _draw(name: str, shape: PipelineShape, boxes, makespan: float, title: str, x
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(legend), frameon=False, fontsize=8)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=130)
-    plt.close(fig)
-    return output
+    return save_figure(fig, output, dpi=130)
