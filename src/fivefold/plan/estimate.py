@@ -293,8 +293,11 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     t = config.train
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
     shape = ActivationShape(t.micro_batch_size, t.seq_len // d.cp, d.tp, sp, t.recompute)
-    element = 2 if t.dtype == "bf16" else 4
+    element = 2 if compute_dtype(config) == "bf16" else 4
     in_flight = _in_flight(config, d)
+    # the last stage keeps each finished micro-batch's fp32 log-probabilities until its backward (GPipe: all m
+    # of them), and one logits gradient is live while a backward runs
+    held = t.grad_accum_steps if d.pp > 1 and config.pipeline_parallel.schedule == "gpipe" else 1
     kinds = {moe: _block_activations(model, layer, shape, d) for moe in (False, True)
              if (layer := first_block(model, moe)) >= 0}
     states: dict[tuple, tuple[int, int, int, int]] = {}  # pipeline ranks holding alike blocks hold alike states
@@ -317,7 +320,8 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
             per_stage = max(len(split[s]) for s in stages) * kinds[False]
         # with interleaving a rank's peak (micro-batch, stage) pairs spread over its stages: the largest bounds each
         activations = element * per_stage * in_flight[rank]
-        logits = 2 * 4 * t.micro_batch_size * (t.seq_len // d.cp) * padded_vocab(model.vocab_size, d.tp) // d.tp if last else 0
+        logits = (held + 1) * 4 * t.micro_batch_size * (t.seq_len // d.cp) * padded_vocab(model.vocab_size, d.tp) // d.tp \
+            if last else 0
         out.append(RankMemory(p, g, o - host, activations, logits, buffers, host, count, buckets))
     return out
 
@@ -373,7 +377,7 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     t, rate = config.train, peak * efficiency
     b, seq, m = t.micro_batch_size, t.seq_len, t.grad_accum_steps
     tokens = b * seq
-    element = 2 if t.dtype == "bf16" else 4
+    element = 2 if compute_dtype(config) == "bf16" else 4
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
     links = cluster.links()
     # per (virtual) stage: forward compute seconds of one micro-batch, and its exposed tp / cp / ep seconds
@@ -485,7 +489,7 @@ def _written_per_block(model: ModelConfig, config: JobConfig, d: Degrees) -> dic
     t = config.train
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
     shape = ActivationShape(t.micro_batch_size, t.seq_len // d.cp, d.tp, sp, "none")
-    element = 2 if t.dtype == "bf16" else 4
+    element = 2 if compute_dtype(config) == "bf16" else 4
     return {moe: element * _block_activations(model, layer, shape, d) for moe in (False, True)
             if (layer := first_block(model, moe)) >= 0}
 
