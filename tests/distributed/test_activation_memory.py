@@ -3,7 +3,8 @@
 The formula (plan/activations.py, docs/activation_memory.md) is checked for no parallelism,
 tensor parallelism at t = 2 (kv heads split) and t = 4 (kv heads replicated), with and without
 sequence parallelism, and for each recomputation mode; and for a head width set explicitly
-(head_dim 24: queries 96 wide on a 64-wide model, as Qwen3 does); and for mixture-of-experts blocks
+(head_dim 24: queries 96 wide on a 64-wide model, as Qwen3 does); for per-head and per-projection
+q/k norms (one process, tp 2 with SP, tp 4 with replicated key heads); and for mixture-of-experts blocks
 (routing options, capacity drops, both expert kernels, recomputation, EP 2, EP 4, EP 2 x ETP 2 with
 the rows each rank's experts computed).
 """
@@ -21,6 +22,8 @@ from distributed.spawn import run_distributed
 MODEL = ModelConfig(name="act", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16, max_seq_len=64,
                     vocab_size=101)
 WIDE_HEADS = dataclasses.replace(MODEL, name="act-head-dim", head_dim=24)
+QK_HEAD = dataclasses.replace(MODEL, name="act-qk-head", qk_norm="head")
+QK_PROJECTION = dataclasses.replace(MODEL, name="act-qk-projection", qk_norm="projection")
 BATCH, SEQ = 2, 32
 MODES = ("none", "selective", "full")
 
@@ -45,7 +48,8 @@ def _expected(tp: int, sp: bool, recompute: str, config: ModelConfig = MODEL) ->
     return 4 * block_activation_elements(config, ActivationShape(BATCH, SEQ, tp, sp, recompute))  # fp32
 
 
-@pytest.mark.parametrize("config", [MODEL, WIDE_HEADS], ids=["plain", "head_dim"])
+@pytest.mark.parametrize("config", [MODEL, WIDE_HEADS, QK_HEAD, QK_PROJECTION],
+                         ids=["plain", "head_dim", "qk_norm_head", "qk_norm_projection"])
 @pytest.mark.parametrize("recompute", MODES)
 def test_single_process(recompute, config):
     assert _measure(1, False, recompute, config=config) == _expected(1, False, recompute, config)
@@ -59,8 +63,10 @@ def _tp_rank(rank, world_size, sp, config):
 
 
 @pytest.mark.parametrize("tp,sp,config", [(2, False, MODEL), (2, True, MODEL), (4, False, MODEL), (4, True, MODEL),
-                                          (2, False, WIDE_HEADS), (2, True, WIDE_HEADS)],
-                         ids=["tp2", "tp2-sp", "tp4", "tp4-sp", "tp2-head_dim", "tp2-sp-head_dim"])
+                                          (2, False, WIDE_HEADS), (2, True, WIDE_HEADS), (2, True, QK_HEAD),
+                                          (4, False, QK_PROJECTION)],
+                         ids=["tp2", "tp2-sp", "tp4", "tp4-sp", "tp2-head_dim", "tp2-sp-head_dim", "tp2-sp-qk_norm_head",
+                              "tp4-qk_norm_projection"])
 def test_tensor_parallel(tp, sp, config):
     for measured in run_distributed(_tp_rank, tp, sp, config):
         assert measured == {mode: _expected(tp, sp, mode, config) for mode in MODES}

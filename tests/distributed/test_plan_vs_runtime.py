@@ -74,8 +74,8 @@ REPLICA_GRADIENTS = 4096
 
 # Whole-rank activations are checked on every layout but these: ZeRO-3 (matmuls save the gathered weights, which
 # the planner counts as ZeRO-3's buffers and the hook sees at full size after they are freed), MLA and MoE blocks
-# under TP (counted as a dense block's), and q/k norms (not in the block formula: plan/activations.py).
-ACTIVATIONS_NOT_CHECKED = ("zero3", "mla", "ep", "moe", "qk-projection-norm")
+# (counted as a dense block's; MoE's also depend on the routing).
+ACTIVATIONS_NOT_CHECKED = ("zero3", "mla", "ep", "moe")
 
 
 def _measure(rank, world_size, configs):

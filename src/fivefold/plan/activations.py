@@ -26,9 +26,13 @@ bytes in fp32):
                 output is still kept by wo, so with fused attention only the lse goes)
     full:       sbh + 2sd (the block's input and the RoPE tables; everything else is recomputed)
 
-Derived and measured for the plain Llama block and an explicit head_dim (q != h); the other
-options of the open families (biases, q/k norms, post norms, a sliding window's explicit mask)
-change what autograd keeps and are not counted yet; neither is multi-latent attention.
+    q/k norms   `head` (Qwen3): 2sbq/t + 2sb*kv_t*d + sb(a/t + kv_t); `projection` (OLMo 2):
+                2sbq/t + 2sb*kv_t*d + 2sb (fp32 input, 1/rms, normalised output; full recompute
+                drops them with the rest)
+
+Derived and measured for the plain Llama block, an explicit head_dim (q != h) and both q/k
+norms; the other options of the open families (biases, post norms, a sliding window's explicit
+mask) change what autograd keeps and are not counted yet; neither is multi-latent attention.
 
 A mixture-of-experts block (model/moe.py) keeps, in place of the SwiGLU's 4sbf, for the T = sb
 tokens of the rank, its A kept (token, choice) assignments (kT when dropless) and the R rows its
@@ -80,9 +84,20 @@ def block_activation_elements(model: ModelConfig, shape: ActivationShape) -> int
         total = 2 * sbh + 2 * s * d + (4 * sbh + 2 * sbq + 2 * sb + 4 * sb * f + a * sb) // t + 2 * sb * kv * d
     else:
         total = 6 * sbh + 2 * sb + 2 * s * d + (2 * sbq + 4 * sb * f + a * sb) // t + 2 * sb * kv * d
+    if model.qk_norm != "none":
+        total += _qk_norm_elements(model, sb, t, kv, d)
     if shape.recompute == "selective":
         total -= a * sb // t
     return total
+
+
+def _qk_norm_elements(model: ModelConfig, sb: int, t: int, kv: int, d: int) -> int:
+    """q/k RMSNorms (inside the TP region: whole sequence, this rank's heads): each keeps its fp32 input,
+    1/rms and the normalised output; `head` norms per head (1/rms per head), `projection` norms over the
+    rank's whole projection (one 1/rms, its sum of squares all-reduced over the group)."""
+    heads = model.n_heads // t
+    width = 2 * sb * model.q_dim // t + 2 * sb * kv * d
+    return width + (sb * (heads + kv) if model.qk_norm == "head" else 2 * sb)
 
 
 def korthikanti_bytes(model: ModelConfig, shape: ActivationShape) -> int:
