@@ -270,3 +270,41 @@ def test_native_collective_links_are_fitted_round_trip_and_price_the_planner(tmp
     # sequence parallelism prices all-gather + reduce-scatter instead: the slow all-reduce link is not used
     sp = _config("--tensor_parallel.degree", "8", "--tensor_parallel.sequence_parallel", "true")
     assert estimate(sp, 8, slow).time.tp == pytest.approx(estimate(sp, 8, base).time.tp)
+
+
+def test_parameter_server_layout_is_planned_as_the_runtime_builds_it():
+    """data_parallel.mode = ps: workers hold the runtime's own model-state formula (fp32 weights and gradients,
+    no optimizer); the largest server shard is the runtime's ServerLayout over the real model's parameters; the
+    busiest server's link carries every worker's push and pull; bsp keeps a push buffer per worker."""
+    from fivefold.model import build_model, materialize
+    from fivefold.parallel.parameter_server import ParameterServerSync, ServerLayout
+    from fivefold.plan.estimate import server_memory, server_shards
+
+    def ps(servers, sync="bsp"):
+        return load_config(None, ["--model.preset", "tiny", "--model.vocab_size", "257", "--data_parallel.mode", "ps",
+                                  "--parameter_server.servers", str(servers), "--parameter_server.sync", sync])
+
+    cluster = CLUSTERS["h100-sxm"]
+    model = get_preset("tiny")
+    model.vocab_size = 257
+    sizes = [p.numel() for p in materialize(build_model(model), "cpu").parameters()]
+    for servers in (1, 2, 3):
+        layout = ServerLayout.balance(sizes, 4, servers)
+        assert server_shards(model, servers, 4) == [sum(sizes[i] for i in layout.owned(s)) for s in range(servers)]
+    one, two = estimate(ps(1), 5, cluster), estimate(ps(2), 6, cluster)
+    assert one.degrees.dp == two.degrees.dp == 4 and one.tokens_per_step == two.tokens_per_step
+    psi = one.memory.parameter_count
+    assert psi == sum(sizes)
+    assert (one.memory.parameters, one.memory.gradients, one.memory.optimizer) == \
+        tuple(ParameterServerSync.expected_model_states(None, psi).__dict__.values())
+    assert one.memory.buckets == 0 and one.memory.buffers == 2 * 4 * psi  # the step's flat push and pull copies
+    assert one.server == server_memory(ps(1), psi, 4)
+    assert one.server.buffers == 5 * 4 * psi and one.server.optimizer == 8 * psi
+    assert estimate(ps(1, "asp"), 5, cluster).server.buffers == 4 * psi
+    shard = max(server_shards(model, 2, 4))
+    assert two.server.parameter_count == shard < psi
+    link = cluster.link_for(5)
+    assert one.time.dp == pytest.approx(2 * 4 * link.message(4 * psi))  # the one server's link, both ways
+    assert two.time.dp < one.time.dp and one.time.compute == two.time.compute
+    with pytest.raises(ConfigError, match="data_parallel.mode = ps"):
+        search(ps(1), 5, cluster, 8)

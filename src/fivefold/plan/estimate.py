@@ -146,10 +146,11 @@ class Estimate:
     peak_flops: float
     capacity: int  # accelerator bytes
     notes: list[str] = field(default_factory=list)
+    server: RankMemory | None = None  # parameter servers (data_parallel.mode = ps): the one holding the most
 
     @property
     def fits(self) -> bool:
-        return self.memory.total <= self.capacity
+        return max(self.memory.total, self.server.total if self.server else 0) <= self.capacity
 
     @property
     def tokens_per_second(self) -> float:
@@ -165,7 +166,8 @@ class Estimate:
                 "memory_pp_rank": self.memory_rank,
                 "step_seconds": dataclasses.asdict(self.time) | {"total": self.time.total},
                 "tokens_per_step": self.tokens_per_step, "tokens_per_second": self.tokens_per_second,
-                "mfu": self.mfu, "notes": self.notes}
+                "mfu": self.mfu, "notes": self.notes} | \
+            ({"server_memory_bytes": dataclasses.asdict(self.server) | {"total": self.server.total}} if self.server else {})
 
 
 def model_for(config: JobConfig, vocab_size: int = 0) -> ModelConfig:
@@ -192,8 +194,6 @@ def degrees_of(config: JobConfig, gpus: int) -> Degrees:
     from fivefold.parallel.mesh import dims_for
     from fivefold.parallel.validate import check_config
 
-    if config.data_parallel.mode == "ps":
-        raise ConfigError("the planner models all-reduce data parallelism (ddp / ZeRO), not data_parallel.mode = ps")
     config.validate(LAYOUT_SECTIONS)  # a loaded config's other sections were checked by load_config
     check_config(config)
     dims = dims_for(config, gpus)
@@ -206,6 +206,8 @@ def degrees_of(config: JobConfig, gpus: int) -> Degrees:
 # ---------------------------------------------------------------------------------------------- memory
 def _model_states(params: RankParameters, config: JobConfig, d: Degrees) -> tuple[int, int, int]:
     z = config.data_parallel
+    if z.mode == "ps":  # a worker holds fp32 weights and gradients; AdamW lives on the servers
+        return 4 * params.total, 4 * params.total, 0
     mixed = z.zero_stage > 0 and z.param_dtype == "bf16"
     shards = d.dp_shard * d.cp
     dense = zero_model_states(params.dense, z.zero_stage, shards, mixed)
@@ -326,6 +328,39 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     return out
 
 
+def server_shards(model: ModelConfig, servers: int, workers: int) -> list[int]:
+    """Elements each parameter server holds: the runtime's own balance (parallel/parameter_server.py
+    ServerLayout, largest tensor first to the least loaded server) over the model's parameters."""
+    from fivefold.model import build_model
+    from fivefold.parallel.parameter_server import ServerLayout
+
+    sizes = [p.numel() for p in build_model(model).parameters() if p.requires_grad]  # meta device: shapes only
+    layout = ServerLayout.balance(sizes, workers, servers)
+    return [sum(sizes[i] for i in layout.owned(s)) for s in range(servers)]
+
+
+def server_memory(config: JobConfig, shard: int, workers: int) -> RankMemory:
+    """A server rank: its fp32 weights, their gradients (set from the summed push at each step) and AdamW's two
+    moments; bsp receives every worker's push into a buffer of its own and sums them into one more, asp / ssp
+    receive one push at a time."""
+    buffers = 4 * shard * (workers + 1 if config.parameter_server.sync == "bsp" else 1)
+    return RankMemory(4 * shard, 4 * shard, 8 * shard, 0, 0, buffers, parameter_count=shard)
+
+
+def _parameter_server_time(config: JobConfig, shard: int, workers: int, gpus: int, cluster: ClusterSpec) -> tuple[float, float]:
+    """(push + pull seconds, the servers' update seconds) per step. The busiest server takes every worker's push
+    of its shard (W x 4 x shard bytes in) and answers every pull (as many out), over the link spanning the job
+    (servers are the last ranks); a worker waits for both, after its backward. bsp sums W pushes (read 4 W x
+    shard bytes) and runs AdamW once (28 bytes per parameter, memory-bound); asp and ssp run it per push."""
+    link = cluster.link_for(gpus)
+    comm = 2 * workers * link.message(4 * shard)
+    bandwidth = cluster.accelerator.memory_bandwidth_gbs * 1e9
+    if not bandwidth:
+        return comm, 0.0
+    updates = 1 if config.parameter_server.sync == "bsp" else workers
+    return comm, (4 * workers * shard + 28 * updates * shard) / bandwidth
+
+
 def ddp_bucket_bytes(config: JobConfig, params: RankParameters, d: Degrees) -> int:
     """DDP (zero_stage 0) copies every gradient into flat buckets in `gradient_comm.reduce_dtype` to all-reduce
     them (parallel/data_parallel.py make_buckets): the dense part's when dp x cp > 1, the routed experts' when
@@ -343,6 +378,8 @@ def ddp_bucket_bytes(config: JobConfig, params: RankParameters, d: Degrees) -> i
 def _buffers(config: JobConfig, model: ModelConfig, d: Degrees, layers: list[int], moe: list[int], sp: bool) -> int:
     """ZeRO-3's gathered blocks (the current and the prefetched one) and the MoE dispatch rows in and out."""
     t, buffers = config.train, 0
+    if config.data_parallel.mode == "ps":  # the step's flat push (gradients) and pull (new weights) copies
+        buffers += 2 * 4 * rank_parameters(model, layers, True, True).total
     if config.data_parallel.zero_stage == 3 and layers:
         weight = 2 if config.data_parallel.param_dtype == "bf16" else 4
         kinds = ({False} if len(moe) < len(layers) else set()) | ({True} if moe else set())
@@ -589,7 +626,15 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
     dtype = compute_dtype(config)
     peak = cluster.accelerator.peak_flops(dtype)
     over = memory[worst].total > cluster.memory_bytes
+    server = None
+    if config.data_parallel.mode == "ps":
+        shard = max(server_shards(model, config.parameter_server.servers, d.dp))
+        server = server_memory(config, shard, d.dp)
+        over = over or server.total > cluster.memory_bytes
     time = None if over and not time_if_over else step_time(config, model, d, split, cluster, efficiency, peak, runs)
+    if time is not None and server is not None:
+        push_pull, update = _parameter_server_time(config, shard, d.dp, gpus, cluster)
+        time = dataclasses.replace(time, dp=push_pull, optimizer=update)
     tokens = t.micro_batch_size * t.grad_accum_steps * d.dp * t.seq_len
     notes = []
     if model.n_experts and (d.tp > 1 or model.attention != "mha"):
@@ -597,4 +642,4 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
     if d.cp > 1:
         notes.append("context parallelism's extra saved tensors (ring steps' partial outputs) are not counted")
     return Estimate(d, gpus, memory[worst], worst, memory, time, tokens, flops_per_token(model, t.seq_len) * tokens,
-                    peak, cluster.memory_bytes, notes)
+                    peak, cluster.memory_bytes, notes, server)

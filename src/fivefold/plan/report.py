@@ -60,12 +60,20 @@ def format_estimate(found: Estimate, cluster: ClusterSpec, title: str) -> str:
         ("  buffers", f"{m.buffers / GIB:,.2f} GiB"),
         ("  DDP buckets", f"{m.buckets / GIB:,.2f} GiB"),
     ]
+    if found.server is not None:
+        server = found.server
+        rows.append(("parameter server", f"{server.total / GIB:,.2f} GiB (the largest: {server.parameter_count:,} "
+                                         f"parameters; weights {server.parameters / GIB:,.2f}, gradients "
+                                         f"{server.gradients / GIB:,.2f}, AdamW {server.optimizer / GIB:,.2f}, push buffers "
+                                         f"{server.buffers / GIB:,.2f} GiB)"))
     if t is not None:
         rows += [("step time", f"{t.total:,.4g} s ({found.tokens_per_step:,} tokens: {found.tokens_per_second:,.0f} "
                                f"tokens/s, MFU {100 * found.mfu:.1f}%)")]
         rows += [(f"  {name}", f"{value:,.4g} s") for name, value in
                  (("compute", t.compute), ("tp comm", t.tp), ("cp comm (exposed)", t.cp), ("ep all-to-all", t.ep),
-                  ("pp sends", t.pp_comm), ("pp bubble", t.bubble), ("dp comm (exposed)", t.dp), ("offload", t.offload))
+                  ("pp sends", t.pp_comm), ("pp bubble", t.bubble),
+                  ("push + pull" if found.server else "dp comm (exposed)", t.dp), ("offload", t.offload),
+                  ("servers' update" if found.server else "optimizer", t.optimizer))
                  if value or name == "compute"]
     rows += [("note", note) for note in found.notes]
     width = max(len(label) for label, _ in rows)

@@ -163,6 +163,9 @@ def search(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: int, 
     again with the schedule simulator and re-ranked, so the top of the list carries simulated times."""
     if global_batch < 1:
         raise ConfigError(f"--global-batch = {global_batch}: must be a positive number of sequences")
+    if base.data_parallel.mode == "ps":
+        raise ConfigError("--search ranks all-reduce layouts (every fold, ZeRO 0-3); data_parallel.mode = ps has one "
+                          "layout per server count: plan it without --search, or set data_parallel.mode = ddp")
     result, runs = SearchResult([]), PipelineRuns()
     for config in candidates(base, gpus, cluster, global_batch, offload, vocab_size):
         result.considered += 1
