@@ -282,6 +282,12 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     return launch(args.nproc_per_node, forwarded, module="fivefold.comm.bench", debug=args.debug)
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from fivefold.sim.collective import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)  # --debug after the command too (kept when given before it)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -348,6 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_arguments(plan)
 
+    simulate = sub.add_parser("simulate", parents=[common],
+                              help="simulate one collective, run by the runtime's own algorithm, over a cluster's "
+                                   "fabric (flow-level network: contention, ECMP collisions, oversubscription)")
+    from fivefold.sim.collective import add_arguments as simulate_arguments
+
+    simulate_arguments(simulate)
+
     plot = sub.add_parser("plot-schedule", parents=[common],
                           help="draw a pipeline schedule's timeline (PNG), with its bubble")
     plot.add_argument("--pp", type=int, help="pipeline ranks")
@@ -383,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         commands = {"generate": _generate, "verify": _verify, "diagnose": _diagnose,
-                    "plot-schedule": _plot_schedule, "info": _info}
+                    "plot-schedule": _plot_schedule, "info": _info, "simulate": _simulate}
         return commands[args.command](args)
     except FivefoldError as exc:
         print(f"fivefold: error: {exc}", file=sys.stderr)

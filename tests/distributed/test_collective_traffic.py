@@ -100,3 +100,54 @@ def test_ddp_wire_bytes_are_the_bytes_the_algorithm_sends():
         busiest = max(counts[index][0] for counts in per_rank)
         reported = {counts[index][1] for counts in per_rank}
         assert reported == {busiest}, (algorithm, busiest, reported)
+
+
+def _posted(rank: int, world_size: int, cases) -> list[list[tuple[str, int, int]]]:
+    """Every ("send" | "recv", global peer, bytes) this rank posts, in order, per case, through a transport
+    that counts and then hands each message to torch.distributed."""
+    from fivefold.comm.alltoall import pairwise_all_to_all
+    from fivefold.comm.p2p import TORCH_DISTRIBUTED, Ranks
+    from fivefold.sim.trace import ALGORITHMS
+
+    class Counting:
+        def __init__(self):
+            self.log: list[tuple[str, int, int]] = []
+
+        def rank(self) -> int:
+            return TORCH_DISTRIBUTED.rank()
+
+        def post(self, ops, group):
+            self.log += [(kind, peer, tensor.numel() * tensor.element_size()) for kind, tensor, peer in ops]
+            return TORCH_DISTRIBUTED.post(ops, group)
+
+    out = []
+    for collective, algorithm, node_size in cases:
+        transport = Counting()
+        ranks = Ranks(tuple(range(world_size)), None, transport)
+        x = torch.ones(N, dtype=torch.float32)
+        dist.barrier()
+        if collective == "all_to_all":
+            pairwise_all_to_all(torch.empty_like(x), x, ranks)
+        elif algorithm == "hierarchical":
+            ALGORITHMS[(collective, algorithm)](x, ranks, node_size)
+        else:
+            ALGORITHMS[(collective, algorithm)](x, ranks)
+        out.append(transport.log)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [4, 6])
+def test_simulator_programs_are_the_messages_the_runtime_posts(world_size):
+    """sim/trace.py runs the same algorithms on meta tensors: per rank, the same sends and receives,
+    to the same peers, of the same sizes, in the same order as the real run over gloo."""
+    from fivefold.sim.engine import Recv, Send
+    from fivefold.sim.trace import collective_programs
+
+    cases = [c for c in CASES if world_size == 4 or not (c[0] in ("reduce_scatter", "all_gather") and c[1] == "recursive")]
+    per_rank = run_distributed(_posted, world_size, cases)
+    for index, (collective, algorithm, node_size) in enumerate(cases):
+        programs = collective_programs(collective, algorithm, range(world_size), N * 4, node_size=node_size)
+        for rank in range(world_size):
+            recorded = [("send" if isinstance(op, Send) else "recv", op.peer, op.nbytes) for op in programs[rank]
+                        if isinstance(op, (Send, Recv))]
+            assert recorded == per_rank[rank][index], (collective, algorithm, world_size, rank)

@@ -12,9 +12,8 @@ Cost: (p-1) (alpha + n/p beta), n the bytes of one rank's input.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from fivefold.comm.p2p import Ranks, exchange
+from fivefold.comm.p2p import Ranks, exchange, post
 
 
 def pairwise_all_to_all(output: torch.Tensor, input: torch.Tensor, ranks: Ranks) -> torch.Tensor:
@@ -46,12 +45,10 @@ def pairwise_all_to_all_v(output: torch.Tensor, input: torch.Tensor, output_spli
         to, source = (i + k) % p, (i - k) % p
         ops = []
         if input_splits[to]:
-            ops.append(dist.P2POp(dist.isend, input[send_at[to] : send_at[to + 1]].contiguous(),
-                                  ranks.global_rank(to), ranks.group))
-        incoming = output[recv_at[source] : recv_at[source + 1]]
+            ops.append(("send", input[send_at[to] : send_at[to + 1]], to))
         if output_splits[source]:
-            ops.append(dist.P2POp(dist.irecv, incoming, ranks.global_rank(source), ranks.group))
+            ops.append(("recv", output[recv_at[source] : recv_at[source + 1]], source))
         if ops:
-            for work in dist.batch_isend_irecv(ops):
+            for work in post(ops, ranks):
                 work.wait()
     return output

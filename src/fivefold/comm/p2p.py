@@ -6,14 +6,51 @@ creating process groups: messages go by global rank through `torch.distributed` 
 the default group, or on a group that holds all the members (data parallelism passes its own,
 so its gradient traffic never shares a channel with the main thread's). An exchange posts its send and its receive together (batch_isend_irecv), so
 two ranks trading data never wait on each other.
+
+Every message goes through the rank list's `Transport`: `torch.distributed` unless told otherwise.
+The simulator (sim/trace.py) passes a recording transport instead and runs the same algorithm
+code for each rank on meta tensors, so the messages it simulates are exactly those the runtime
+sends.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
+
+
+class Handle(Protocol):
+    def wait(self) -> object: ...
+
+
+class Transport(Protocol):
+    """Where a rank list's messages go: this process's rank, and posting sends and receives by global rank."""
+
+    def rank(self) -> int: ...
+
+    def post(self, ops: list[tuple[str, torch.Tensor, int]], group: dist.ProcessGroup | None) -> list[Handle]:
+        """Post ("send" | "recv", tensor, global peer) operations together; one handle each."""
+        ...
+
+
+class TorchDistributed:
+    """The runtime's transport: torch.distributed isend/irecv (batched when posted together)."""
+
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    def post(self, ops: list[tuple[str, torch.Tensor, int]], group: dist.ProcessGroup | None) -> list[Handle]:
+        if len(ops) == 1:
+            kind, tensor, peer = ops[0]
+            return [(dist.isend if kind == "send" else dist.irecv)(tensor, peer, group=group)]
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer, group)
+                                       for kind, tensor, peer in ops])
+
+
+TORCH_DISTRIBUTED = TorchDistributed()
 
 
 @dataclass(frozen=True)
@@ -22,6 +59,7 @@ class Ranks:
 
     members: tuple[int, ...]
     group: dist.ProcessGroup | None = None  # None: the default group
+    transport: Transport = TORCH_DISTRIBUTED
 
     @classmethod
     def world(cls) -> "Ranks":
@@ -34,7 +72,7 @@ class Ranks:
 
     def subset(self, members: tuple[int, ...]) -> "Ranks":
         """Some of these ranks, on the same group."""
-        return Ranks(tuple(members), self.group)
+        return Ranks(tuple(members), self.group, self.transport)
 
     @property
     def size(self) -> int:
@@ -43,25 +81,29 @@ class Ranks:
     @property
     def index(self) -> int:
         """This process's position in the list."""
-        return self.members.index(dist.get_rank())
+        return self.members.index(self.transport.rank())
 
     def global_rank(self, index: int) -> int:
         return self.members[index % self.size]
 
 
-def send(tensor: torch.Tensor, ranks: Ranks, to: int) -> dist.Work:
-    return dist.isend(tensor.contiguous(), ranks.global_rank(to), group=ranks.group)
+def post(ops: list[tuple[str, torch.Tensor, int]], ranks: Ranks) -> list[Handle]:
+    """Post ("send" | "recv", tensor, position) operations together; returns their handles."""
+    return ranks.transport.post([(kind, tensor.contiguous() if kind == "send" else tensor, ranks.global_rank(at))
+                                 for kind, tensor, at in ops], ranks.group)
+
+
+def send(tensor: torch.Tensor, ranks: Ranks, to: int) -> Handle:
+    return post([("send", tensor, to)], ranks)[0]
 
 
 def recv(tensor: torch.Tensor, ranks: Ranks, source: int) -> None:
-    dist.recv(tensor, ranks.global_rank(source), group=ranks.group)
+    post([("recv", tensor, source)], ranks)[0].wait()
 
 
 def exchange(outgoing: torch.Tensor, to: int, incoming: torch.Tensor, source: int, ranks: Ranks) -> None:
     """Send `outgoing` to position `to` while receiving `incoming` from position `source`; wait for both."""
-    ops = [dist.P2POp(dist.isend, outgoing.contiguous(), ranks.global_rank(to), ranks.group),
-           dist.P2POp(dist.irecv, incoming, ranks.global_rank(source), ranks.group)]
-    for work in dist.batch_isend_irecv(ops):
+    for work in post([("send", outgoing, to), ("recv", incoming, source)], ranks):
         work.wait()
 
 

@@ -23,9 +23,8 @@ the phases in a fixed order), which keeps the interleaved trees free of mismatch
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from fivefold.comm.p2p import Ranks, chunk_bounds, recv, send
+from fivefold.comm.p2p import Handle, Ranks, chunk_bounds, recv, send
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 16
 
@@ -88,7 +87,7 @@ def _run_trees(flat: torch.Tensor, ranks: Ranks, parts: list[tuple[_BinaryTree, 
     Every rank walks the same (iteration, phase) sequence, so the messages between any two ranks
     are sent and received in the same order (what NCCL needs) and the waits form no cycle.
     """
-    pending: list[dist.Work] = []
+    pending: list[Handle] = []
     schedules = [(tree, _chunks(lo, hi, chunk_elements)) for tree, (lo, hi) in parts if hi > lo]
     lag = (ranks.size).bit_length()  # tree depth + 1
     total = max((len(chunks) for _, chunks in schedules), default=0)

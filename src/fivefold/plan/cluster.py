@@ -32,6 +32,15 @@ A cluster file is TOML, read without running anything:
     [collectives.all_reduce]         # optional: the backend's own collective inside a node, fitted
     bandwidth_gbs = 0.9              # (ring form, comm/cost.py native_collective) by bench comm
     latency_us = 900
+    [topology]                       # optional, for `fivefold simulate` (sim/topology.py)
+    kind = "fat_tree"                # nvswitch | fat_tree | rail_optimized | torus_2d
+    nodes_per_leaf = 4               # nodes per leaf switch (rail_optimized: per rail group)
+    spines = 0                       # 0: one per leaf down port
+    oversubscription = 1.0           # leaf down / up capacity (1 = full bisection)
+    routing = "ecmp"                 # ecmp | ecmp_paths | spray (sim/routing.py)
+    subflows = 4                     # ecmp_paths: flows per message
+    seed = 0                         # ECMP hash seed
+    torus = [4, 4]                   # torus_2d: x, y (x * y accelerators)
 
 `[collectives.<name>]` (all_reduce, reduce_scatter, all_gather, all_to_all) replaces the intra
 link for that collective when it runs natively within a node: `fivefold bench comm --cluster-file`
@@ -79,6 +88,60 @@ class LinkSpec:
         return Link(alpha=self.latency_us * 1e-6, beta=1 / (self.bandwidth_gbs * 1e9))
 
 
+TOPOLOGY_KINDS = ("nvswitch", "fat_tree", "rail_optimized", "torus_2d")
+ROUTINGS = ("ecmp", "ecmp_paths", "spray")
+
+
+@dataclass(frozen=True)
+class TopologySpec:
+    """The fabric `fivefold simulate` builds (sim/topology.py); the planner only uses intra/inter."""
+
+    kind: str = "fat_tree"
+    nodes_per_leaf: int = 4
+    spines: int = 0
+    oversubscription: float = 1.0
+    routing: str = "ecmp"
+    subflows: int = 4
+    seed: int = 0
+    torus: tuple[int, int] = (0, 0)
+
+    def __post_init__(self) -> None:
+        if self.kind not in TOPOLOGY_KINDS:
+            raise ConfigError(f"topology.kind = {self.kind!r}: use one of {', '.join(TOPOLOGY_KINDS)}")
+        if self.routing not in ROUTINGS:
+            raise ConfigError(f"topology.routing = {self.routing!r}: use one of {', '.join(ROUTINGS)}")
+        for name, low in (("nodes_per_leaf", 1), ("spines", 0), ("subflows", 1), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"topology.{name} = {value!r}: must be an integer >= {low}")
+        if isinstance(self.oversubscription, bool) or not isinstance(self.oversubscription, (int, float)) or \
+                not math.isfinite(self.oversubscription) or self.oversubscription < 1:
+            raise ConfigError(f"topology.oversubscription = {self.oversubscription!r}: must be a number >= 1 "
+                              "(1 = full bisection bandwidth)")
+        if self.routing == "ecmp_paths" and self.subflows < 2:
+            raise ConfigError(f"topology.subflows = {self.subflows}: ecmp_paths needs 2 or more flows per message")
+        if self.kind == "torus_2d" and (len(self.torus) != 2 or any(isinstance(v, bool) or not isinstance(v, int)
+                                                                    or v < 1 for v in self.torus)):
+            raise ConfigError(f"topology.torus = {list(self.torus)!r}: a torus_2d needs torus = [x, y], two positive "
+                              "integers")
+
+
+def topology_from_dict(table: Any, source: str = "<dict>") -> TopologySpec:
+    if not isinstance(table, dict):
+        raise ConfigError(f"cluster file {source}: [topology] must be a table")
+    known = {f.name for f in TopologySpec.__dataclass_fields__.values()}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ConfigError(f"cluster file {source}: unknown key(s) topology.{', topology.'.join(unknown)}; known: "
+                          f"{', '.join(sorted(known))}")
+    values = dict(table)
+    if "torus" in values:
+        if not isinstance(values["torus"], list):
+            raise ConfigError(f"cluster file {source}: topology.torus = {values['torus']!r}: write [x, y]")
+        values["torus"] = tuple(values["torus"])
+    return TopologySpec(**values)
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     name: str
@@ -90,6 +153,7 @@ class ClusterSpec:
     source: str = ""  # where the figures come from
     host_bandwidth_gbs: float = 32.0  # accelerator <-> host memory per direction (PCIe), for offload
     collectives: dict[str, LinkSpec] = field(default_factory=dict)  # fitted native collectives inside a node
+    topology: TopologySpec = field(default_factory=TopologySpec)  # the fabric, for the simulator
 
     def links(self) -> Cluster:
         """The alpha-beta cluster of comm/cost.py (gamma 0: reductions run at memory speed, hidden by the links)."""
@@ -163,7 +227,7 @@ def _number(table: dict, key: str, where: str, positive: bool = True) -> float:
 def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSpec:
     """A ClusterSpec from a parsed cluster file, every field validated with a message naming it."""
     known = {"name", "accelerators_per_node", "nodes", "accelerator", "intra", "inter", "source", "host_bandwidth_gbs",
-             "collectives"}
+             "collectives", "topology"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"cluster file {source}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -195,7 +259,7 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
                                    bandwidth),
                        per_node, links["intra"], links["inter"], nodes, str(data.get("source", source)),
                        _number(data, "host_bandwidth_gbs", "(top level)") if "host_bandwidth_gbs" in data else 32.0,
-                       fitted)
+                       fitted, topology_from_dict(data.get("topology", {}), source))
 
 
 def load_cluster(name_or_path: str) -> ClusterSpec:
@@ -230,4 +294,6 @@ def cluster_toml(spec: ClusterSpec) -> str:
         *(line for name, link in spec.collectives.items()
           for line in (f"[collectives.{name}]", f"bandwidth_gbs = {link.bandwidth_gbs!r}",
                        f"latency_us = {link.latency_us!r}", "")),
+        "[topology]", *(f"{key} = {json.dumps(list(value) if isinstance(value, tuple) else value)}"
+                        for key, value in asdict(spec.topology).items()), "",
     ])
