@@ -20,12 +20,14 @@ import pytest
 from fivefold.comm import cost
 from fivefold.errors import ConfigError
 from fivefold.plan.cluster import PRESETS, cluster_from_dict, cluster_toml, load_cluster
-from fivefold.sim.collective import parse_bytes, simulate_collective
+from fivefold.sim.collective import simulate_collective
+from fivefold.sim.report import parse_bytes
 from fivefold.sim.engine import Await, Compute, Notify, Recv, Send, SimulationError, Wait, simulate
 from fivefold.sim.network import FlowNetwork, max_min_rates
 from fivefold.sim.routing import Router
 from fivefold.sim.topology import fat_tree, nvswitch, rail_optimized, torus_2d
-from fivefold.sim.trace import as_streams, collective_programs
+from fivefold.sim.names import COLLECTIVE_ALGORITHMS
+from fivefold.sim.trace import ALGORITHMS, as_streams, collective_programs
 
 B = 100e9  # bytes/s
 ALPHA = 10e-6
@@ -258,3 +260,7 @@ def test_simulate_cli(tmp_path, capsys):
     assert main(["simulate", "--cluster", "h100-sxm", "--ranks", "16", "--bytes", "1M", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["ranks"] == 16 and math.isfinite(summary["seconds"])
+
+
+def test_cli_vocabulary_matches_the_recordable_algorithms():
+    assert {(c, a) for c, names in COLLECTIVE_ALGORITHMS.items() for a in names} == set(ALGORITHMS)

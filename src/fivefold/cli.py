@@ -283,7 +283,7 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from fivefold.sim.collective import run
+    from fivefold.sim.report import run
 
     return run(args)
 
@@ -357,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate = sub.add_parser("simulate", parents=[common],
                               help="simulate one collective, run by the runtime's own algorithm, over a cluster's "
                                    "fabric (flow-level network: contention, ECMP collisions, oversubscription)")
-    from fivefold.sim.collective import add_arguments as simulate_arguments
+    from fivefold.sim.report import add_arguments as simulate_arguments
 
     simulate_arguments(simulate)
 

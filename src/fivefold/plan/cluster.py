@@ -58,6 +58,7 @@ from typing import Any
 
 from fivefold.comm.cost import NATIVE_COLLECTIVES, Cluster, Link
 from fivefold.errors import ConfigError
+from fivefold.sim.names import ROUTINGS, TOPOLOGY_KINDS
 
 try:
     import tomllib
@@ -87,9 +88,6 @@ class LinkSpec:
     def link(self) -> Link:
         return Link(alpha=self.latency_us * 1e-6, beta=1 / (self.bandwidth_gbs * 1e9))
 
-
-TOPOLOGY_KINDS = ("nvswitch", "fat_tree", "rail_optimized", "torus_2d")
-ROUTINGS = ("ecmp", "ecmp_paths", "spray")
 
 
 @dataclass(frozen=True)

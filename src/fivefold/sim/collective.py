@@ -1,4 +1,4 @@
-"""`fivefold simulate`: one collective, run by the runtime's own algorithm, over a simulated fabric.
+"""One collective, run by the runtime's own algorithm, over a simulated fabric (`fivefold simulate`).
 
 The ranks' programs come from trace.py (the comm/ algorithm run on meta tensors); the fabric from
 the cluster file's [topology] table (topology.py, routing.py); the engine (engine.py) plays the
@@ -9,9 +9,6 @@ ratio is what contention (oversubscription, ECMP collisions, shared NICs) costs.
 
 from __future__ import annotations
 
-import argparse
-import json
-import re
 import time
 from dataclasses import dataclass, replace
 
@@ -19,12 +16,12 @@ import torch
 
 from fivefold.comm.cost import predict_collective
 from fivefold.errors import ConfigError
-from fivefold.plan.cluster import ROUTINGS, TOPOLOGY_KINDS, ClusterSpec, load_cluster
+from fivefold.plan.cluster import ClusterSpec
 from fivefold.sim.engine import SimResult, simulate
 from fivefold.sim.network import FlowNetwork
 from fivefold.sim.routing import Router
 from fivefold.sim.topology import Topology, build_topology
-from fivefold.sim.trace import ALGORITHMS, as_streams, collective_programs
+from fivefold.sim.trace import as_streams, collective_programs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _BUS_FACTOR = {"all_reduce": lambda p: 2 * (p - 1) / p, "reduce_scatter": lambda p: (p - 1) / p,
@@ -85,87 +82,3 @@ def simulate_collective(cluster: ClusterSpec, collective: str, algorithm: str, r
     except ValueError:
         formula = float("nan")
     return CollectiveRun(collective, algorithm, members, nbytes, topology, result, formula, wall)
-
-
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
-
-
-def parse_bytes(text: str) -> int:
-    """'1G', '256MiB', '4096' -> bytes (binary multiples)."""
-    match = _SIZE.match(text)
-    if not match:
-        raise ConfigError(f"--bytes {text!r}: write a size such as 4096, 64M or 1GiB")
-    number, unit = float(match.group(1)), match.group(2).upper()
-    return int(number * 1024 ** " KMGT".index(unit or " "))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    collectives = sorted({c for c, _ in ALGORITHMS})
-    algorithms = sorted({a for _, a in ALGORITHMS} | {"native"})
-    parser.add_argument("--cluster", required=True, help="a preset (a100-80gb, h100-sxm, h200, b200) or a cluster TOML "
-                                                        "file; its [topology] table describes the fabric")
-    parser.add_argument("--collective", default="all_reduce", choices=collectives)
-    parser.add_argument("--algorithm", default="ring", choices=algorithms,
-                        help="the runtime's algorithm (comm/); native = the backend's, modelled as a ring")
-    parser.add_argument("--ranks", type=int, required=True, help="ranks taking part")
-    parser.add_argument("--stride", type=int, default=1,
-                        help="accelerators between consecutive members (8 on 8-GPU nodes: one rank per node)")
-    parser.add_argument("--bytes", default="256M", help="bytes per rank (the whole vector), e.g. 64M, 1G")
-    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
-    parser.add_argument("--node-size", type=int, default=0, help="hierarchical: ranks per node (default: per node)")
-    parser.add_argument("--topology", choices=TOPOLOGY_KINDS, help="override the cluster file's topology.kind")
-    parser.add_argument("--routing", choices=ROUTINGS, help="override topology.routing")
-    parser.add_argument("--oversubscription", type=float, help="override topology.oversubscription")
-    parser.add_argument("--nodes-per-leaf", type=int, help="override topology.nodes_per_leaf")
-    parser.add_argument("--spines", type=int, help="override topology.spines")
-    parser.add_argument("--subflows", type=int, help="override topology.subflows (ecmp_paths)")
-    parser.add_argument("--seed", type=int, help="override topology.seed (the ECMP hash)")
-    parser.add_argument("--trace", help="write the simulated timeline as a Chrome trace (JSON) here")
-    parser.add_argument("--top-links", type=int, default=5, help="busiest links to list")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
-
-
-def cluster_with_overrides(args: argparse.Namespace) -> ClusterSpec:
-    cluster = load_cluster(args.cluster)
-    overrides = {key: value for key, value in (
-        ("kind", args.topology), ("routing", args.routing), ("oversubscription", args.oversubscription),
-        ("nodes_per_leaf", args.nodes_per_leaf), ("spines", args.spines), ("subflows", args.subflows),
-        ("seed", args.seed)) if value is not None}
-    return replace(cluster, topology=replace(cluster.topology, **overrides)) if overrides else cluster
-
-
-def run(args: argparse.Namespace) -> int:
-    cluster = cluster_with_overrides(args)
-    run_ = simulate_collective(cluster, args.collective, args.algorithm, args.ranks, parse_bytes(args.bytes),
-                               args.dtype, args.stride, args.node_size, record_spans=bool(args.trace))
-    links = run_.link_utilisation()
-    mean = sum(u for _, u in links) / len(links) if links else 0.0
-    spec = cluster.topology
-    summary = {
-        "collective": args.collective, "algorithm": args.algorithm, "ranks": args.ranks, "stride": args.stride,
-        "bytes": run_.nbytes, "cluster": cluster.name, "topology": spec.kind, "routing": spec.routing,
-        "oversubscription": spec.oversubscription, "seconds": run_.time, "formula_seconds": run_.formula,
-        "busbw_gbs": run_.bus_bandwidth() / 1e9, "busiest_links": links[:args.top_links],
-        "mean_link_utilisation": mean, "bytes_sent": sum(run_.result.pair_bytes.values()),
-        "simulation_wall_seconds": run_.wall_seconds,
-    }
-    if args.trace:
-        run_.result.write_chrome_trace(args.trace)
-    if args.json:
-        print(json.dumps(summary, indent=2))
-        return 0
-    ratio = run_.time / run_.formula if run_.formula == run_.formula and run_.formula > 0 else float("nan")
-    print(f"{args.collective}/{args.algorithm}: {run_.nbytes / 2**20:.1f} MiB per rank over {args.ranks} ranks "
-          f"(stride {args.stride}) on {cluster.name}")
-    print(f"  fabric       {run_.topology.describe()}; routing {spec.routing}, oversubscription {spec.oversubscription:g}")
-    print(f"  simulated    {run_.time * 1e3:.3f} ms   bus bandwidth {run_.bus_bandwidth() / 1e9:.1f} GB/s")
-    print(f"  alpha-beta   {run_.formula * 1e3:.3f} ms   (comm/cost.py, no contention)   simulated / formula {ratio:.3f}")
-    print(f"  links        {len(links)} used, mean utilisation {mean:.0%}; busiest:")
-    for name, utilisation in links[:args.top_links]:
-        print(f"    {name:<28} {utilisation:6.1%}")
-    if args.trace:
-        print(f"  trace        {args.trace} (chrome://tracing or ui.perfetto.dev)")
-    print(f"RESULT name=simulate collective={args.collective} algorithm={args.algorithm} ranks={args.ranks} "
-          f"seconds={run_.time:.6g} formula_seconds={run_.formula:.6g} ratio={ratio:.4f} "
-          f"wall_seconds={run_.wall_seconds:.3f}")
-    return 0

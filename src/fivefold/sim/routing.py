@@ -21,7 +21,7 @@ import heapq
 from dataclasses import dataclass
 
 from fivefold.errors import ConfigError
-from fivefold.plan.cluster import ROUTINGS
+from fivefold.sim.names import ROUTINGS
 from fivefold.sim.topology import Topology
 
 Route = tuple[tuple[int, float], ...]
