@@ -21,7 +21,7 @@ from fivefold.comm import cost
 from fivefold.errors import ConfigError
 from fivefold.plan.cluster import PRESETS, cluster_from_dict, cluster_toml, load_cluster
 from fivefold.sim.collective import simulate_collective
-from fivefold.sim.report import parse_bytes
+from fivefold.units import parse_bytes
 from fivefold.sim.engine import Await, Compute, Notify, Recv, Send, SimulationError, Wait, simulate
 from fivefold.sim.network import FlowNetwork, max_min_rates
 from fivefold.sim.routing import Router
@@ -221,7 +221,7 @@ def test_cluster_file_topology_is_validated_and_round_trips(tmp_path):
     good = {k: v for k, v in base.to_dict().items()}
     for bad, message in (({"kind": "dragonfly"}, "topology.kind"), ({"routing": "random"}, "topology.routing"),
                          ({"oversubscription": 0.5}, "oversubscription"), ({"color": 1}, "unknown"),
-                         ({"kind": "torus_2d"}, "torus = \\[x, y\\]"), ({"routing": "ecmp_paths", "subflows": 1}, "subflows")):
+                         ({"kind": "torus_2d"}, "torus = \\[x, y\\]"), ({"torus": ["a", 1]}, "torus"), ({"routing": "ecmp_paths", "subflows": 1}, "subflows")):
         with pytest.raises(ConfigError, match=message):
             cluster_from_dict({**good, "topology": bad})
 
@@ -242,8 +242,9 @@ def test_simulated_collective_against_its_formula_and_under_contention():
 
 def test_parse_bytes():
     assert parse_bytes("4096") == 4096 and parse_bytes("64M") == 64 * 2**20 and parse_bytes("1GiB") == 2**30
-    with pytest.raises(ConfigError, match="--bytes"):
-        parse_bytes("lots")
+    for bad in ("lots", "nan", "inf", "0", "-5", "1e9"):
+        with pytest.raises(ConfigError, match="--bytes"):
+            parse_bytes(bad)
 
 
 def test_simulate_cli(tmp_path, capsys):
@@ -264,3 +265,55 @@ def test_simulate_cli(tmp_path, capsys):
 
 def test_cli_vocabulary_matches_the_recordable_algorithms():
     assert {(c, a) for c, names in COLLECTIVE_ALGORITHMS.items() for a in names} == set(ALGORITHMS)
+
+
+def _simulate_json(capsys, *argv: str) -> dict:
+    from fivefold.cli import main
+
+    assert main(["simulate", "--cluster", "h100-sxm", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_every_simulate_option_changes_what_is_simulated(capsys):
+    one_per_node = ["--ranks", "32", "--stride", "8", "--algorithm", "rabenseifner", "--bytes", "64M"]
+    ecmp = _simulate_json(capsys, *one_per_node)
+    assert ecmp["fabric"].startswith("fat_tree: 256 accelerators")  # --stride spreads the 32 ranks over 32 nodes
+    assert ecmp["seconds"] > 1.3 * ecmp["formula_seconds"]  # ECMP collisions between leaves
+    sprayed = _simulate_json(capsys, *one_per_node, "--routing", "spray")
+    assert sprayed["seconds"] == pytest.approx(sprayed["formula_seconds"], rel=0.01)
+    assert _simulate_json(capsys, *one_per_node, "--seed", "3")["seconds"] != ecmp["seconds"]
+    paths = [_simulate_json(capsys, *one_per_node, "--routing", "ecmp_paths", "--subflows", k)["seconds"] for k in "28"]
+    assert paths[0] != paths[1]
+    assert _simulate_json(capsys, *one_per_node, "--oversubscription", "4")["seconds"] > ecmp["seconds"]
+    assert _simulate_json(capsys, *one_per_node, "--nodes-per-leaf", "8", "--spines", "2")["fabric"] == \
+        "fat_tree: 256 accelerators, 38 switches, 1040 links"  # 32 NVSwitches + 4 leaves + 2 spines; (256 + 256 + 8) x 2
+    rail = _simulate_json(capsys, "--ranks", "16", "--topology", "rail_optimized", "--bytes", "1M", "--top-links", "2")
+    assert rail["fabric"].startswith("rail_optimized") and len(rail["busiest_links"]) == 2
+    node = ["--ranks", "8", "--topology", "nvswitch", "--algorithm", "hierarchical", "--bytes", "16M"]
+    halves, pairs = (_simulate_json(capsys, *node, "--node-size", k) for k in ("4", "2"))
+    assert halves["seconds"] != pairs["seconds"]
+    assert halves["formula_seconds"] != pairs["formula_seconds"]  # the formula follows --node-size too
+    native = _simulate_json(capsys, "--ranks", "8", "--topology", "nvswitch", "--algorithm", "native", "--bytes", "16M")
+    assert native["algorithm"] == "ring"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--ranks", "0"], "--ranks 0"), (["--ranks", "8", "--stride", "0"], "--stride 0"),
+    (["--ranks", "8", "--bytes", "nan"], "--bytes"), (["--ranks", "8", "--bytes", "0"], "--bytes"),
+    (["--ranks", "8", "--oversubscription", "nan"], "oversubscription"),
+    (["--ranks", "8", "--oversubscription", "inf"], "oversubscription"),
+    (["--ranks", "8", "--oversubscription", "0.5"], "oversubscription"),
+    (["--ranks", "8", "--spines", "-1"], "spines"), (["--ranks", "8", "--subflows", "0"], "subflows"),
+    (["--ranks", "8", "--seed", "-1"], "seed"), (["--ranks", "8", "--nodes-per-leaf", "0"], "nodes_per_leaf"),
+    (["--ranks", "8", "--node-size", "-1"], "--node-size"), (["--ranks", "8", "--top-links", "-1"], "--top-links"),
+    (["--ranks", "8", "--trace", "/no/such/folder/t.json"], "--trace"),
+    (["--ranks", "16", "--topology", "nvswitch"], "one node"), (["--ranks", "6", "--topology", "torus_2d"], "torus"),
+    (["--ranks", "8", "--collective", "broadcast", "--algorithm", "ring"], "broadcast/ring"),
+    (["--ranks", "8", "--cluster", "no-such-cluster"], "--cluster"),
+])
+def test_simulate_rejects_bad_input_in_one_line(argv, message, capsys):
+    from fivefold.cli import main
+
+    assert main(["simulate", "--cluster", "h100-sxm", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fivefold: error:") and message in err and err.count("\n") == 1

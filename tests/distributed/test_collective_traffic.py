@@ -105,7 +105,6 @@ def test_ddp_wire_bytes_are_the_bytes_the_algorithm_sends():
 def _posted(rank: int, world_size: int, cases) -> list[list[tuple[str, int, int]]]:
     """Every ("send" | "recv", global peer, bytes) this rank posts, in order, per case, through a transport
     that counts and then hands each message to torch.distributed."""
-    from fivefold.comm.alltoall import pairwise_all_to_all
     from fivefold.comm.p2p import TORCH_DISTRIBUTED, Ranks
     from fivefold.sim.trace import ALGORITHMS
 
@@ -126,9 +125,7 @@ def _posted(rank: int, world_size: int, cases) -> list[list[tuple[str, int, int]
         ranks = Ranks(tuple(range(world_size)), None, transport)
         x = torch.ones(N, dtype=torch.float32)
         dist.barrier()
-        if collective == "all_to_all":
-            pairwise_all_to_all(torch.empty_like(x), x, ranks)
-        elif algorithm == "hierarchical":
+        if algorithm == "hierarchical":
             ALGORITHMS[(collective, algorithm)](x, ranks, node_size)
         else:
             ALGORITHMS[(collective, algorithm)](x, ranks)

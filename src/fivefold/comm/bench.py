@@ -33,13 +33,15 @@ import torch.distributed.distributed_c10d as c10d
 
 from fivefold.comm import ALL_REDUCE, all_reduce, default_node_size
 from fivefold.comm.alltoall import pairwise_all_to_all
-from fivefold.comm.cost import NATIVE_COLLECTIVES, Link, fit_native_link, predict_collective, traffic
+from fivefold.comm.cost import NATIVE_COLLECTIVES, Link, bus_factor, fit_native_link, predict_collective, traffic
 from fivefold.comm.measure import measure_cluster
 from fivefold.comm.native import all_gather_flat, reduce_scatter_flat
 from fivefold.comm.p2p import Ranks
 from fivefold.comm.recursive import recursive_all_gather, recursive_reduce_scatter
 from fivefold.comm.ring import ring_all_gather, ring_reduce_scatter
 from fivefold.comm.tree import binomial_broadcast, chain_broadcast
+from fivefold.errors import ConfigError
+from fivefold.units import parse_bytes
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 ALGORITHMS = {
@@ -49,15 +51,6 @@ ALGORITHMS = {
     "broadcast": ("native", "binomial", "chain"),
     "all_to_all": ("native", "pairwise"),
 }
-
-
-def bus_factor(collective: str, p: int) -> float:
-    """nccl-tests' busbw / algbw (doc/PERFORMANCE.md there)."""
-    if collective == "all_reduce":
-        return 2 * (p - 1) / p
-    if collective == "broadcast":
-        return 1.0
-    return (p - 1) / p
 
 
 @dataclass
@@ -295,14 +288,6 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_bytes(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().rstrip("b")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc-per-node", type=int, default=4, help="ranks to start (under torchrun)")
     parser.add_argument("--collectives", default=",".join(COLLECTIVES), help=f"comma list of {', '.join(COLLECTIVES)}")
@@ -324,8 +309,11 @@ def _normalise(args: argparse.Namespace) -> argparse.Namespace:
     if unknown:
         raise SystemExit(f"fivefold bench comm: unknown collective(s) {', '.join(unknown)}; use {', '.join(COLLECTIVES)}")
     args.algorithms = [a for a in args.algorithms.split(",") if a]
-    args.min_bytes, args.max_bytes = parse_bytes(args.min_bytes), parse_bytes(args.max_bytes)
-    args.bytes_per_row = parse_bytes(args.bytes_per_row)
+    try:
+        args.min_bytes, args.max_bytes = parse_bytes(args.min_bytes, "--min-bytes"), parse_bytes(args.max_bytes, "--max-bytes")
+        args.bytes_per_row = parse_bytes(args.bytes_per_row, "--bytes-per-row")
+    except ConfigError as exc:
+        raise SystemExit(f"fivefold bench comm: {exc}") from None
     if args.factor < 2 or args.min_bytes < 4 or args.max_bytes < args.min_bytes:
         raise SystemExit("fivefold bench comm: need --factor >= 2 and 4 <= --min-bytes <= --max-bytes")
     return args

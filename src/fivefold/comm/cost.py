@@ -54,6 +54,15 @@ class Cluster:
 
 
 
+def bus_factor(collective: str, p: int) -> float:
+    """nccl-tests' busbw / algbw (doc/PERFORMANCE.md there): what each rank's link carries per byte of the vector."""
+    if collective == "all_reduce":
+        return 2 * (p - 1) / p
+    if collective == "broadcast":
+        return 1.0
+    return (p - 1) / p
+
+
 def all_reduce_bytes(nbytes: int, p: int) -> int:
     """Bytes one rank sends in a bandwidth-optimal all-reduce of nbytes."""
     return 2 * (p - 1) * nbytes // p

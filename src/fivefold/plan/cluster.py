@@ -118,10 +118,10 @@ class TopologySpec:
                               "(1 = full bisection bandwidth)")
         if self.routing == "ecmp_paths" and self.subflows < 2:
             raise ConfigError(f"topology.subflows = {self.subflows}: ecmp_paths needs 2 or more flows per message")
-        if self.kind == "torus_2d" and (len(self.torus) != 2 or any(isinstance(v, bool) or not isinstance(v, int)
-                                                                    or v < 1 for v in self.torus)):
-            raise ConfigError(f"topology.torus = {list(self.torus)!r}: a torus_2d needs torus = [x, y], two positive "
-                              "integers")
+        low = 1 if self.kind == "torus_2d" else 0
+        if len(self.torus) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < low for v in self.torus):
+            raise ConfigError(f"topology.torus = {list(self.torus)!r}: write torus = [x, y], two "
+                              f"{'positive' if low else 'non-negative'} integers (a torus_2d needs it)")
 
 
 def topology_from_dict(table: Any, source: str = "<dict>") -> TopologySpec:

@@ -12,20 +12,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-import torch
-
-from fivefold.comm.cost import predict_collective
+from fivefold.comm.cost import bus_factor, predict_collective
 from fivefold.errors import ConfigError
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.sim.engine import SimResult, simulate
 from fivefold.sim.network import FlowNetwork
 from fivefold.sim.routing import Router
 from fivefold.sim.topology import Topology, build_topology
-from fivefold.sim.trace import as_streams, collective_programs
+from fivefold.sim.trace import as_streams, collective_programs, resolve_algorithm
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_BUS_FACTOR = {"all_reduce": lambda p: 2 * (p - 1) / p, "reduce_scatter": lambda p: (p - 1) / p,
-               "all_gather": lambda p: (p - 1) / p, "all_to_all": lambda p: (p - 1) / p, "broadcast": lambda p: 1.0}
 
 
 @dataclass
@@ -46,7 +41,7 @@ class CollectiveRun:
     def bus_bandwidth(self) -> float:
         """nccl-tests' bus bandwidth: bytes / time, times the collective's (p-1)/p factor."""
         p = len(self.members)
-        return self.nbytes / self.time * _BUS_FACTOR[self.collective](p) if self.time else float("inf")
+        return self.nbytes / self.time * bus_factor(self.collective, p) if self.time else float("inf")
 
     def link_utilisation(self) -> list[tuple[str, float]]:
         """(link name, fraction of the step it was busy at full rate), busiest first."""
@@ -59,26 +54,29 @@ class CollectiveRun:
 
 
 def simulate_collective(cluster: ClusterSpec, collective: str, algorithm: str, ranks: int, nbytes: int,
-                        dtype: str = "fp32", stride: int = 1, node_size: int = 0,
-                        record_spans: bool = True) -> CollectiveRun:
-    """Simulate one collective of `nbytes` per rank over `ranks` ranks placed `stride` accelerators apart."""
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
-    if ranks < 1 or stride < 1:
-        raise ConfigError(f"--ranks {ranks} and --stride {stride} must be positive")
+                        stride: int = 1, node_size: int = 0, record_spans: bool = True) -> CollectiveRun:
+    """Simulate one fp32 collective of `nbytes` per rank over `ranks` ranks placed `stride` accelerators apart.
+
+    `node_size` (hierarchical only; 0: the ranks of one node) is used by the algorithm and the formula alike.
+    """
+    for name, value, low in (("--ranks", ranks, 1), ("--stride", stride, 1), ("--bytes", nbytes, 1),
+                             ("--node-size", node_size, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"{name} {value!r}: must be an integer >= {low}")
+    algorithm = resolve_algorithm(collective, algorithm)
     members = tuple(range(0, ranks * stride, stride))
     topology = build_topology(cluster, ranks * stride)
-    programs = collective_programs(collective, algorithm, members, nbytes, DTYPES[dtype],
-                                   node_size or max(1, cluster.accelerators_per_node // stride))
+    per_node = max(1, cluster.accelerators_per_node // stride)
+    node_size = node_size or per_node
+    programs = collective_programs(collective, algorithm, members, nbytes, node_size=node_size)
     spec = cluster.topology
     router = Router(topology, spec.routing, spec.subflows, spec.seed)
     start = time.perf_counter()
     result = simulate(as_streams(programs), FlowNetwork(router), record_spans)
     wall = time.perf_counter() - start
-    formula_algorithm = {"native": "ring", "pairwise": "ring"}.get(algorithm, algorithm)
+    links = replace(cluster.links(), node_size=node_size if algorithm == "hierarchical" else per_node)
     try:
-        links = replace(cluster.links(), node_size=max(1, cluster.accelerators_per_node // stride))
-        formula = predict_collective(collective, formula_algorithm, nbytes, ranks, links)
-    except ValueError:
+        formula = predict_collective(collective, algorithm, nbytes, ranks, links)
+    except ValueError:  # no closed form (e.g. recursive reduce-scatter on a rank count that folds)
         formula = float("nan")
     return CollectiveRun(collective, algorithm, members, nbytes, topology, result, formula, wall)

@@ -7,25 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from dataclasses import replace
+from pathlib import Path
 
 from fivefold.errors import ConfigError
+from fivefold.units import parse_bytes
 from fivefold.sim.names import COLLECTIVE_ALGORITHMS, ROUTINGS, TOPOLOGY_KINDS
-
-DTYPE_NAMES = ("bf16", "fp16", "fp32")
-
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
-
-
-def parse_bytes(text: str) -> int:
-    """'1G', '256MiB', '4096' -> bytes (binary multiples)."""
-    match = _SIZE.match(text)
-    if not match:
-        raise ConfigError(f"--bytes {text!r}: write a size such as 4096, 64M or 1GiB")
-    number, unit = float(match.group(1)), match.group(2).upper()
-    return int(number * 1024 ** " KMGT".index(unit or " "))
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     collectives = sorted(COLLECTIVE_ALGORITHMS)
@@ -39,7 +26,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stride", type=int, default=1,
                         help="accelerators between consecutive members (8 on 8-GPU nodes: one rank per node)")
     parser.add_argument("--bytes", default="256M", help="bytes per rank (the whole vector), e.g. 64M, 1G")
-    parser.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES)
     parser.add_argument("--node-size", type=int, default=0, help="hierarchical: ranks per node (default: per node)")
     parser.add_argument("--topology", choices=TOPOLOGY_KINDS, help="override the cluster file's topology.kind")
     parser.add_argument("--routing", choices=ROUTINGS, help="override topology.routing")
@@ -68,22 +54,31 @@ def cluster_with_overrides(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from fivefold.sim.collective import simulate_collective
 
+    if args.top_links < 0:
+        raise ConfigError(f"--top-links {args.top_links}: must be >= 0")
+    if args.trace and not Path(args.trace).resolve().parent.is_dir():
+        raise ConfigError(f"--trace {args.trace}: its folder does not exist; create it or write the trace elsewhere")
+    nbytes = parse_bytes(args.bytes)
     cluster = cluster_with_overrides(args)
-    run_ = simulate_collective(cluster, args.collective, args.algorithm, args.ranks, parse_bytes(args.bytes),
-                               args.dtype, args.stride, args.node_size, record_spans=bool(args.trace))
+    run_ = simulate_collective(cluster, args.collective, args.algorithm, args.ranks, nbytes, args.stride,
+                               args.node_size, record_spans=bool(args.trace))
     links = run_.link_utilisation()
     mean = sum(u for _, u in links) / len(links) if links else 0.0
     spec = cluster.topology
     summary = {
-        "collective": args.collective, "algorithm": args.algorithm, "ranks": args.ranks, "stride": args.stride,
-        "bytes": run_.nbytes, "cluster": cluster.name, "topology": spec.kind, "routing": spec.routing,
+        "collective": args.collective, "algorithm": run_.algorithm, "ranks": args.ranks, "stride": args.stride,
+        "bytes": run_.nbytes, "cluster": cluster.name, "topology": spec.kind, "fabric": run_.topology.describe(),
+        "routing": spec.routing, "subflows": spec.subflows, "seed": spec.seed,
         "oversubscription": spec.oversubscription, "seconds": run_.time, "formula_seconds": run_.formula,
         "busbw_gbs": run_.bus_bandwidth() / 1e9, "busiest_links": links[:args.top_links],
         "mean_link_utilisation": mean, "bytes_sent": sum(run_.result.pair_bytes.values()),
         "simulation_wall_seconds": run_.wall_seconds,
     }
     if args.trace:
-        run_.result.write_chrome_trace(args.trace)
+        try:
+            run_.result.write_chrome_trace(args.trace)
+        except OSError as exc:
+            raise ConfigError(f"--trace {args.trace}: cannot write it ({exc.strerror})") from exc
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0

@@ -34,7 +34,7 @@ ALGORITHMS: dict[tuple[str, str], Callable[..., Any]] = {
     ("reduce_scatter", "recursive"): recursive_reduce_scatter,
     ("all_gather", "ring"): ring_all_gather,
     ("all_gather", "recursive"): recursive_all_gather,
-    ("all_to_all", "pairwise"): None,  # two tensors: handled below
+    ("all_to_all", "pairwise"): lambda flat, ranks: pairwise_all_to_all(torch.empty_like(flat), flat, ranks),
     ("broadcast", "binomial"): binomial_broadcast,
 }
 
@@ -80,25 +80,25 @@ def record(algorithm: Callable[..., Any], members: Sequence[int], numel: int, dt
     return programs
 
 
+def resolve_algorithm(collective: str, algorithm: str) -> str:
+    """The recorded algorithm's name: `native` (the backend's) becomes the one we model it by."""
+    if algorithm == "native":
+        algorithm = {"all_to_all": "pairwise", "broadcast": "binomial"}.get(collective, "ring")
+    if (collective, algorithm) not in ALGORITHMS:
+        known = ", ".join(f"{c}/{a}" for c, a in ALGORITHMS)
+        raise ConfigError(f"no simulated collective {collective}/{algorithm}; known: {known}")
+    return algorithm
+
+
 def collective_programs(collective: str, algorithm: str, members: Sequence[int], nbytes: int,
                         dtype: torch.dtype = torch.float32, node_size: int = 0,
                         first_handle: int = 0) -> dict[int, list[Op]]:
     """Each member's operations for one collective of `nbytes` per rank (the whole vector; for
     all-to-all, one rank's input), run with the runtime's own algorithm."""
-    if algorithm == "native":
-        algorithm = "pairwise" if collective == "all_to_all" else "binomial" if collective == "broadcast" else "ring"
-    if (collective, algorithm) not in ALGORITHMS:
-        known = ", ".join(f"{c}/{a}" for c, a in ALGORITHMS)
-        raise ConfigError(f"no simulated collective {collective}/{algorithm}; known: {known}")
-    element = torch.empty((), dtype=dtype).element_size()
-    numel = max(1, nbytes // element)
-    if collective == "all_to_all":
-        p = len(members)
-        numel = max(p, numel - numel % p)
-
-        def run(flat: torch.Tensor, ranks: Ranks) -> None:
-            pairwise_all_to_all(torch.empty_like(flat), flat, ranks)
-        return record(run, members, numel, dtype, first_handle)
+    algorithm = resolve_algorithm(collective, algorithm)
+    numel = max(1, nbytes // torch.empty((), dtype=dtype).element_size())
+    if collective == "all_to_all":  # equal chunks, one per rank
+        numel = max(len(members), numel - numel % len(members))
     kwargs = {"node_size": node_size or len(members)} if algorithm == "hierarchical" else {}
     return record(ALGORITHMS[(collective, algorithm)], members, numel, dtype, first_handle, **kwargs)
 
