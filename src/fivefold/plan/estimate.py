@@ -407,6 +407,32 @@ def _block_forward_flops(model: ModelConfig, layer: int, tokens: int, seq: int, 
     return (2 * matmul + attention) * tokens / (d.tp * d.cp)
 
 
+@dataclass(frozen=True)
+class PassCosts:
+    """Seconds of one micro-batch's forward pass on one rank, before any communication: a block's
+    (matmuls at the achieved rate plus the bytes it writes outside them at the memory bandwidth), by
+    kind (False: dense, True: MoE), the attention core's share of it, and the last stage's head and loss."""
+
+    block: dict[bool, float]
+    core: float
+    head: float
+
+
+def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: ClusterSpec, rate: float) -> PassCosts:
+    """The forward costs every step-time model here shares (the planner's step_time, the simulator's workload)."""
+    t = config.train
+    tokens, seq = t.micro_batch_size * t.seq_len, t.seq_len
+    bandwidth = cluster.accelerator.memory_bandwidth_gbs * 1e9
+    written = _written_per_block(model, config, d) if bandwidth else {}
+    block = {moe: _block_forward_flops(model, layer, tokens, seq, d) / rate
+             + (written[moe] / bandwidth if bandwidth else 0.0)
+             for moe in (False, True) if (layer := first_block(model, moe)) >= 0}
+    head = 2 * padded_vocab(model.vocab_size, d.tp) * model.dim * tokens / (d.tp * d.cp) / rate
+    if bandwidth:
+        head += 2 * 4 * tokens // d.cp * padded_vocab(model.vocab_size, d.tp) // d.tp / bandwidth
+    return PassCosts(block, 4 * model.q_dim * seq * tokens / (d.tp * d.cp) / rate, head)
+
+
 def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], cluster: ClusterSpec,
               efficiency: float, peak: float, runs: PipelineRuns | None = None) -> StepTime:
     from fivefold.parallel.pipeline.simulate import Costs
@@ -419,28 +445,21 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     links = cluster.links()
     # per (virtual) stage: forward compute seconds of one micro-batch, and its exposed tp / cp / ep seconds
     forward, comm_tp, comm_cp, comm_ep, attn_core = [], [], [], [], []
-    if sp:  # an all-gather before and a reduce-scatter after, instead of one all-reduce
+    if sp:  # per region, an all-gather entering and a reduce-scatter leaving, instead of one all-reduce leaving
         def tp_collective(n: float) -> float:
             return (native_collective("all_gather", n, d.tp, cluster.collective_link("all_gather", d.tp)) +
-                    native_collective("reduce_scatter", n, d.tp, cluster.collective_link("reduce_scatter", d.tp))) / 2
+                    native_collective("reduce_scatter", n, d.tp, cluster.collective_link("reduce_scatter", d.tp)))
     else:
         def tp_collective(n: float) -> float:
             return native_collective("all_reduce", n, d.tp, cluster.collective_link("all_reduce", d.tp))
     ep_link = cluster.collective_link("all_to_all", d.ep * d.etp * (1 if sp else d.tp))
     activation_bytes = b * (seq // d.cp) * model.dim * element
-    block_flops = {moe: _block_forward_flops(model, layer, tokens, seq, d) for moe in (False, True)
-                   if (layer := first_block(model, moe)) >= 0}
-    bandwidth = cluster.accelerator.memory_bandwidth_gbs * 1e9
-    written = _written_per_block(model, config, d) if bandwidth else {}
+    costs = pass_costs(config, model, d, cluster, rate)
     for stage, layers in enumerate(split):
+        forward.append(sum(costs.block[model.is_moe_layer(layer) and bool(model.n_experts)] for layer in layers)
+                       + (costs.head if stage == len(split) - 1 else 0.0))
         moe = sum(model.is_moe_layer(layer) for layer in layers) if model.n_experts else 0
-        flops = (len(layers) - moe) * block_flops.get(False, 0) + moe * block_flops.get(True, 0)
-        traffic = (len(layers) - moe) * written.get(False, 0) + moe * written.get(True, 0) if bandwidth else 0
-        if stage == len(split) - 1:
-            flops += 2 * padded_vocab(model.vocab_size, d.tp) * model.dim * tokens / (d.tp * d.cp)
-            traffic += 2 * 4 * tokens // d.cp * padded_vocab(model.vocab_size, d.tp) // d.tp
-        forward.append(flops / rate + (traffic / bandwidth if bandwidth else 0.0))
-        core = 4 * model.q_dim * seq * tokens / (d.tp * d.cp) / rate * len(layers)
+        core = costs.core * len(layers)
         attn_core.append(core)
         per_block_tp = tp_collective(activation_bytes) if d.tp > 1 else 0.0
         comm_tp.append(per_block_tp * len(layers))
@@ -490,7 +509,8 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
         last_backward = stage_bwd[0]
     dp_time = _data_parallel_time(config, model, d, split, cluster, stage_fwd[0], last_backward)
     return StepTime(compute_total, tp_total, cp_total, ep_total, pp_comm, bubble, dp_time,
-                    _offload_time(config, model, d, split, cluster), _optimizer_time(config, model, d, split, bandwidth))
+                    _offload_time(config, model, d, split, cluster), _optimizer_time(config, model, d, split,
+                                                                       cluster.accelerator.memory_bandwidth_gbs * 1e9))
 
 
 def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, core: float, element: int,

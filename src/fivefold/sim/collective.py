@@ -22,7 +22,6 @@ from fivefold.sim.topology import Topology, build_topology
 from fivefold.sim.trace import as_streams, collective_programs, resolve_algorithm
 
 
-
 @dataclass
 class CollectiveRun:
     collective: str
@@ -44,13 +43,18 @@ class CollectiveRun:
         return self.nbytes / self.time * bus_factor(self.collective, p) if self.time else float("inf")
 
     def link_utilisation(self) -> list[tuple[str, float]]:
-        """(link name, fraction of the step it was busy at full rate), busiest first."""
-        names = self.topology.vertex_names
-        out = []
-        for link, carried in zip(self.topology.links, self.result.link_bytes):
-            if carried > 0 and self.time > 0:
-                out.append((f"{names[link.source]}->{names[link.target]}", carried / (link.bandwidth * self.time)))
-        return sorted(out, key=lambda item: -item[1])
+        """(link name, fraction of the run it was busy at full rate), busiest first."""
+        return link_utilisation(self.topology, self.result.link_bytes, self.time)
+
+
+def link_utilisation(topology: Topology, link_bytes: list[float], seconds: float) -> list[tuple[str, float]]:
+    """(link name, bytes carried over what it could carry in `seconds`), busiest first; idle links left out."""
+    names = topology.vertex_names
+    out = []
+    for link, carried in zip(topology.links, link_bytes):
+        if carried > 0 and seconds > 0:
+            out.append((f"{names[link.source]}->{names[link.target]}", carried / (link.bandwidth * seconds)))
+    return sorted(out, key=lambda item: -item[1])
 
 
 def simulate_collective(cluster: ClusterSpec, collective: str, algorithm: str, ranks: int, nbytes: int,

@@ -8,6 +8,9 @@ a list of operations executed in order:
     Recv(peer, nbytes, handle)  post a receive from `peer` (returns at once)
     Wait(handles)               block until those sends are delivered / receives have their data
     Notify(event) / Await(event)  order streams of one rank (CUDA events)
+    Collective(key, size, seconds)  the analytical fast path: a collective priced by its formula;
+                                the stream waits until all `size` members have reached the op with
+                                this key, then all are busy `seconds` together, off the network
 
 Messages rendezvous: the k-th receive a rank posts from a peer takes the k-th message that peer
 sent it (FIFO, as in MPI, gloo and NCCL), and the transfer starts once both are posted (as NCCL's
@@ -62,9 +65,18 @@ class Notify:
 @dataclass(frozen=True)
 class Await:
     event: str
+    label: str = ""
 
 
-Op = Compute | Send | Recv | Wait | Notify | Await
+@dataclass(frozen=True)
+class Collective:
+    key: tuple
+    size: int
+    seconds: float
+    label: str = "comm"
+
+
+Op = Compute | Send | Recv | Wait | Notify | Await | Collective
 StreamKey = tuple[int, str]  # (global rank, stream name)
 
 
@@ -129,6 +141,8 @@ def simulate(programs: dict[StreamKey, list[Op]], network: FlowNetwork, record_s
     finish: dict[StreamKey, float] = {}
     ready: deque[StreamKey] = deque(streams)
     timers: list[tuple[float, StreamKey]] = []
+    arrived: dict[tuple, list[tuple[StreamKey, float]]] = defaultdict(list)  # collective key -> (member, when)
+    collecting: set[StreamKey] = set()  # streams waiting at a Collective for the other members
 
     def complete(owner: tuple[StreamKey, int]) -> None:
         done_handles.add(owner)
@@ -169,12 +183,31 @@ def simulate(programs: dict[StreamKey, list[Op]], network: FlowNetwork, record_s
                         stream.blocked_since = now
                     return
                 if stream.blocked_since is not None and record_spans and now > stream.blocked_since:
-                    label = op.label if isinstance(op, Wait) else f"await {op.event}"
+                    label = op.label if isinstance(op, Wait) else (op.label or f"await {op.event}")
                     spans.append(Span(rank, name, label, stream.blocked_since, now))
                 stream.blocked_since = None
             elif isinstance(op, Notify):
                 events.add((rank, op.event))
                 ready.extend(of_rank[rank])
+            elif isinstance(op, Collective):
+                if stream.key in collecting:
+                    return
+                members = arrived[op.key]
+                members.append((stream.key, now))
+                if len(members) < op.size:
+                    collecting.add(stream.key)
+                    return  # released (pc moved on) by the last member to arrive
+                del arrived[op.key]
+                end = now + op.seconds
+                for member, since in members:
+                    collecting.discard(member)
+                    other = streams[member]
+                    other.pc += 1
+                    other.busy_until = end
+                    heapq.heappush(timers, (end, member))
+                    if record_spans and end > since:
+                        spans.append(Span(member[0], member[1], op.label, since, end))
+                continue
             stream.pc += 1
         if stream.pc == len(stream.ops) and stream.key not in finish:
             finish[stream.key] = max(now, stream.busy_until)

@@ -245,6 +245,8 @@ def build_topology(cluster, accelerators: int) -> Topology:
             raise ConfigError(f"topology.torus = [{x}, {y}] holds {x * y} accelerators, not {accelerators}: "
                               f"set torus to two factors of {accelerators}")
         return torus_2d(x, y, *intra)
+    if accelerators <= per_node:  # part of one node: its switch is all a fat tree or rails would add
+        return nvswitch(accelerators, *intra)
     nodes = -(-accelerators // per_node)
     if nodes * per_node != accelerators:
         raise ConfigError(f"{accelerators} ranks do not fill whole nodes of {per_node} accelerators: use a multiple "

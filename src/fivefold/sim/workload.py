@@ -1,0 +1,682 @@
+"""One training step as every rank's program, built from the runtime's own objects.
+
+Given a training config (the TOML `train` runs), a number of accelerators and a cluster file, this
+module writes, for every global rank, the operations of one optimizer step on two streams, as
+the runtime runs them:
+
+    compute   the pipeline schedule's instruction stream (parallel/pipeline/schedules.py; one
+              forward and one backward per micro-batch without a pipeline), posted the way the
+              executor posts it: consecutive sends and receives go out together at the next
+              compute pass, which waits for its receives; sends are waited for at reduce_grads.
+              Each pass runs the stage's blocks in order (backward in reverse). A block's forward
+              is its attention half and its MLP half, each closed by tensor parallelism's
+              all-reduce (with sequence parallelism: opened by an all-gather, closed by a
+              reduce-scatter); ring attention (context parallelism) passes K/V blocks around the
+              cp ranks between steps of the attention core, Ulysses all-to-alls q/k/v and the
+              output. Backward is twice the forward with the same collectives, full recomputation
+              re-runs the forward first, selective recomputation the attention core.
+    dp        the data-parallel communication thread: DDP's buckets (parallel/data_parallel.py
+              `make_buckets`, over this rank's parameters in registration order) all-reduced as
+              backward completes each one, in order; ZeRO's flat groups (parallel/flat_groups.py,
+              one per block and weight-decay class) reduced as their block's backward ends
+              (stage 1 all-reduces in the last micro-batch, stages 2-3 reduce-scatter in every
+              one), ZeRO-3's per-block all-gathers before forward and backward with the runtime's
+              one-block prefetch. The optimizer step waits for all of it; ZeRO-1/2 then gather
+              the updated weights, hybrid sharding all-reduces the shards over the replicas.
+
+Ranks are laid out as the mesh lays them out (parallel/mesh.py: pp, dp_replicate, dp_shard, cp,
+tp, tp innermost). Compute seconds come from the planner (plan/estimate.py `pass_costs`: FLOPs at
+the accelerator's peak times an achieved efficiency, plus memory traffic). Every collective
+becomes the point-to-point messages of the runtime's algorithm (trace.py), or, on the analytical
+fast path, one `Collective` op priced by comm/cost.py:
+
+    flow        every collective as messages on the flow-level network
+    hybrid      collectives inside one node (tensor parallelism, as a rule) analytical, the rest
+                as messages: a node's switch is non-blocking, so contention lives between nodes
+    analytical  every collective by formula, messages on a contention-free network, and only one
+                rank per pipeline stage simulated (without contention the ranks of a stage are
+                identical): the path for tens of thousands of accelerators
+
+Not modelled (stated in docs/simulator.md): expert parallelism's all-to-alls, gradient
+compression and priority scheduling, parameter servers, ZeRO-Offload's host transfers, the
+gradient-norm all-reduce, tied embeddings across pipeline stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from fivefold.comm.cost import best_all_reduce, native_collective, predict
+from fivefold.config.schema import JobConfig
+from fivefold.errors import ConfigError
+from fivefold.model.config import ModelConfig
+from fivefold.plan.cluster import ClusterSpec
+from fivefold.plan.estimate import Degrees, PassCosts, compute_dtype, degrees_of, model_for, pass_costs
+from fivefold.plan.parameters import padded_vocab
+from fivefold.sim.engine import Await, Collective, Compute, Notify, Op, Recv, Send, StreamKey, Wait
+from fivefold.sim.trace import collective_programs, resolve_algorithm
+
+FIDELITIES = ("flow", "hybrid", "analytical")
+COMPUTE, DP = "compute", "dp"
+_TP_SPLIT = (".attention.", ".feed_forward.w")  # column/row-parallel weights (MoE and shared experts stay whole)
+_WHOLE = (".wq_a.", ".wkv_a.")  # multi-latent attention's down-projections are replicated
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Global ranks over (pp, dp_replicate, dp_shard, cp, tp), row-major, tp innermost (parallel/mesh.py)."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+    @property
+    def size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        out = {}
+        for dim in reversed(self.DIMS):
+            rank, out[dim] = divmod(rank, getattr(self, dim))
+        return out
+
+    def rank(self, **coords: int) -> int:
+        rank = 0
+        for dim in self.DIMS:
+            rank = rank * getattr(self, dim) + coords.get(dim, 0)
+        return rank
+
+    def group(self, rank: int, dims: tuple[str, ...]) -> tuple[int, ...]:
+        """The ranks that differ from `rank` only in `dims` (a process group of the mesh), in rank order."""
+        base = self.coords(rank)
+        members = [base]
+        for dim in dims:
+            members = [m | {dim: i} for m in members for i in range(getattr(self, dim))]
+        return tuple(sorted(self.rank(**m) for m in members))
+
+
+@dataclass
+class Unit:
+    """A piece of a stage the runtime treats as one: a block, or the root (embedding; final norm and head)."""
+
+    name: str
+    index: int  # ZeRO unit index: the block's layer, or -1 for the root
+    params: list[tuple[str, int, bool]]  # (name, elements on this rank, is a matrix), in registration order
+    moe: bool = False
+
+
+@dataclass
+class Workload:
+    programs: dict[StreamKey, list[Op]]
+    grid: Grid
+    degrees: Degrees
+    split: list[list[int]]
+    simulated: tuple[int, ...]  # the ranks with programs (all, or one per pipeline stage on the analytical path)
+    fidelity: str
+    log: dict[int, list[tuple[str, tuple[int, ...], int]]] = field(default_factory=dict)  # rank -> its calls
+    notes: list[str] = field(default_factory=list)
+    recorded: int = 0  # collectives expanded into messages
+    analytical: int = 0  # collectives priced by formula
+
+
+def stage_units(model: ModelConfig, split: list[list[int]], d: Degrees) -> list[list[Unit]]:
+    """Every (virtual) stage's units in forward order, with each parameter's elements on one rank: the
+    meta-device model's tensors, cut as tensor parallelism cuts them (attention and dense MLP weights
+    and the vocabulary rows by tp) and routed experts as expert parallelism places them (n / ep per
+    rank, each cut by etp)."""
+    from fivefold.model import build_model
+
+    net = build_model(model)  # meta device: shapes only
+    vocab = padded_vocab(model.vocab_size, d.tp)
+    experts_here = model.n_experts // d.ep if model.n_experts else 0
+    by_unit: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)
+    for name, p in net.named_parameters():
+        if not p.requires_grad:
+            continue
+        numel = p.numel()
+        if name.startswith(("tok_embeddings.", "output.")):
+            numel = vocab // d.tp * p.shape[-1]
+        elif ".experts." in name:
+            if int(name.split(".experts.")[1].split(".")[0]) >= experts_here:
+                continue
+            numel //= d.etp
+        elif p.ndim >= 2 and any(part in name for part in _TP_SPLIT) and not any(x in name for x in _WHOLE):
+            numel //= d.tp
+        unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else name.split(".")[0]
+        by_unit[unit].append((name, numel, p.ndim >= 2))
+    stages = []
+    for s, layers in enumerate(split):
+        units = []
+        if s == 0:
+            units.append(Unit("embedding", -1, by_unit["tok_embeddings"]))
+        units += [Unit(f"layers.{i}", i, by_unit[f"layers.{i}"], model.is_moe_layer(i) and bool(model.n_experts))
+                  for i in layers]
+        if s == len(split) - 1:
+            units.append(Unit("head", -1, by_unit["norm"] + by_unit["output"]))
+        stages.append(units)
+    return stages
+
+
+class _Builder:
+    def __init__(self, config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float, fidelity: str,
+                 vocab_size: int):
+        from fivefold.parallel.pipeline.stages import plan_stages
+
+        if fidelity not in FIDELITIES:
+            raise ConfigError(f"--fidelity {fidelity!r}: use one of {', '.join(FIDELITIES)}")
+        if not 0 < efficiency <= 1:
+            raise ConfigError(f"efficiency = {efficiency}: the achieved share of peak FLOP/s must lie in (0, 1]")
+        cluster.check_size(gpus)
+        self.config, self.cluster, self.fidelity = config, cluster, fidelity
+        self.d = d = degrees_of(config, gpus)
+        _refuse_unmodelled(config, d)
+        self.model = model_for(config, vocab_size)
+        t, pipe = config.train, config.pipeline_parallel
+        self.split = plan_stages(self.model, t.seq_len, d.pp * pipe.virtual, pipe.layers_per_stage, pipe.balance) \
+            if d.pp > 1 else [list(range(self.model.n_layers))]
+        self.grid = Grid(d.pp, d.dp // d.dp_shard, d.dp_shard, d.cp, d.tp)
+        rate = cluster.accelerator.peak_flops(compute_dtype(config)) * efficiency
+        self.costs: PassCosts = pass_costs(config, self.model, d, cluster, rate)
+        self.units = stage_units(self.model, self.split, d)
+        self.element = 2 if compute_dtype(config) == "bf16" else 4
+        self.sp = config.tensor_parallel.sequence_parallel and d.tp > 1
+        self.activation = t.micro_batch_size * (t.seq_len // d.cp) * self.model.dim * self.element
+        self.per_node = cluster.accelerators_per_node
+        z = config.data_parallel
+        self.reduce_element = 2 if config.gradient_comm.reduce_dtype == "bf16" else \
+            (2 if z.zero_stage and z.param_dtype == "bf16" else 4)
+        self.weight_element = 2 if z.zero_stage and z.param_dtype == "bf16" else 4
+        if fidelity == "analytical":
+            self.simulated = tuple(self.grid.rank(pp=p) for p in range(d.pp))
+        else:
+            self.simulated = tuple(range(self.grid.size))
+        self._simulated = set(self.simulated)
+        self.programs: dict[StreamKey, list[Op]] = defaultdict(list)
+        self._handles: dict[StreamKey, int] = defaultdict(int)
+        self._sequence: dict[tuple, int] = defaultdict(int)
+        self._recordings: dict[tuple, dict[int, list[Op]]] = {}
+        self._events: dict[int, int] = defaultdict(int)
+        self.recorded = self.analytical = 0
+        self.log: dict[int, list[tuple[str, tuple[int, ...], int]]] = defaultdict(list)  # as sim/observe.py records
+
+    # ------------------------------------------------------------------ primitives
+    def _handle(self, key: StreamKey) -> int:
+        self._handles[key] += 1
+        return self._handles[key] - 1
+
+    def _event(self, rank: int, prefix: str) -> str:
+        self._events[rank] += 1
+        return f"{prefix}{self._events[rank]}"
+
+    def _inside_node(self, members: tuple[int, ...]) -> bool:
+        return members[0] // self.per_node == members[-1] // self.per_node
+
+    def collective(self, rank: int, stream: str, kind: str, members: tuple[int, ...], nbytes: int, label: str,
+                   algorithm: str = "native") -> None:
+        """Append `rank`'s part of one collective over `members` (nbytes: a rank's whole vector)."""
+        p = len(members)
+        if p == 1 or nbytes <= 0:
+            return
+        key = (rank, stream)
+        ops = self.programs[key]
+        sequence_key = (stream, members, rank)
+        self._sequence[sequence_key] += 1
+        hand_written = algorithm != "native"
+        if hand_written:  # our algorithm: the runtime posts its messages (logged as such)
+            self.log[rank] += [("send", (rank, members[op.peer]), op.nbytes)
+                               for op in self._recording(kind, algorithm, p, nbytes)[members.index(rank)]
+                               if isinstance(op, Send)]
+        else:
+            self.log[rank].append((kind, members, nbytes))
+        if self.fidelity == "analytical" or (self.fidelity == "hybrid" and self._inside_node(members)):
+            span = members[-1] - members[0] + 1
+            if algorithm in ("native", "ring") or kind != "all_reduce":
+                seconds = native_collective(kind, nbytes, p, self.cluster.collective_link(kind, span))
+            else:
+                links = dataclasses.replace(self.cluster.links(), node_size=self._node_size(p))
+                seconds = predict(algorithm, nbytes, p, links)
+            size = sum(m in self._simulated for m in members)
+            ops.append(Collective((stream, members, self._sequence[sequence_key]), size, seconds, label))
+            self.analytical += rank == members[0]
+            return
+        offset = self._handles[key]
+        top = offset
+        for op in self._recording(kind, algorithm, p, nbytes)[members.index(rank)]:
+            if isinstance(op, Send):
+                ops.append(Send(members[op.peer], op.nbytes, op.handle + offset))
+                top = max(top, op.handle + offset + 1)
+            elif isinstance(op, Recv):
+                ops.append(Recv(members[op.peer], op.nbytes, op.handle + offset))
+                top = max(top, op.handle + offset + 1)
+            elif isinstance(op, Wait):
+                ops.append(Wait(tuple(h + offset for h in op.handles), label))
+        self._handles[key] = top
+        self.recorded += rank == members[0]
+
+    def _recording(self, kind: str, algorithm: str, p: int, nbytes: int) -> dict[int, list[Op]]:
+        """The runtime algorithm's programs over positions 0..p-1 (recorded once per shape and size)."""
+        algorithm = resolve_algorithm(kind, algorithm)
+        cache = (kind, algorithm, p, nbytes, self._node_size(p))
+        if cache not in self._recordings:
+            self._recordings[cache] = collective_programs(kind, algorithm, tuple(range(p)), nbytes,
+                                                          node_size=cache[-1])
+        return self._recordings[cache]
+
+    def _node_size(self, p: int) -> int:
+        g = self.config.gradient_comm
+        return g.node_size or min(p, self.per_node)
+
+    def exchange(self, rank: int, peers: tuple[int, int], nbytes: int, label: str) -> list[int | str]:
+        """Post a send to the next and a receive from the previous ring neighbour (one batch_isend_irecv);
+        returns what to wait on. With the neighbours off the simulated ranks (the analytical path) the
+        transfer is its alpha-beta time on a stream of its own, so it still overlaps the compute."""
+        key = (rank, COMPUTE)
+        self.log[rank].append(("send", (rank, peers[0]), nbytes))
+        if peers[0] in self._simulated and peers[1] in self._simulated:
+            send, recv = Send(peers[0], nbytes, self._handle(key)), Recv(peers[1], nbytes, self._handle(key))
+            self.programs[key] += [send, recv]
+            return [send.handle, recv.handle]
+        start, done = self._event(rank, "post"), self._event(rank, "arrived")
+        link = self.cluster.link_for(abs(peers[0] - rank) + 1)
+        self.programs[key].append(Notify(start))
+        self.programs[(rank, "p2p")] += [Await(start, "idle"), Compute(link.message(nbytes), label), Notify(done)]
+        return [done]
+
+    def wait(self, rank: int, handles: list[int | str], label: str) -> None:
+        """Wait for message handles (ints) and for the transfers of the analytical path (event names)."""
+        ints = tuple(h for h in handles if isinstance(h, int))
+        if ints:
+            self.programs[(rank, COMPUTE)].append(Wait(ints, label))
+        self.programs[(rank, COMPUTE)] += [Await(h, label) for h in handles if isinstance(h, str)]
+
+    def compute(self, rank: int, seconds: float, label: str) -> None:
+        if seconds > 0:
+            self.programs[(rank, COMPUTE)].append(Compute(seconds, label))
+
+    # ------------------------------------------------------------------ one block
+    def block_pass(self, rank: int, unit: Unit, backward: bool, recompute: bool = False) -> None:
+        """A block's forward (or its backward, or the forward recomputed before it): attention half, MLP half."""
+        forward = self.costs.block[unit.moe]
+        core = self.costs.core
+        scale = 2.0 if backward else 1.0
+        label = "recompute" if recompute else ("backward" if backward else "forward")
+        halves = ("mlp", "attention") if backward else ("attention", "mlp")
+        for half in halves:
+            if half == "attention":
+                self.attention(rank, (forward / 2 - core) * scale, core * scale, label, backward)
+            else:
+                self.compute(rank, forward / 2 * scale, label)
+            self.tensor_parallel(rank)
+            if backward:
+                self.norm_gradient(rank)
+
+    def norm_gradient(self, rank: int) -> None:
+        """With sequence parallelism each norm sees its part of the sequence: its weight gradient is summed."""
+        if self.sp:
+            group = self.grid.group(rank, ("tp",))
+            self.collective(rank, COMPUTE, "all_reduce", group, self.model.dim * self.weight_element, "tp")
+
+    def tensor_parallel(self, rank: int) -> None:
+        """One tensor-parallel region's collectives (forward: its exit; backward: its entry, the conjugate)."""
+        if self.d.tp == 1:
+            return
+        group = self.grid.group(rank, ("tp",))
+        if self.sp:
+            self.collective(rank, COMPUTE, "all_gather", group, self.activation, "tp")
+            self.collective(rank, COMPUTE, "reduce_scatter", group, self.activation, "tp")
+        else:
+            self.collective(rank, COMPUTE, "all_reduce", group, self.activation, "tp")
+
+    def attention(self, rank: int, other: float, core: float, label: str, backward: bool) -> None:
+        """The attention half: its projections, then the core as the context-parallel method runs it
+        (parallel/context_parallel.py): Ulysses all-to-alls q, k and v to heads and the output back (backward:
+        the inverse ones), ring attention passes K/V blocks around its ring, overlapped with the core's steps."""
+        self.compute(rank, other, label)
+        if self.d.cp == 1:
+            self.compute(rank, core, label)
+            return
+        from fivefold.parallel.context_parallel import _kv_repeats
+
+        cp, t, m, tp = self.config.context_parallel, self.config.train, self.model, self.d.tp
+        local = t.micro_batch_size * (t.seq_len // self.d.cp)  # tokens this rank holds
+        heads = {"ring": 1, "ulysses": self.d.cp, "2d": cp.heads}[cp.method]
+        q_heads, kv_heads = m.n_heads // tp, max(m.kv_heads // tp, 1)
+        repeats = _kv_repeats(q_heads, kv_heads, heads) if heads > 1 else 1
+        q_bytes = local * q_heads * m.head_size * self.element
+        kv_bytes = local * kv_heads * repeats * m.head_size * self.element  # one of k, v
+        position = self.grid.coords(rank)["cp"]
+        members = self.grid.group(rank, ("cp",))
+        head_group = tuple(r for r in members if self.grid.coords(r)["cp"] // heads == position // heads)
+        ring = [r for r in members if self.grid.coords(r)["cp"] % heads == position % heads]
+        to_heads = (q_bytes, kv_bytes, kv_bytes) if not backward else (q_bytes,)
+        if heads > 1:  # forward: q, k, v to heads; backward: the output's gradient to heads
+            for nbytes in to_heads:
+                self.collective(rank, COMPUTE, "all_to_all", head_group, nbytes, "cp")
+        r = len(ring)
+        if r > 1:
+            here = ring.index(rank)
+            peers = (ring[(here + 1) % r], ring[(here - 1) % r])
+            pending: list[int] = []
+            for step in range(r):
+                moving = self.exchange(rank, peers, 2 * kv_bytes, "cp") if step < r - 1 else []
+                self.compute(rank, core / r, label)
+                if backward:  # this block's K/V gradient travels on with it, and finally home
+                    self.wait(rank, pending, "cp")
+                    pending = self.exchange(rank, peers, 2 * kv_bytes, "cp")
+                self.wait(rank, moving, "cp")
+            self.wait(rank, pending, "cp")
+        else:
+            self.compute(rank, core, label)
+        if heads > 1:  # forward: the output back to the sequence; backward: q, k, v's gradients
+            for nbytes in ((q_bytes,) if not backward else (q_bytes, kv_bytes, kv_bytes)):
+                self.collective(rank, COMPUTE, "all_to_all", head_group, nbytes, "cp")
+
+    # ------------------------------------------------------------------ data parallelism
+    def data_parallel_setup(self, rank: int) -> None:
+        from fivefold.parallel.data_parallel import make_buckets
+
+        z, g = self.config.data_parallel, self.config.gradient_comm
+        stages = list(range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp))
+        self.dp_group = self.grid.group(rank, ("dp_replicate", "dp_shard", "cp"))
+        self.shard_group = self.grid.group(rank, ("dp_shard", "cp"))
+        self.replicate_group = self.grid.group(rank, ("dp_replicate",))
+        self.flat_groups: dict[tuple[int, str], list[int]] = {}  # (stage, unit) -> flat group elements (padded)
+        self.bucket_of: dict[tuple[int, str], list[int]] = defaultdict(list)  # (stage, unit) -> buckets it completes
+        self.buckets: list[int] = []
+        if len(self.dp_group) == 1:
+            return
+        if z.zero_stage:
+            shards = len(self.shard_group)
+            for s in stages:
+                for unit in self.units[s]:
+                    sizes = []
+                    for decay in (True, False):  # parallel/flat_groups.py: decay (matrices) first
+                        n = sum(e for _, e, matrix in unit.params if matrix == decay)
+                        if n:
+                            sizes.append(-(-n // shards) * shards)
+                    self.flat_groups[(s, unit.name)] = sizes
+            return
+        # DDP: the runtime's buckets over this rank's parameters, registration order (stage by stage)
+        order = [(s, unit.name, name, e) for s in stages for unit in self.units[s] for name, e, _ in unit.params]
+        dtype = torch.bfloat16 if g.reduce_dtype == "bf16" else torch.float32
+        tensors = [torch.empty(e, device="meta") for *_, e in order]
+        owner = {id(t): (s, unit) for t, (s, unit, _, _) in zip(tensors, order)}
+        forward_position = {key: i for i, key in enumerate(dict.fromkeys((s, u) for s, u, _, _ in order))}
+        for bucket in make_buckets(tensors, g.bucket_mb, dtype):
+            self.buckets.append(bucket.buffer.numel() * bucket.buffer.element_size())
+            # ready when backward has passed its earliest unit (backward runs units in reverse)
+            first = min((owner[id(t)] for t in bucket.params), key=forward_position.get)
+            self.bucket_of[first].append(len(self.buckets) - 1)
+
+    def dp_algorithm(self, nbytes: int) -> str:
+        algorithm = self.config.gradient_comm.allreduce_algorithm
+        if algorithm == "auto":
+            return best_all_reduce(nbytes, len(self.dp_group), self.cluster.links())
+        return algorithm
+
+    def launch(self, rank: int, kind: str, nbytes: int, members: tuple[int, ...], algorithm: str = "native") -> str:
+        """Hand one collective to the communication thread; returns the event set when it is done."""
+        start, done = self._event(rank, "launch"), self._event(rank, "done")
+        self.programs[(rank, COMPUTE)].append(Notify(start))
+        self.programs[(rank, DP)].append(Await(start, "idle"))
+        self.collective(rank, DP, kind, members, nbytes, "dp", algorithm)
+        self.programs[(rank, DP)].append(Notify(done))
+        return done
+
+    def gradients_ready(self, rank: int, stage: int, unit: Unit, sync: bool) -> None:
+        """The hooks of a unit whose backward just ended: DDP buckets it completes, ZeRO groups it fills."""
+        if len(self.dp_group) == 1:
+            return
+        z = self.config.data_parallel
+        if z.zero_stage == 0:
+            if sync:
+                for b in self.bucket_of.get((stage, unit.name), []):
+                    self.pending.append(self.launch(rank, "all_reduce", self.buckets[b], self.dp_group,
+                                                    self.dp_algorithm(self.buckets[b])))
+                    self.launched.add(b)
+            return
+        if z.zero_stage == 1 and not sync:
+            return
+        for n in self.flat_groups[(stage, unit.name)]:
+            kind = "all_reduce" if z.zero_stage == 1 else "reduce_scatter"
+            self.pending.append(self.launch(rank, kind, n * self.reduce_element, self.shard_group))
+        self.reduced.add((stage, unit.name))
+
+    def gather(self, rank: int, stage: int, unit: Unit) -> str:
+        """ZeRO-3: launch the all-gather of a unit's weights (once until it is waited for)."""
+        key = (stage, unit.name)
+        if key not in self.gathering:
+            self.gathering[key] = ""
+            for n in self.flat_groups.get(key, []):
+                self.gathering[key] = self.launch(rank, "all_gather", n * self.weight_element, self.shard_group)
+        return self.gathering[key]
+
+    def zero3_before(self, rank: int, stage: int, blocks: list[Unit], position: int) -> None:
+        """ZeRO-3's pre-hook of blocks[position]: gather it and wait, prefetch the next block (forward order
+        in forward, reverse in backward: `blocks` is in the pass's order)."""
+        if not self.zero3:
+            return
+        done = self.gather(rank, stage, blocks[position])
+        if position + 1 < len(blocks):
+            self.gather(rank, stage, blocks[position + 1])
+        if done:
+            self.programs[(rank, COMPUTE)].append(Await(done, "dp"))
+        self.gathering.pop((stage, blocks[position].name), None)  # freed after this pass (runtime: _free)
+
+    def zero3_root(self, rank: int, stage: int) -> None:
+        """ZeRO-3's model pre-hook: the root unit (embedding, final norm, head) is gathered once per step."""
+        if not self.zero3 or stage in self.root_gathered:
+            return
+        self.root_gathered.add(stage)
+        events = [self.gather(rank, stage, unit) for unit in self.units[stage] if unit.index < 0]
+        if any(events):
+            self.programs[(rank, COMPUTE)].append(Await([e for e in events if e][-1], "dp"))
+
+    @property
+    def zero3(self) -> bool:
+        return self.config.data_parallel.zero_stage == 3 and len(self.shard_group) > 1
+
+    # ------------------------------------------------------------------ passes
+    def forward(self, rank: int, stage: int) -> None:
+        self.zero3_root(rank, stage)
+        blocks = [unit for unit in self.units[stage] if unit.index >= 0]
+        for unit in self.units[stage]:
+            if unit.index >= 0:
+                self.zero3_before(rank, stage, blocks, blocks.index(unit))
+                self.block_pass(rank, unit, backward=False)
+            elif unit.name == "head":
+                self.vocab_parallel(rank, "head", backward=False)
+                self.compute(rank, self.costs.head, "forward")
+                self.vocab_parallel(rank, "loss", backward=False)
+            else:
+                self.vocab_parallel(rank, "embedding", backward=False)
+
+    def vocab_parallel(self, rank: int, part: str, backward: bool) -> None:
+        """Tensor parallelism outside the blocks: the vocab-parallel embedding sums its lookups (forward), the
+        final norm opens the head's region, the vocab-parallel cross-entropy all-reduces each token's max
+        logit, sum of exponentials and target logit (tensor_parallel.py)."""
+        if self.d.tp == 1:
+            return
+        group = self.grid.group(rank, ("tp",))
+        if part == "loss":
+            t = self.config.train
+            for _ in range(3):
+                self.collective(rank, COMPUTE, "all_reduce", group, t.micro_batch_size * (t.seq_len // self.d.cp) * 4, "tp")
+            return
+        exit_region = (part == "embedding") != backward  # the embedding leaves a region, the head's norm enters one
+        if self.sp:
+            self.collective(rank, COMPUTE, "reduce_scatter" if exit_region else "all_gather", group, self.activation, "tp")
+        elif exit_region:
+            self.collective(rank, COMPUTE, "all_reduce", group, self.activation, "tp")
+
+    def backward(self, rank: int, stage: int, sync: bool, part: str = "B") -> None:
+        """A stage's backward (part B), or its input-gradient (I) or weight-gradient (W) half (zero bubble)."""
+        units = list(reversed(self.units[stage]))
+        blocks = [unit for unit in units if unit.index >= 0]
+        recompute = self.config.train.recompute
+        share = {"B": 1.0, "I": 0.5, "W": 0.5}[part]
+        for unit in units:
+            if unit.index >= 0:
+                if part == "W":
+                    self.compute(rank, 2 * self.costs.block[unit.moe] * share, "backward")
+                else:
+                    self.zero3_before(rank, stage, blocks, blocks.index(unit))
+                    if recompute == "full":
+                        self.block_pass(rank, unit, backward=False, recompute=True)
+                    elif recompute == "selective":  # the attention core again, context parallelism's messages too
+                        self.attention(rank, 0.0, self.costs.core, "recompute", backward=False)
+                    if part == "B":
+                        self.block_pass(rank, unit, backward=True)
+                    else:  # the input gradient: half the compute, all of the block's collectives
+                        self.half_block_backward(rank, unit)
+            elif unit.name == "head":
+                self.compute(rank, 2 * self.costs.head * share, "backward")
+                if part != "W":
+                    self.vocab_parallel(rank, "head", backward=True)
+                    self.norm_gradient(rank)
+            elif part != "W":
+                self.vocab_parallel(rank, "embedding", backward=True)
+            if part != "I":
+                self.gradients_ready(rank, stage, unit, sync)
+
+    def half_block_backward(self, rank: int, unit: Unit) -> None:
+        forward, core = self.costs.block[unit.moe], self.costs.core
+        self.compute(rank, forward / 2, "backward")
+        self.tensor_parallel(rank)
+        self.norm_gradient(rank)
+        self.attention(rank, forward / 2 - core, core, "backward", True)
+        self.tensor_parallel(rank)
+        self.norm_gradient(rank)
+
+    def finish(self, rank: int) -> None:
+        """reduce_grads: launch what is left, wait for the communication thread; hybrid shards over replicas."""
+        z = self.config.data_parallel
+        if len(self.dp_group) > 1:
+            stages = range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp)
+            if z.zero_stage == 0:
+                for b, nbytes in enumerate(self.buckets):
+                    if b not in self.launched:
+                        self.pending.append(self.launch(rank, "all_reduce", nbytes, self.dp_group,
+                                                        self.dp_algorithm(nbytes)))
+            elif z.zero_stage == 1:
+                for s in stages:
+                    for unit in self.units[s]:
+                        if (s, unit.name) not in self.reduced:
+                            for n in self.flat_groups[(s, unit.name)]:
+                                self.pending.append(self.launch(rank, "all_reduce", n * self.reduce_element,
+                                                                self.shard_group))
+            if self.pending:
+                self.programs[(rank, COMPUTE)].append(Await(self.pending[-1], "dp"))
+            if z.zero_stage and len(self.replicate_group) > 1:
+                for s in stages:
+                    for unit in self.units[s]:
+                        for n in self.flat_groups[(s, unit.name)]:
+                            self.collective(rank, COMPUTE, "all_reduce", self.replicate_group,
+                                            n // len(self.shard_group) * self.reduce_element, "dp")
+
+    def optimizer(self, rank: int) -> None:
+        """AdamW over this rank's (ZeRO: sharded) parameters, memory-bound; ZeRO-1/2 gather the new weights."""
+        z = self.config.data_parallel
+        stages = list(range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp))
+        params = sum(e for s in stages for unit in self.units[s] for _, e, _ in unit.params)
+        shards = len(self.shard_group) if z.zero_stage else 1
+        bandwidth = self.cluster.accelerator.memory_bandwidth_gbs * 1e9
+        if bandwidth and not z.offload:
+            self.compute(rank, 28 * params / shards / bandwidth, "optimizer")
+        if z.zero_stage in (1, 2) and shards > 1:
+            for s in stages:
+                for unit in self.units[s]:
+                    for n in self.flat_groups[(s, unit.name)]:
+                        self.collective(rank, COMPUTE, "all_gather", self.shard_group, n * self.weight_element, "dp")
+
+    # ------------------------------------------------------------------ a rank's step
+    def rank_program(self, rank: int) -> None:
+        from fivefold.parallel.pipeline.schedules import Instruction, Op as P, PipelineShape, schedule
+
+        d, t, pipe = self.d, self.config.train, self.config.pipeline_parallel
+        m = t.grad_accum_steps
+        coords = self.grid.coords(rank)
+        if d.pp > 1:
+            stream = schedule(pipe.schedule, PipelineShape(d.pp, m, pipe.virtual), coords["pp"])
+        else:
+            stream = [Instruction(op, mb, 0) for mb in range(m) for op in (P.FORWARD, P.BACKWARD)]
+            stream += [Instruction(P.REDUCE_GRADS), Instruction(P.OPTIMIZER_STEP)]
+        self.data_parallel_setup(rank)
+        self.pending: list[str] = []
+        self.launched: set[int] = set()
+        self.reduced: set[tuple[int, str]] = set()
+        self.gathering: dict[tuple[int, str], str] = {}
+        self.root_gathered: set[int] = set()
+        wire = self.activation // (d.tp if self.sp else 1)
+        key = (rank, COMPUTE)
+        posts: list[Op] = []
+        receives: list[int] = []
+        sends: list[int] = []
+        last_mb = {}
+        for ins in stream:
+            if ins.op in (P.BACKWARD, P.BACKWARD_WEIGHT):
+                last_mb[ins.stage] = ins.microbatch
+        for ins in stream:
+            if ins.op in (P.RECV_ACT, P.RECV_GRAD, P.SEND_ACT, P.SEND_GRAD):
+                peer = self.grid.rank(**(coords | {"pp": ins.peer}))
+                handle = self._handle(key)
+                if ins.op in (P.RECV_ACT, P.RECV_GRAD):
+                    posts.append(Recv(peer, wire, handle))
+                    receives.append(handle)
+                else:
+                    posts.append(Send(peer, wire, handle))
+                    sends.append(handle)
+                    self.log[rank].append(("send", (rank, peer), wire))
+                continue
+            self.programs[key].extend(posts)  # the executor's batch_isend_irecv at the next compute
+            if receives:
+                self.programs[key].append(Wait(tuple(receives), "pp"))
+            posts, receives = [], []
+            # DDP and ZeRO-1 reduce in the last micro-batch's backward without a pipeline (the pipeline's
+            # micro-batches all run under no_sync); ZeRO-2/3 in every one
+            sync = d.pp == 1 and ins.microbatch == m - 1 or self.config.data_parallel.zero_stage >= 2
+            if ins.op == P.FORWARD:
+                self.forward(rank, ins.stage)
+            elif ins.op in (P.BACKWARD, P.BACKWARD_INPUT, P.BACKWARD_WEIGHT):
+                self.backward(rank, ins.stage, sync, ins.op.value)
+            elif ins.op == P.REDUCE_GRADS:
+                if sends:
+                    self.programs[key].append(Wait(tuple(sends), "pp"))
+                self.finish(rank)
+            elif ins.op == P.OPTIMIZER_STEP:
+                self.optimizer(rank)
+
+
+def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:
+    z, g = config.data_parallel, config.gradient_comm
+    reasons = []
+    if z.mode == "ps":
+        reasons.append("data_parallel.mode = ps (parameter servers)")
+    if d.ep * d.etp > 1:
+        reasons.append("expert_parallel.degree > 1 (the all-to-all dispatch)")
+    if z.offload:
+        reasons.append("data_parallel.offload = true")
+    if g.compression != "none":
+        reasons.append(f"gradient_comm.compression = {g.compression}")
+    if g.schedule != "fifo":
+        reasons.append(f"gradient_comm.schedule = {g.schedule}")
+    if reasons:
+        raise ConfigError("the step simulator does not model " + "; ".join(reasons) +
+                          ": use `fivefold plan` for this layout's estimate")
+
+
+def build_workload(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float = 0.5,
+                   fidelity: str = "hybrid", vocab_size: int = 0) -> Workload:
+    """Every simulated rank's program for one optimizer step of `config` on `gpus` accelerators of `cluster`."""
+    builder = _Builder(config, gpus, cluster, efficiency, fidelity, vocab_size)
+    for rank in builder.simulated:
+        builder.rank_program(rank)
+    return Workload(dict(builder.programs), builder.grid, builder.d, builder.split, builder.simulated, fidelity,
+                    dict(builder.log), recorded=builder.recorded, analytical=builder.analytical)

@@ -1,0 +1,116 @@
+"""The simulator's step workload is the traffic the runtime really sends, layout by layout.
+
+Every rank builds the real Trainer, takes a step, then takes one more with its torch.distributed
+calls recorded (sim/observe.py): each collective as (kind, the group's ranks, bytes) and each
+point-to-point send as (sender, receiver, bytes). The simulator builds the same config's workload
+(sim/workload.py, fidelity flow) and logs its calls the same way; per rank the two multisets must
+be equal. This covers DDP's buckets (backend and hand-written all-reduce, in which case every
+message of the algorithm is compared), ZeRO-1/2/3 and hybrid sharding, tensor parallelism with and
+without sequence parallelism (blocks, vocab-parallel embedding, head and loss, the norms' summed
+gradients), the pipeline schedules' activations and gradients, ring, Ulysses and 2D context
+parallelism and recomputation. For the layouts whose every byte goes point to point (pipelines,
+hand-written all-reduce) the bytes per ordered rank pair the engine counts while playing the
+programs equal the runtime's. The only calls left out are those of <= 64 bytes: the trainer's
+scalars (loss, token count, gradient norm, the guard's flags), which the simulator does not model.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from distributed.spawn import run_distributed
+from parity.harness import with_changes
+
+SCALARS = 64  # bytes: calls this small are the trainer's bookkeeping
+
+LAYOUTS = {
+    2: {
+        "dp2": {},
+        "dp2-ring-small-buckets": dict(gradient_comm={"allreduce_algorithm": "ring", "bucket_mb": 0.05}),
+        "dp2-halving-doubling-accum2": dict(gradient_comm={"allreduce_algorithm": "halving_doubling"},
+                                            train={"grad_accum_steps": 2}),
+        "tp2-sp": dict(tensor_parallel={"degree": 2, "sequence_parallel": True}),
+        "tp2-full-recompute": dict(tensor_parallel={"degree": 2}, train={"recompute": "full"}),
+        "pp2-1f1b": dict(pipeline_parallel={"degree": 2}, train={"grad_accum_steps": 2}),
+        "pp2-zb-h1": dict(pipeline_parallel={"degree": 2, "schedule": "zb-h1"}, train={"grad_accum_steps": 2}),
+        "dp2-zero1": dict(data_parallel={"zero_stage": 1, "shard": 2}),
+        "dp2-zero2-accum2": dict(data_parallel={"zero_stage": 2, "shard": 2}, train={"grad_accum_steps": 2}),
+        "dp2-zero3": dict(data_parallel={"zero_stage": 3, "shard": 2}),
+        "cp2-ring": dict(context_parallel={"degree": 2}),
+        "cp2-ulysses": dict(context_parallel={"degree": 2, "method": "ulysses"}),
+    },
+    4: {
+        "dp2-tp2": dict(tensor_parallel={"degree": 2}),
+        "pp2-dp2-interleaved": dict(pipeline_parallel={"degree": 2, "schedule": "interleaved", "virtual": 2},
+                                    model={"n_layers": 4}, train={"grad_accum_steps": 2}),
+        "hsdp-2x2-zero3": dict(data_parallel={"zero_stage": 3, "shard": 2, "replicate": 2}),
+        "tp2-pp2-sp": dict(tensor_parallel={"degree": 2, "sequence_parallel": True}, pipeline_parallel={"degree": 2},
+                           train={"grad_accum_steps": 2}),
+        "cp2-tp2": dict(context_parallel={"degree": 2}, tensor_parallel={"degree": 2}),
+        "cp4-ulysses-selective": dict(context_parallel={"degree": 4, "method": "ulysses"},
+                                      model={"n_heads": 4, "n_kv_heads": 4}, train={"recompute": "selective"}),
+        "cp4-2d": dict(context_parallel={"degree": 4, "method": "2d", "heads": 2}),
+        "pp4-gpipe": dict(pipeline_parallel={"degree": 4, "schedule": "gpipe"}, model={"n_layers": 4},
+                          train={"grad_accum_steps": 4}),
+        "dp2-cp2-zero1-selective": dict(context_parallel={"degree": 2}, data_parallel={"zero_stage": 1, "shard": 2},
+                                        train={"recompute": "selective"}),
+    },
+}
+
+
+def _record(rank, world_size, configs):
+    from fivefold.sim.observe import recording_traffic
+    from fivefold.train.trainer import Trainer
+
+    out = []
+    for config in configs:
+        trainer = Trainer(config)
+        trainer.train_step()  # the first step builds what later steps reuse
+        calls: list = []
+        with recording_traffic(calls):
+            trainer.train_step()
+        out.append(calls)
+    return out
+
+
+def _configs(job, tmp_path, layouts):
+    return [with_changes(job, checkpoint={"enabled": False}, model=changes.get("model", {}),
+                         train={"eval_every": 0, "micro_batch_size": 2, "output_dir": str(tmp_path / name),
+                                **changes.get("train", {})},
+                         **{k: v for k, v in changes.items() if k not in ("train", "model")})
+            for name, changes in layouts.items()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_simulated_step_sends_what_the_runtime_sends(job, tmp_path, world_size):
+    from fivefold.plan.cluster import PRESETS
+    from fivefold.sim.step import simulate_step
+    from fivefold.sim.workload import build_workload
+
+    checked_pairs = []
+    layouts = LAYOUTS[world_size]
+    configs = _configs(job, tmp_path, layouts)
+    recorded = run_distributed(_record, world_size, configs, timeout=600)
+    for index, name in enumerate(layouts):
+        workload = build_workload(configs[index], world_size, PRESETS["h100-sxm"], fidelity="flow")
+        for rank in range(world_size):
+            runtime = Counter(call for call in recorded[rank][index] if call[2] > SCALARS)
+            simulated = Counter(call for call in workload.log[rank] if call[2] > SCALARS)
+            assert runtime, f"{name}: rank {rank} recorded nothing"
+            assert simulated == runtime, (f"{name} rank {rank}: only the runtime {dict(runtime - simulated)}, "
+                                          f"only the simulator {dict(simulated - runtime)}")
+        if all(kind == "send" for rank_calls in recorded for kind, _, nbytes in rank_calls[index] if nbytes > SCALARS):
+            # every byte went point to point (no backend collective): the engine's per-pair bytes, from playing
+            # the programs over the network, must be the runtime's
+            run = simulate_step(configs[index], world_size, PRESETS["h100-sxm"], fidelity="flow", record_spans=False)
+            runtime_pairs = Counter()
+            for rank_calls in recorded:
+                for kind, pair, nbytes in rank_calls[index]:
+                    if nbytes > SCALARS:
+                        runtime_pairs[pair] += nbytes
+            assert run.result.pair_bytes == dict(runtime_pairs), name
+            checked_pairs.append(name)
+    assert checked_pairs, "no layout sent only point to point"
