@@ -282,10 +282,10 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     return launch(args.nproc_per_node, forwarded, module="fivefold.comm.bench", debug=args.debug)
 
 
-def _simulate(args: argparse.Namespace) -> int:
+def _simulate(args: argparse.Namespace, overrides: list[str]) -> int:
     from fivefold.sim.report import run
 
-    return run(args)
+    return run(args, overrides)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -355,8 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan_arguments(plan)
 
     simulate = sub.add_parser("simulate", parents=[common],
-                              help="simulate one collective, run by the runtime's own algorithm, over a cluster's "
-                                   "fabric (flow-level network: contention, ECMP collisions, oversubscription)")
+                              epilog="Config keys as for train: --section.key VALUE (docs/simulator.md).",
+                              help="simulate a training step of a layout (--gpus), or one collective (--ranks), with "
+                                   "the runtime's own schedules and algorithms over a cluster's fabric")
     from fivefold.sim.report import add_arguments as simulate_arguments
 
     simulate_arguments(simulate)
@@ -389,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
             return _config(args, rest)
         if args.command == "plan":
             return _plan(args, rest)
+        if args.command == "simulate":
+            return _simulate(args, rest)
         if args.command == "convert":
             return _convert(args, rest)
         if args.command == "bench":
@@ -396,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         commands = {"generate": _generate, "verify": _verify, "diagnose": _diagnose,
-                    "plot-schedule": _plot_schedule, "info": _info, "simulate": _simulate}
+                    "plot-schedule": _plot_schedule, "info": _info}
         return commands[args.command](args)
     except FivefoldError as exc:
         print(f"fivefold: error: {exc}", file=sys.stderr)

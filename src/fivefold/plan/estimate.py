@@ -474,12 +474,14 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     # backward: twice the compute, the same tp / ep traffic again, cp's ring twice (K/V, then their gradients;
     # Ulysses' all-to-alls once); recompute re-runs the forward (selective: the attention core, cp included)
     cp_backward = 1.0 if config.context_parallel.method == "ulysses" else 2.0
+    # full recomputation re-runs the blocks' forward (parallel/recompute.py wraps blocks), not the head's
+    blocks_forward = [f - (costs.head if i == len(split) - 1 else 0.0) for i, f in enumerate(forward)]
     stage_bwd = []
     for i in range(len(split)):
-        again = forward[i] + 2 * comm_tp[i] + comm_ep[i] if t.recompute == "full" else recompute * attn_core[i]
+        again = blocks_forward[i] + 2 * comm_tp[i] + comm_ep[i] if t.recompute == "full" else recompute * attn_core[i]
         again += recompute * comm_cp[i]
         stage_bwd.append(2 * forward[i] + 2 * comm_tp[i] + comm_ep[i] + cp_backward * comm_cp[i] + again)
-    compute_total = m * sum(forward[i] * 3 + (forward[i] if t.recompute == "full" else recompute * attn_core[i])
+    compute_total = m * sum(forward[i] * 3 + (blocks_forward[i] if t.recompute == "full" else recompute * attn_core[i])
                             for i in range(len(split))) / d.pp
     tp_total = m * sum(4 * c + (2 * c if t.recompute == "full" else 0) for c in comm_tp) / d.pp
     cp_total = m * sum((1 + cp_backward + recompute) * c for c in comm_cp) / d.pp

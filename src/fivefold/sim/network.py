@@ -96,7 +96,9 @@ class FlowNetwork:
             times.append(self._instant[0][0])
         if self._flows:
             left = np.array([self._flows[i].left for i in self._ids])
-            times.append(self.now + float(np.min(left / self._rates)))
+            end = self.now + float(np.min(left / self._rates))
+            # a flow ending sooner than the clock can resolve still ends: at the next representable time
+            times.append(end if end > self.now else float(np.nextafter(self.now, np.inf)))
         return min(times, default=float("inf"))
 
     def advance(self, until: float) -> list[int]:

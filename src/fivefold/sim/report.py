@@ -1,4 +1,5 @@
-"""`fivefold simulate`: its arguments, and the report of one simulated collective (sim/collective.py).
+"""`fivefold simulate`: its arguments, and the reports of a simulated training step (sim/step.py, with
+--config / --gpus) or of one simulated collective (sim/collective.py, with --ranks).
 
 Imports nothing heavy at module level: the CLI builds its --help from this module without torch.
 """
@@ -12,21 +13,33 @@ from pathlib import Path
 
 from fivefold.errors import ConfigError
 from fivefold.units import parse_bytes
-from fivefold.sim.names import COLLECTIVE_ALGORITHMS, ROUTINGS, TOPOLOGY_KINDS
+from fivefold.sim.names import COLLECTIVE_ALGORITHMS, FIDELITIES, ROUTINGS, TOPOLOGY_KINDS
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     collectives = sorted(COLLECTIVE_ALGORITHMS)
     algorithms = sorted({a for names in COLLECTIVE_ALGORITHMS.values() for a in names} | {"native"})
     parser.add_argument("--cluster", required=True, help="a preset (a100-80gb, h100-sxm, h200, b200) or a cluster TOML "
                                                         "file; its [topology] table describes the fabric")
-    parser.add_argument("--collective", default="all_reduce", choices=collectives)
-    parser.add_argument("--algorithm", default="ring", choices=algorithms,
-                        help="the runtime's algorithm (comm/); native = the backend's, modelled as a ring")
-    parser.add_argument("--ranks", type=int, required=True, help="ranks taking part")
-    parser.add_argument("--stride", type=int, default=1,
-                        help="accelerators between consecutive members (8 on 8-GPU nodes: one rank per node)")
-    parser.add_argument("--bytes", default="256M", help="bytes per rank (the whole vector), e.g. 64M, 1G")
-    parser.add_argument("--node-size", type=int, default=0, help="hierarchical: ranks per node (default: per node)")
+    step = parser.add_argument_group("a training step (--gpus; --config and --section.key overrides as for train)")
+    step.add_argument("--config", help="the TOML config `train` would run (its model, batch and layout)")
+    step.add_argument("--gpus", type=int, help="accelerators the step runs on")
+    step.add_argument("--efficiency", type=float, default=0.5,
+                      help="achieved share of peak FLOP/s in the matmuls (the planner's compute model; default 0.5)")
+    step.add_argument("--fidelity", default="hybrid", choices=FIDELITIES,
+                      help="flow: every collective as messages; hybrid: collectives inside a node by formula; "
+                           "analytical: all by formula, one rank per pipeline stage (for tens of thousands of GPUs)")
+    step.add_argument("--vocab-size", type=int, default=0, help="for a model whose vocabulary comes from the tokenizer")
+    step.add_argument("--plot", help="draw the simulated timeline of the first ranks (PNG)")
+    one = parser.add_argument_group("one collective (--ranks)")
+    one.add_argument("--collective", default="all_reduce", choices=collectives)
+    one.add_argument("--algorithm", default="ring", choices=algorithms,
+                     help="the runtime's algorithm (comm/); native = the backend's, modelled as a ring")
+    one.add_argument("--ranks", type=int, help="ranks taking part")
+    one.add_argument("--stride", type=int, default=1,
+                     help="accelerators between consecutive members (8 on 8-GPU nodes: one rank per node)")
+    one.add_argument("--bytes", default="256M", help="bytes per rank (the whole vector), e.g. 64M, 1G")
+    one.add_argument("--node-size", type=int, default=0, help="hierarchical: ranks per node (default: per node)")
     parser.add_argument("--topology", choices=TOPOLOGY_KINDS, help="override the cluster file's topology.kind")
     parser.add_argument("--routing", choices=ROUTINGS, help="override topology.routing")
     parser.add_argument("--oversubscription", type=float, help="override topology.oversubscription")
@@ -51,13 +64,112 @@ def cluster_with_overrides(args: argparse.Namespace):
     return replace(cluster, topology=replace(cluster.topology, **overrides)) if overrides else cluster
 
 
-def run(args: argparse.Namespace) -> int:
-    from fivefold.sim.collective import simulate_collective
-
+def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
+    """`fivefold simulate`: a training step with --gpus, one collective with --ranks."""
     if args.top_links < 0:
         raise ConfigError(f"--top-links {args.top_links}: must be >= 0")
-    if args.trace and not Path(args.trace).resolve().parent.is_dir():
-        raise ConfigError(f"--trace {args.trace}: its folder does not exist; create it or write the trace elsewhere")
+    for option in ("trace", "plot"):
+        path = getattr(args, option)
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ConfigError(f"--{option} {path}: its folder does not exist; create it or write it elsewhere")
+    if (args.gpus is None) == (args.ranks is None):
+        raise ConfigError("give --gpus N (and --config) to simulate a training step, or --ranks N to simulate one "
+                          "collective")
+    if args.ranks is not None and (args.config or overrides):
+        raise ConfigError("--config and --section.key overrides describe a training step: use --gpus, not --ranks")
+    if args.gpus is not None:
+        return run_step(args, overrides or [])
+    return run_collective(args)
+
+
+def _write_trace(result, path: str) -> None:
+    try:
+        result.write_chrome_trace(path)
+    except OSError as exc:
+        raise ConfigError(f"--trace {path}: cannot write it ({exc.strerror})") from exc
+
+
+def run_step(args: argparse.Namespace, overrides: list[str]) -> int:
+    from fivefold.config import load_config
+    from fivefold.sim.step import PHASES, simulate_step
+
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus {args.gpus}: must be a positive number of accelerators")
+    config = load_config(args.config, overrides)
+    cluster = cluster_with_overrides(args)
+    run_ = simulate_step(config, args.gpus, cluster, args.efficiency, args.fidelity, args.vocab_size,
+                         record_spans=True)
+    phases = run_.breakdown()
+    links = run_.link_utilisation()
+    work, spec = run_.workload, cluster.topology
+    summary = {
+        "gpus": args.gpus, "layout": work.degrees.describe(), "cluster": cluster.name, "topology": spec.kind,
+        "fabric": run_.topology.describe(), "routing": spec.routing, "fidelity": args.fidelity,
+        "efficiency": args.efficiency, "seconds": run_.time, "phases_seconds": phases,
+        "slowest_rank": run_.slowest_rank, "simulated_ranks": len(work.simulated),
+        "collectives_as_messages": work.recorded, "collectives_by_formula": work.analytical,
+        "bytes_sent": sum(run_.result.pair_bytes.values()), "busiest_links": links[:args.top_links],
+        "build_wall_seconds": run_.build_seconds, "simulation_wall_seconds": run_.simulate_seconds,
+    }
+    if args.trace:
+        _write_trace(run_.result, args.trace)
+    if args.plot:
+        plot_timeline(run_, args.plot)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"one step of {work.degrees.describe()} on {args.gpus} x {cluster.accelerator.name} ({cluster.name}), "
+          f"fidelity {args.fidelity}")
+    print(f"  fabric       {run_.topology.describe()}; routing {spec.routing}")
+    print(f"  step         {run_.time * 1e3:.3f} ms   (slowest rank {run_.slowest_rank}; "
+          f"{len(work.simulated)} ranks simulated)")
+    for phase in PHASES:
+        if phases[phase] > 0:
+            print(f"    {phase:<11}{phases[phase] * 1e3:12.3f} ms {phases[phase] / run_.time:7.1%}")
+    print(f"  collectives  {work.recorded} as messages, {work.analytical} by formula; "
+          f"{sum(run_.result.pair_bytes.values()) / 2**20:.1f} MiB sent point to point")
+    if links:
+        print(f"  links        {len(links)} used; busiest:")
+        for name, utilisation in links[:args.top_links]:
+            print(f"    {name:<28} {utilisation:6.1%}")
+    for option, what in (("trace", "chrome://tracing or ui.perfetto.dev"), ("plot", "timeline")):
+        if getattr(args, option):
+            print(f"  {option:<12} {getattr(args, option)} ({what})")
+    print(f"RESULT name=simulate_step gpus={args.gpus} fidelity={args.fidelity} seconds={run_.time:.6g} "
+          + " ".join(f"{phase}={phases[phase]:.6g}" for phase in PHASES)
+          + f" wall_seconds={run_.build_seconds + run_.simulate_seconds:.3f}")
+    return 0
+
+
+def plot_timeline(run_, path: str, ranks: int = 16) -> Path:
+    """The compute stream of the first `ranks` simulated ranks, one row each, coloured by phase."""
+    from fivefold.plotting import pyplot, save_figure
+    from fivefold.sim.workload import COMPUTE
+
+    plt = pyplot()
+    colours = {"forward": "tab:blue", "backward": "tab:green", "recompute": "tab:olive", "optimizer": "tab:purple",
+               "tp": "tab:orange", "cp": "tab:brown", "dp": "tab:red", "pp": "tab:gray"}
+    shown = list(run_.workload.simulated[:ranks])
+    row = {rank: i for i, rank in enumerate(shown)}
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(shown) + 1.6))
+    for span in run_.result.spans:
+        if span.stream == COMPUTE and span.rank in row:
+            ax.barh(row[span.rank], (span.end - span.start) * 1e3, left=span.start * 1e3, height=0.8,
+                    color=colours.get(span.label, "lightgray"), linewidth=0)
+    ax.set_yticks(range(len(shown)), [f"rank {r}" for r in shown])
+    ax.invert_yaxis()
+    ax.set_xlabel("simulated time (ms)")
+    ax.set_title(f"simulated step: {run_.workload.degrees.describe()}, {run_.time * 1e3:.2f} ms")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    ax.legend(handles, [f"{k} (waiting)" if k in ("tp", "cp", "dp", "pp") else k for k in colours],
+              fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def run_collective(args: argparse.Namespace) -> int:
+    from fivefold.sim.collective import simulate_collective
+
     nbytes = parse_bytes(args.bytes)
     cluster = cluster_with_overrides(args)
     run_ = simulate_collective(cluster, args.collective, args.algorithm, args.ranks, nbytes, args.stride,
@@ -75,10 +187,7 @@ def run(args: argparse.Namespace) -> int:
         "simulation_wall_seconds": run_.wall_seconds,
     }
     if args.trace:
-        try:
-            run_.result.write_chrome_trace(args.trace)
-        except OSError as exc:
-            raise ConfigError(f"--trace {args.trace}: cannot write it ({exc.strerror})") from exc
+        _write_trace(run_.result, args.trace)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0

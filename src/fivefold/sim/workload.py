@@ -57,10 +57,10 @@ from fivefold.model.config import ModelConfig
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.estimate import Degrees, PassCosts, compute_dtype, degrees_of, model_for, pass_costs
 from fivefold.plan.parameters import padded_vocab
+from fivefold.sim.names import FIDELITIES
 from fivefold.sim.engine import Await, Collective, Compute, Notify, Op, Recv, Send, StreamKey, Wait
 from fivefold.sim.trace import collective_programs, resolve_algorithm
 
-FIDELITIES = ("flow", "hybrid", "analytical")
 COMPUTE, DP = "compute", "dp"
 _TP_SPLIT = (".attention.", ".feed_forward.w")  # column/row-parallel weights (MoE and shared experts stay whole)
 _WHOLE = (".wq_a.", ".wkv_a.")  # multi-latent attention's down-projections are replicated

@@ -1,0 +1,186 @@
+"""The simulated training step (sim/workload.py, sim/step.py) against the closed forms it must reduce to.
+
+- One rank: no communication, so the step is the planner's compute and optimizer time exactly.
+- Pipelines on a free network: the step is the planner's makespan of the schedule's own instruction
+  streams (parallel/pipeline/simulate.py) with the same stage costs, for every schedule (within 1%:
+  the planner rounds cost ratios and scales a stage's forward and backward by one factor).
+- Inside one NVSwitch node the three fidelities agree: messages (flow) and formulas (hybrid,
+  analytical) price a contention-free ring alike.
+- Contention shows: data parallelism across nodes on an oversubscribed fat tree is slower at flow
+  level than the contention-free analytical path.
+- The mesh layout is the runtime's; phases add up to the step; refusals and bad input are one-line
+  errors; the analytical path runs 16,384 accelerators.
+The traffic itself (every collective and message, layout by layout) is checked against the runtime
+in tests/distributed/test_step_traffic.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from fivefold.config import load_config
+from fivefold.errors import ConfigError
+from fivefold.plan.cluster import PRESETS, LinkSpec
+from fivefold.plan.estimate import estimate
+from fivefold.sim.engine import Collective, Compute, simulate
+from fivefold.sim.network import DedicatedNetwork, FlowNetwork
+from fivefold.sim.routing import Router
+from fivefold.sim.step import PHASES, simulate_step
+from fivefold.sim.topology import nvswitch
+from fivefold.sim.workload import Grid
+
+H100 = PRESETS["h100-sxm"]
+SMALL = ["--train.seq_len", "128", "--train.micro_batch_size", "2", "--model.n_layers", "4"]
+
+
+def _config(*overrides: str):
+    return load_config("configs/tiny.toml", [*SMALL, *overrides])
+
+
+def _free(cluster=H100):
+    """The cluster with links that cost nothing: latency 0, bandwidth beyond any need."""
+    free = LinkSpec(1e12, 0.0)
+    return dataclasses.replace(cluster, intra=free, inter=free, collectives={})
+
+
+def test_grid_is_the_mesh_layout():
+    grid = Grid(pp=2, dp_replicate=2, dp_shard=2, cp=2, tp=2)
+    assert grid.size == 32
+    assert grid.group(0, ("tp",)) == (0, 1)  # tp innermost
+    assert grid.group(0, ("cp",)) == (0, 2)
+    assert grid.group(0, ("dp_replicate", "dp_shard", "cp")) == (0, 2, 4, 6, 8, 10, 12, 14)
+    assert grid.group(5, ("pp",)) == (5, 21)  # pp outermost
+    for rank in range(grid.size):
+        assert grid.rank(**grid.coords(rank)) == rank
+
+
+def test_one_rank_step_is_the_planners_compute():
+    for recompute in ("none", "selective", "full"):
+        config = _config("--train.recompute", recompute, "--train.grad_accum_steps", "2")
+        run = simulate_step(config, 1, H100, 0.4, vocab_size=257)
+        planned = estimate(config, 1, H100, 0.4, vocab_size=257).time
+        assert run.time == pytest.approx(planned.total, rel=1e-9)
+        phases = run.breakdown()
+        assert phases["compute"] + phases["recompute"] == pytest.approx(planned.compute, rel=1e-9)
+        assert phases["optimizer"] == pytest.approx(planned.optimizer, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
+def test_pipeline_on_a_free_network_is_the_schedule_makespan(schedule, virtual):
+    config = _config("--pipeline_parallel.degree", "4", "--pipeline_parallel.schedule", schedule,
+                     "--pipeline_parallel.virtual", str(virtual), "--train.grad_accum_steps", "8",
+                     "--model.n_layers", "8")
+    cluster = _free()
+    run = simulate_step(config, 4, cluster, 0.5, vocab_size=257)
+    planned = estimate(config, 4, cluster, 0.5, vocab_size=257).time
+    # the planner rounds cost ratios to 0.1% and scales a stage's forward and backward by one factor (the
+    # head makes the last stage's two differ), hence the tolerance
+    assert run.time == pytest.approx(planned.total, rel=1e-2)
+    phases = run.breakdown()
+    assert sum(phases.values()) == pytest.approx(run.time, rel=1e-9)
+    assert phases["pipeline"] > 0
+
+
+def test_fidelities_agree_inside_one_node():
+    node = dataclasses.replace(H100, topology=dataclasses.replace(H100.topology, kind="nvswitch"))
+    config = _config("--tensor_parallel.degree", "2", "--pipeline_parallel.degree", "2",
+                     "--train.grad_accum_steps", "4", "--data_parallel.zero_stage", "1", "--data_parallel.shard", "2")
+    times = {f: simulate_step(config, 8, node, 0.5, f, vocab_size=257).time for f in ("flow", "hybrid", "analytical")}
+    assert times["hybrid"] == pytest.approx(times["analytical"], rel=1e-9)  # all inside the node: all by formula
+    assert times["flow"] == pytest.approx(times["analytical"], rel=0.02)
+    flow = simulate_step(config, 8, node, 0.5, "flow", vocab_size=257)
+    assert flow.workload.recorded > 0 and flow.workload.analytical == 0
+
+
+def test_contention_between_nodes_shows_at_flow_level():
+    thin = dataclasses.replace(H100, topology=dataclasses.replace(H100.topology, kind="fat_tree", oversubscription=8.0,
+                                                                  nodes_per_leaf=2))
+    config = _config("--tensor_parallel.degree", "8", "--train.micro_batch_size", "1", "--model.dim", "1024",
+                     "--model.n_heads", "8", "--model.n_kv_heads", "8")
+    flow = simulate_step(config, 32, thin, 0.5, "flow", vocab_size=257)
+    free = simulate_step(config, 32, thin, 0.5, "analytical", vocab_size=257)
+    assert flow.breakdown()["dp"] > 1.5 * free.breakdown()["dp"]
+    assert len(free.workload.simulated) == 1 and len(flow.workload.simulated) == 32
+
+
+def test_analytical_path_simulates_one_rank_per_stage_at_16384_gpus():
+    config = load_config(None, ["--model.preset", "llama3-70b", "--train.seq_len", "4096", "--train.dtype", "bf16",
+                                "--tensor_parallel.degree", "8", "--tensor_parallel.sequence_parallel", "true",
+                                "--pipeline_parallel.degree", "8", "--train.micro_batch_size", "1",
+                                "--train.grad_accum_steps", "16", "--data_parallel.zero_stage", "1",
+                                "--data_parallel.shard", "256", "--train.recompute", "selective"])
+    run = simulate_step(config, 16384, H100, 0.5, "analytical", record_spans=False)
+    assert len(run.workload.simulated) == 8
+    planned = estimate(config, 16384, H100, 0.5).time.total
+    assert 0.8 * planned < run.time < 1.25 * planned  # the same costs; overlap and order differ
+
+
+def test_collective_op_waits_for_every_member():
+    programs = {(0, "c"): [Compute(1.0), Collective(("g", 1), 2, 0.5, "tp")],
+                (1, "c"): [Compute(3.0), Collective(("g", 1), 2, 0.5, "tp"), Compute(1.0)]}
+    result = simulate(programs, FlowNetwork(Router(nvswitch(2, 1e9, 0.0))))
+    assert result.finish[(0, "c")] == pytest.approx(3.5) and result.finish[(1, "c")] == pytest.approx(4.5)
+    waited = [s for s in result.spans if s.label == "tp" and s.rank == 0]
+    assert waited[0].start == pytest.approx(1.0) and waited[0].end == pytest.approx(3.5)
+
+
+def test_contention_free_network_prices_alpha_beta():
+    from fivefold.sim.engine import Recv, Send, Wait
+
+    programs = {(0, "c"): [Send(1, 1000, 0), Send(1, 1000, 1), Wait((0, 1))], (1, "c"): [Recv(0, 1000, 0), Recv(0, 1000, 1), Wait((0, 1))]}
+    dedicated = simulate(programs, DedicatedNetwork(Router(nvswitch(2, 1e3, 0.25))))
+    shared = simulate(programs, FlowNetwork(Router(nvswitch(2, 1e3, 0.25))))
+    assert dedicated.time == pytest.approx(0.25 + 1.0)  # the route's latency, 1000 B at 1000 B/s, no sharing
+    assert shared.time == pytest.approx(0.25 + 2.0)  # the two messages share the link
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["--expert_parallel.degree", "2", "--model.n_experts", "4"], "expert_parallel"),
+    (["--gradient_comm.compression", "int8"], "compression"),
+    (["--gradient_comm.schedule", "priority", "--train.max_grad_norm", "0"], "schedule"),
+])
+def test_unmodelled_layouts_are_refused_by_name(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        simulate_step(_config(*overrides), 2, H100, vocab_size=257)
+
+
+def test_bad_fidelity_and_efficiency():
+    with pytest.raises(ConfigError, match="fidelity"):
+        simulate_step(_config(), 1, H100, 0.5, "packet", vocab_size=257)
+    with pytest.raises(ConfigError, match="efficiency"):
+        simulate_step(_config(), 1, H100, 1.5, vocab_size=257)
+
+
+def test_simulate_step_cli(tmp_path, capsys):
+    from fivefold.cli import main
+
+    argv = ["simulate", "--cluster", "h100-sxm", "--gpus", "4", "--config", "configs/tiny.toml", *SMALL,
+            "--vocab-size", "257", "--tensor_parallel.degree", "2", "--pipeline_parallel.degree", "2",
+            "--train.grad_accum_steps", "4"]
+    assert main([*argv, "--trace", str(tmp_path / "t.json"), "--plot", str(tmp_path / "t.png")]) == 0
+    out = capsys.readouterr().out
+    assert "RESULT name=simulate_step gpus=4" in out and "pipeline" in out
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"]} == {0, 1, 2, 3}
+    assert (tmp_path / "t.png").stat().st_size > 0
+    assert main([*argv, "--json", "--fidelity", "analytical"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["simulated_ranks"] == 2 and set(summary["phases_seconds"]) == set(PHASES)
+    assert summary["seconds"] == pytest.approx(sum(summary["phases_seconds"].values()))
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "--gpus N"), (["--gpus", "4", "--ranks", "4"], "--gpus N"), (["--gpus", "0"], "--gpus 0"),
+    (["--ranks", "8", "--train.steps", "3"], "use --gpus"), (["--gpus", "3", "--tensor_parallel.degree", "2"], "world size is 3"),
+    (["--gpus", "2", "--plot", "/no/such/folder/p.png"], "--plot"),
+    (["--gpus", "2", "--data_parallel.mode", "ps"], "parameter servers"),
+])
+def test_simulate_step_rejects_bad_input_in_one_line(argv, message, capsys):
+    from fivefold.cli import main
+
+    assert main(["simulate", "--cluster", "h100-sxm", "--vocab-size", "257", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fivefold: error:") and message in err and err.count("\n") == 1
