@@ -1,4 +1,5 @@
-"""The planner's predicted step time against the trainer's measured one, layout by layout, on this machine.
+"""The planner's predicted and the simulator's step time against the trainer's measured one, layout by layout,
+on this machine.
 
 For each world size the ranks first describe this machine as the planner sees it: links fitted by
 ping-pong (comm/measure.py), each gloo collective's own link (comm/bench.py measure_native_links) and the matmul rate each rank achieves while the others compute too
@@ -16,6 +17,9 @@ recomputation, the pipeline bubble.
 
 Prints one row per layout (predicted, measured, error) and
 RESULT name=plan_vs_measured layouts=N median_abs_error=... worst_abs_error=... kendall_tau=... best_gap=...
+       sim_median_abs_error=... sim_worst_abs_error=... sim_within_10pct=...
+(the sim_ figures: `fivefold simulate`'s step, sim/step.py at flow level, on the same fitted cluster and
+efficiency: the same compute model, the runtime's own collectives and their overlap played out)
 (Kendall's tau between the predicted and measured order of the layouts of the largest world size,
 and how much slower the predicted best measures than the measured best).
 """
@@ -231,17 +235,24 @@ def main() -> int:
             rows.append({"world_size": world_size, "name": name, "config": config, "cluster": cluster,
                          "measured": measured["times"][name]})
     efficiency, anchor = fit_efficiency(rows)
-    errors = []
+    from fivefold.sim.step import simulate_step
+
+    errors, sim_errors = [], []
     print(f"# efficiency {efficiency:.3f} (fitted on {anchor['name']}); seq {args.seq_len}, micro-batch {args.micro_batch}, "
           f"{args.layers} layers of tiny")
-    print(f"# {'layout':<18}{'ranks':>6}{'predicted(s)':>14}{'measured(s)':>13}{'error':>9}")
+    print(f"# {'layout':<18}{'ranks':>6}{'predicted(s)':>14}{'simulated(s)':>14}{'measured(s)':>13}{'plan err':>10}"
+          f"{'sim err':>9}")
     for row in rows:
         predicted = estimate(row["config"], row["world_size"], row["cluster"], efficiency, vocab_size=257).time.total
-        error = predicted / row["measured"] - 1
-        row.update(predicted=predicted, error=error)
+        simulated = simulate_step(row["config"], row["world_size"], row["cluster"], efficiency, "flow",
+                                  vocab_size=257, record_spans=False).time
+        error, sim_error = predicted / row["measured"] - 1, simulated / row["measured"] - 1
+        row.update(predicted=predicted, error=error, simulated=simulated, sim_error=sim_error)
         if row is not anchor:
             errors.append(abs(error))
-        print(f"  {row['name']:<18}{row['world_size']:>6}{predicted:>14.4f}{row['measured']:>13.4f}{100 * error:>8.1f}%")
+            sim_errors.append(abs(sim_error))
+        print(f"  {row['name']:<18}{row['world_size']:>6}{predicted:>14.4f}{simulated:>14.4f}{row['measured']:>13.4f}"
+              f"{100 * error:>9.1f}%{100 * sim_error:>8.1f}%")
     four = [r for r in rows if r["world_size"] == max(w for w, _, _ in layouts)]
     tau = kendall_tau([r["predicted"] for r in four], [r["measured"] for r in four])
     chosen = min(four, key=lambda r: r["predicted"])
@@ -256,7 +267,9 @@ def main() -> int:
     median = statistics.median(errors) if errors else 0.0
     print(f"RESULT name=plan_vs_measured layouts={len(rows)} efficiency={efficiency:.4f} "
           f"median_abs_error={median:.4f} worst_abs_error={max(errors, default=0.0):.4f} kendall_tau={tau:.4f} "
-          f"best_gap={best_gap:.4f}")
+          f"best_gap={best_gap:.4f} sim_median_abs_error={statistics.median(sim_errors) if sim_errors else 0.0:.4f} "
+          f"sim_worst_abs_error={max(sim_errors, default=0.0):.4f} "
+          f"sim_within_10pct={sum(e <= 0.10 for e in sim_errors)}")
     return 0
 
 
