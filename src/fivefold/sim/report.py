@@ -162,7 +162,7 @@ def plot_timeline(run_, path: str, ranks: int = 16) -> Path:
     ax.set_title(f"simulated step: {run_.workload.degrees.describe()}, {run_.time * 1e3:.2f} ms")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
     ax.legend(handles, [f"{k} (waiting)" if k in ("tp", "cp", "dp", "pp") else k for k in colours],
-              fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+              fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return save_figure(fig, path)
 
