@@ -139,6 +139,7 @@ def test_contention_free_network_prices_alpha_beta():
 
 @pytest.mark.parametrize("overrides,message", [
     (["--expert_parallel.degree", "2", "--model.n_experts", "4"], "expert_parallel"),
+    (["--model.n_experts", "4"], "n_experts"),
     (["--gradient_comm.compression", "int8"], "compression"),
     (["--gradient_comm.schedule", "priority", "--train.max_grad_norm", "0"], "schedule"),
 ])
@@ -172,7 +173,36 @@ def test_simulate_step_cli(tmp_path, capsys):
     assert summary["seconds"] == pytest.approx(sum(summary["phases_seconds"].values()))
 
 
+def _step_json(capsys, *argv: str) -> dict:
+    from fivefold.cli import main
+
+    assert main(["simulate", "--cluster", "h100-sxm", "--config", "configs/tiny.toml", *SMALL, "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_every_step_option_changes_what_is_simulated(capsys):
+    base = ["--gpus", "16", "--vocab-size", "257", "--tensor_parallel.degree", "2"]
+    plain = _step_json(capsys, *base)
+    assert plain["layout"].startswith("dp 8 x tp 2") and plain["fidelity"] == "hybrid"
+    assert _step_json(capsys, *base, "--efficiency", "0.25")["seconds"] > plain["seconds"]
+    assert _step_json(capsys, *base, "--gpus", "32")["layout"].startswith("dp 16")
+    assert _step_json(capsys, *base[:-1], "4")["layout"].startswith("dp 4 x tp 4")  # a config override
+    bigger = _step_json(capsys, "--gpus", "16", "--vocab-size", "32000", "--tensor_parallel.degree", "2")
+    assert bigger["phases_seconds"]["compute"] > plain["phases_seconds"]["compute"]
+    flow = _step_json(capsys, *base, "--fidelity", "flow")
+    assert flow["collectives_by_formula"] == 0 and plain["collectives_by_formula"] > 0
+    assert flow["collectives_as_messages"] > plain["collectives_as_messages"]
+    assert _step_json(capsys, *base, "--fidelity", "analytical")["simulated_ranks"] == 1
+    assert len(_step_json(capsys, *base, "--top-links", "2")["busiest_links"]) == 2
+    thin = _step_json(capsys, *base, "--oversubscription", "8", "--nodes-per-leaf", "1")
+    assert thin["phases_seconds"]["dp"] > plain["phases_seconds"]["dp"]  # cluster overrides reach the step too
+    assert _step_json(capsys, *base, "--routing", "spray")["routing"] == "spray"
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["--gpus", "2", "--efficiency", "nan"], "efficiency = nan"), (["--gpus", "2", "--efficiency", "inf"], "efficiency"),
+    (["--gpus", "2", "--efficiency", "0"], "efficiency"), (["--gpus", "2", "--vocab-size", "-1"], "--vocab-size -1"),
+    (["--gpus", "2", "--model.n_experts", "4"], "n_experts"),
     ([], "--gpus N"), (["--gpus", "4", "--ranks", "4"], "--gpus N"), (["--gpus", "0"], "--gpus 0"),
     (["--ranks", "8", "--train.steps", "3"], "use --gpus"), (["--gpus", "3", "--tensor_parallel.degree", "2"], "world size is 3"),
     (["--gpus", "2", "--plot", "/no/such/folder/p.png"], "--plot"),

@@ -98,7 +98,7 @@ def test_simulated_step_sends_what_the_runtime_sends(job, tmp_path, world_size):
         workload = build_workload(configs[index], world_size, PRESETS["h100-sxm"], fidelity="flow")
         for rank in range(world_size):
             runtime = Counter(call for call in recorded[rank][index] if call[2] > SCALARS)
-            simulated = Counter(call for call in workload.log[rank] if call[2] > SCALARS)
+            simulated = Counter(call for call in workload.calls(rank) if call[2] > SCALARS)
             assert runtime, f"{name}: rank {rank} recorded nothing"
             assert simulated == runtime, (f"{name} rank {rank}: only the runtime {dict(runtime - simulated)}, "
                                           f"only the simulator {dict(simulated - runtime)}")

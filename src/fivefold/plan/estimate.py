@@ -172,6 +172,8 @@ class Estimate:
 
 def model_for(config: JobConfig, vocab_size: int = 0) -> ModelConfig:
     """The model with its vocabulary known: the config's, the given one, or the byte/BPE tokenizer's."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 0:
+        raise ConfigError(f"--vocab-size {vocab_size!r}: must be a whole number of tokens >= 0 (0: the tokenizer's)")
     if config.model.vocab_size:
         return config.model
     model = dataclasses.replace(config.model)

@@ -17,8 +17,8 @@ from fivefold.errors import ConfigError
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.sim.engine import SimResult, simulate
 from fivefold.sim.network import FlowNetwork
-from fivefold.sim.routing import Router
-from fivefold.sim.topology import Topology, build_topology
+from fivefold.sim.routing import cluster_router
+from fivefold.sim.topology import Topology
 from fivefold.sim.trace import as_streams, collective_programs, resolve_algorithm
 
 
@@ -69,12 +69,11 @@ def simulate_collective(cluster: ClusterSpec, collective: str, algorithm: str, r
             raise ConfigError(f"{name} {value!r}: must be an integer >= {low}")
     algorithm = resolve_algorithm(collective, algorithm)
     members = tuple(range(0, ranks * stride, stride))
-    topology = build_topology(cluster, ranks * stride)
+    router = cluster_router(cluster, ranks * stride)
+    topology = router.topology
     per_node = max(1, cluster.accelerators_per_node // stride)
     node_size = node_size or per_node
     programs = collective_programs(collective, algorithm, members, nbytes, node_size=node_size)
-    spec = cluster.topology
-    router = Router(topology, spec.routing, spec.subflows, spec.seed)
     start = time.perf_counter()
     result = simulate(as_streams(programs), FlowNetwork(router), record_spans)
     wall = time.perf_counter() - start

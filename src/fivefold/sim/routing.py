@@ -95,3 +95,12 @@ class Router:
     def path_latency(self, route: Route) -> float:
         """Latency of the route: the sum over its links, weighted by the share each carries (a path's sum for ECMP)."""
         return sum(self.topology.links[link].latency * fraction for link, fraction in route)
+
+
+def cluster_router(cluster, accelerators: int) -> Router:
+    """The fabric of `cluster` (plan/cluster.py ClusterSpec) for `accelerators` ranks, routed as its
+    [topology] table says: what every simulation here runs over."""
+    from fivefold.sim.topology import build_topology
+
+    spec = cluster.topology
+    return Router(build_topology(cluster, accelerators), spec.routing, spec.subflows, spec.seed)

@@ -23,8 +23,8 @@ from fivefold.plan.cluster import ClusterSpec
 from fivefold.sim.collective import link_utilisation
 from fivefold.sim.engine import SimResult, simulate
 from fivefold.sim.network import DedicatedNetwork, FlowNetwork
-from fivefold.sim.routing import Router
-from fivefold.sim.topology import Topology, build_topology
+from fivefold.sim.routing import cluster_router
+from fivefold.sim.topology import Topology
 from fivefold.sim.workload import COMPUTE, Workload, build_workload
 
 PHASES = ("compute", "recompute", "optimizer", "tp", "cp", "dp", "pipeline")
@@ -69,10 +69,8 @@ def simulate_step(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency
     """Simulate one optimizer step of `config` on `gpus` accelerators of `cluster` (see workload.py)."""
     start = time.perf_counter()
     workload = build_workload(config, gpus, cluster, efficiency, fidelity, vocab_size)
-    topology = build_topology(cluster, gpus)
-    spec = cluster.topology
-    router = Router(topology, spec.routing, spec.subflows, spec.seed)
+    router = cluster_router(cluster, gpus)
     network = DedicatedNetwork(router) if fidelity == "analytical" else FlowNetwork(router)
     built = time.perf_counter()
     result = simulate(workload.programs, network, record_spans)
-    return StepRun(workload, topology, result, built - start, time.perf_counter() - built)
+    return StepRun(workload, router.topology, result, built - start, time.perf_counter() - built)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +55,7 @@ from fivefold.comm.cost import best_all_reduce, native_collective, predict
 from fivefold.config.schema import JobConfig
 from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
+from fivefold.parallel.mesh import MESH_DIMS
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.estimate import Degrees, PassCosts, compute_dtype, degrees_of, model_for, pass_costs
 from fivefold.plan.parameters import padded_vocab
@@ -62,7 +64,7 @@ from fivefold.sim.engine import Await, Collective, Compute, Notify, Op, Recv, Se
 from fivefold.sim.trace import collective_programs, resolve_algorithm
 
 COMPUTE, DP = "compute", "dp"
-_TP_SPLIT = (".attention.", ".feed_forward.w")  # column/row-parallel weights (MoE and shared experts stay whole)
+_TP_SPLIT = (".attention.", ".feed_forward.w")  # column/row-parallel weights
 _WHOLE = (".wq_a.", ".wkv_a.")  # multi-latent attention's down-projections are replicated
 
 
@@ -75,7 +77,7 @@ class Grid:
     dp_shard: int
     cp: int
     tp: int
-    DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    DIMS = MESH_DIMS
 
     @property
     def size(self) -> int:
@@ -108,8 +110,9 @@ class Unit:
 
     name: str
     index: int  # ZeRO unit index: the block's layer, or -1 for the root
-    params: list[tuple[str, int, bool]]  # (name, elements on this rank, is a matrix), in registration order
+    params: list[tuple[str, int]]  # (name, elements on this rank), in registration order
     moe: bool = False
+    flat_groups: list[int] = field(default_factory=list)  # ZeRO's groups of this unit (elements on this rank, unpadded)
 
 
 @dataclass
@@ -120,46 +123,65 @@ class Workload:
     split: list[list[int]]
     simulated: tuple[int, ...]  # the ranks with programs (all, or one per pipeline stage on the analytical path)
     fidelity: str
-    log: dict[int, list[tuple[str, tuple[int, ...], int]]] = field(default_factory=dict)  # rank -> its calls
+    log: dict[int, list[tuple[str, tuple[int, ...], int, str]]] = field(default_factory=dict)  # rank -> its calls
     notes: list[str] = field(default_factory=list)
     recorded: int = 0  # collectives expanded into messages
     analytical: int = 0  # collectives priced by formula
+    expand: Callable[[str, str, int, int], dict[int, list[Op]]] | None = field(default=None, repr=False)
+
+    def calls(self, rank: int) -> list[tuple[str, tuple[int, ...], int]]:
+        """`rank`'s torch.distributed calls, as sim/observe.py records the runtime's: (kind, group ranks, bytes)
+        per backend collective, ("send", (rank, peer), bytes) per message, including every message of a
+        hand-written algorithm (comm/, which posts them itself)."""
+        out = []
+        for kind, members, nbytes, algorithm in self.log.get(rank, []):
+            if kind == "send" or algorithm == "native":
+                out.append((kind, members, nbytes))
+            else:
+                program = self.expand(kind, algorithm, len(members), nbytes)[members.index(rank)]
+                out += [("send", (rank, members[op.peer]), op.nbytes) for op in program if isinstance(op, Send)]
+        return out
 
 
 def stage_units(model: ModelConfig, split: list[list[int]], d: Degrees) -> list[list[Unit]]:
     """Every (virtual) stage's units in forward order, with each parameter's elements on one rank: the
     meta-device model's tensors, cut as tensor parallelism cuts them (attention and dense MLP weights
-    and the vocabulary rows by tp) and routed experts as expert parallelism places them (n / ep per
-    rank, each cut by etp)."""
+    and the vocabulary rows by tp; mixture-of-experts models are refused before this). ZeRO's flat groups are the runtime's own (parallel/flat_groups.py
+    `flat_group_layout`: per block and weight-decay class; the root's per top-level module)."""
     from fivefold.model import build_model
+    from fivefold.parallel.flat_groups import flat_group_layout
 
     net = build_model(model)  # meta device: shapes only
+    local: dict[str, int] = {}
+    unit_of: dict[str, str] = {}
     vocab = padded_vocab(model.vocab_size, d.tp)
-    experts_here = model.n_experts // d.ep if model.n_experts else 0
-    by_unit: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)
+    by_unit: dict[str, list[tuple[str, int]]] = defaultdict(list)
     for name, p in net.named_parameters():
         if not p.requires_grad:
             continue
         numel = p.numel()
         if name.startswith(("tok_embeddings.", "output.")):
             numel = vocab // d.tp * p.shape[-1]
-        elif ".experts." in name:
-            if int(name.split(".experts.")[1].split(".")[0]) >= experts_here:
-                continue
-            numel //= d.etp
         elif p.ndim >= 2 and any(part in name for part in _TP_SPLIT) and not any(x in name for x in _WHOLE):
             numel //= d.tp
         unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else name.split(".")[0]
-        by_unit[unit].append((name, numel, p.ndim >= 2))
+        by_unit[unit].append((name, numel))
+        local[name] = numel
+        unit_of[name] = {"tok_embeddings": "embedding", "norm": "head", "output": "head"}.get(unit, unit)
+    groups: dict[str, list[int]] = defaultdict(list)
+    for layout in flat_group_layout(net):
+        present = [local[n] for n in layout.names if n in local]
+        if present:
+            groups[unit_of[layout.names[0]]].append(sum(present))
     stages = []
     for s, layers in enumerate(split):
         units = []
         if s == 0:
-            units.append(Unit("embedding", -1, by_unit["tok_embeddings"]))
-        units += [Unit(f"layers.{i}", i, by_unit[f"layers.{i}"], model.is_moe_layer(i) and bool(model.n_experts))
-                  for i in layers]
+            units.append(Unit("embedding", -1, by_unit["tok_embeddings"], flat_groups=groups["embedding"]))
+        units += [Unit(f"layers.{i}", i, by_unit[f"layers.{i}"], model.is_moe_layer(i) and bool(model.n_experts),
+                       groups[f"layers.{i}"]) for i in layers]
         if s == len(split) - 1:
-            units.append(Unit("head", -1, by_unit["norm"] + by_unit["output"]))
+            units.append(Unit("head", -1, by_unit["norm"] + by_unit["output"], flat_groups=groups["head"]))
         stages.append(units)
     return stages
 
@@ -204,7 +226,7 @@ class _Builder:
         self._recordings: dict[tuple, dict[int, list[Op]]] = {}
         self._events: dict[int, int] = defaultdict(int)
         self.recorded = self.analytical = 0
-        self.log: dict[int, list[tuple[str, tuple[int, ...], int]]] = defaultdict(list)  # as sim/observe.py records
+        self.log: dict[int, list[tuple[str, tuple[int, ...], int, str]]] = defaultdict(list)  # + the algorithm
 
     # ------------------------------------------------------------------ primitives
     def _handle(self, key: StreamKey) -> int:
@@ -228,13 +250,7 @@ class _Builder:
         ops = self.programs[key]
         sequence_key = (stream, members, rank)
         self._sequence[sequence_key] += 1
-        hand_written = algorithm != "native"
-        if hand_written:  # our algorithm: the runtime posts its messages (logged as such)
-            self.log[rank] += [("send", (rank, members[op.peer]), op.nbytes)
-                               for op in self._recording(kind, algorithm, p, nbytes)[members.index(rank)]
-                               if isinstance(op, Send)]
-        else:
-            self.log[rank].append((kind, members, nbytes))
+        self.log[rank].append((kind, members, nbytes, algorithm))
         if self.fidelity == "analytical" or (self.fidelity == "hybrid" and self._inside_node(members)):
             span = members[-1] - members[0] + 1
             if algorithm in ("native", "ring") or kind != "all_reduce":
@@ -278,7 +294,7 @@ class _Builder:
         returns what to wait on. With the neighbours off the simulated ranks (the analytical path) the
         transfer is its alpha-beta time on a stream of its own, so it still overlaps the compute."""
         key = (rank, COMPUTE)
-        self.log[rank].append(("send", (rank, peers[0]), nbytes))
+        self.log[rank].append(("send", (rank, peers[0]), nbytes, ""))
         if peers[0] in self._simulated and peers[1] in self._simulated:
             send, recv = Send(peers[0], nbytes, self._handle(key)), Recv(peers[1], nbytes, self._handle(key))
             self.programs[key] += [send, recv]
@@ -393,18 +409,13 @@ class _Builder:
         if len(self.dp_group) == 1:
             return
         if z.zero_stage:
-            shards = len(self.shard_group)
+            shards = len(self.shard_group)  # each group padded to a multiple of the shard count
             for s in stages:
                 for unit in self.units[s]:
-                    sizes = []
-                    for decay in (True, False):  # parallel/flat_groups.py: decay (matrices) first
-                        n = sum(e for _, e, matrix in unit.params if matrix == decay)
-                        if n:
-                            sizes.append(-(-n // shards) * shards)
-                    self.flat_groups[(s, unit.name)] = sizes
+                    self.flat_groups[(s, unit.name)] = [-(-n // shards) * shards for n in unit.flat_groups]
             return
         # DDP: the runtime's buckets over this rank's parameters, registration order (stage by stage)
-        order = [(s, unit.name, name, e) for s in stages for unit in self.units[s] for name, e, _ in unit.params]
+        order = [(s, unit.name, name, e) for s in stages for unit in self.units[s] for name, e in unit.params]
         dtype = torch.bfloat16 if g.reduce_dtype == "bf16" else torch.float32
         tensors = [torch.empty(e, device="meta") for *_, e in order]
         owner = {id(t): (s, unit) for t, (s, unit, _, _) in zip(tensors, order)}
@@ -585,7 +596,7 @@ class _Builder:
         """AdamW over this rank's (ZeRO: sharded) parameters, memory-bound; ZeRO-1/2 gather the new weights."""
         z = self.config.data_parallel
         stages = list(range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp))
-        params = sum(e for s in stages for unit in self.units[s] for _, e, _ in unit.params)
+        params = sum(e for s in stages for unit in self.units[s] for _, e in unit.params)
         shards = len(self.shard_group) if z.zero_stage else 1
         bandwidth = self.cluster.accelerator.memory_bandwidth_gbs * 1e9
         if bandwidth and not z.offload:
@@ -633,7 +644,7 @@ class _Builder:
                 else:
                     posts.append(Send(peer, wire, handle))
                     sends.append(handle)
-                    self.log[rank].append(("send", (rank, peer), wire))
+                    self.log[rank].append(("send", (rank, peer), wire, ""))
                 continue
             self.programs[key].extend(posts)  # the executor's batch_isend_irecv at the next compute
             if receives:
@@ -661,6 +672,8 @@ def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:
         reasons.append("data_parallel.mode = ps (parameter servers)")
     if d.ep * d.etp > 1:
         reasons.append("expert_parallel.degree > 1 (the all-to-all dispatch)")
+    if config.model.n_experts:
+        reasons.append("model.n_experts > 0 (routed experts' own gradient groups and routing)")
     if z.offload:
         reasons.append("data_parallel.offload = true")
     if g.compression != "none":
@@ -679,4 +692,5 @@ def build_workload(config: JobConfig, gpus: int, cluster: ClusterSpec, efficienc
     for rank in builder.simulated:
         builder.rank_program(rank)
     return Workload(dict(builder.programs), builder.grid, builder.d, builder.split, builder.simulated, fidelity,
-                    dict(builder.log), recorded=builder.recorded, analytical=builder.analytical)
+                    dict(builder.log), recorded=builder.recorded, analytical=builder.analytical,
+                    expand=builder._recording)
