@@ -50,6 +50,7 @@ def test_benchmark_runs_and_prints_result(script, extra, expected):
     ("plan_vs_measured.py", ["--quick", "--steps", "1", "--warmup", "1", "--layers", "2", "--seq-len", "64"],
      "median_abs_error="),
     ("plan_published.py", ["--rows", "3"], "median_abs_error="),
+    ("sim_published.py", ["--sc21-rows", "2", "--korthikanti-rows", "1"], "within_10pct="),
 ])
 def test_reliability_benchmark_runs_and_prints_result(script, args, expected):
     """The reliability benchmarks compare with a fault-free run, SHA-256 or a labelled truth, not a model's loss;

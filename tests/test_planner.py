@@ -308,3 +308,33 @@ def test_parameter_server_layout_is_planned_as_the_runtime_builds_it():
     assert two.time.dp < one.time.dp and one.time.compute == two.time.compute
     with pytest.raises(ConfigError, match="data_parallel.mode = ps"):
         search(ps(1), 5, cluster, 8)
+
+
+# ---- the attention core's own efficiency (plan/efficiency.py)
+
+
+def test_attention_core_runs_at_its_own_share_of_peak():
+    """The core's forward (4 q s FLOPs per token) is priced at peak x the attention share and the rest at peak x
+    the matmul share: halving the attention share adds exactly one core per block pass (forward, two backward,
+    one more forward under selective recomputation); 0 and a bare number mean one share for all."""
+    from fivefold.plan.efficiency import Efficiency
+
+    cluster = CLUSTERS["h100-sxm"]
+    for recompute, passes in (("none", 3), ("selective", 4)):
+        config = load_config(None, ["--model.preset", "tiny", "--model.vocab_size", "257", "--train.seq_len", "256",
+                                    "--train.grad_accum_steps", "2", "--train.recompute", recompute])
+        plain = estimate(config, 1, cluster, 0.5).time
+        assert estimate(config, 1, cluster, Efficiency(0.5)).time == plain
+        assert estimate(config, 1, cluster, Efficiency(0.5, 0.5)).time == plain
+        slow = estimate(config, 1, cluster, Efficiency(0.5, 0.25)).time
+        model, t = config.model, config.train
+        core = 4 * model.dim * t.seq_len * t.micro_batch_size * t.seq_len / cluster.accelerator.peak_flops("fp32") / 0.5
+        extra = passes * t.grad_accum_steps * model.n_layers * core
+        assert slow.compute - plain.compute == pytest.approx(extra, rel=1e-9)
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match="efficiency"):
+            Efficiency(bad)
+    with pytest.raises(ConfigError, match="attention efficiency = -0.1"):
+        Efficiency(0.5, -0.1)
+    assert main(["plan", "--model.preset", "tiny", "--model.vocab_size", "257", "--gpus", "1",
+                 "--attention-efficiency", "2"]) == 2

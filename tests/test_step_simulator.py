@@ -185,6 +185,9 @@ def test_every_step_option_changes_what_is_simulated(capsys):
     plain = _step_json(capsys, *base)
     assert plain["layout"].startswith("dp 8 x tp 2") and plain["fidelity"] == "hybrid"
     assert _step_json(capsys, *base, "--efficiency", "0.25")["seconds"] > plain["seconds"]
+    slow_core = _step_json(capsys, *base, "--attention-efficiency", "0.1")
+    assert slow_core["seconds"] > plain["seconds"] and slow_core["attention_efficiency"] == 0.1
+    assert plain["attention_efficiency"] == plain["efficiency"] == 0.5
     assert _step_json(capsys, *base, "--gpus", "32")["layout"].startswith("dp 16")
     assert _step_json(capsys, *base[:-1], "4")["layout"].startswith("dp 4 x tp 4")  # a config override
     bigger = _step_json(capsys, "--gpus", "16", "--vocab-size", "32000", "--tensor_parallel.degree", "2")
@@ -202,6 +205,7 @@ def test_every_step_option_changes_what_is_simulated(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--gpus", "2", "--efficiency", "nan"], "efficiency = nan"), (["--gpus", "2", "--efficiency", "inf"], "efficiency"),
     (["--gpus", "2", "--efficiency", "0"], "efficiency"), (["--gpus", "2", "--vocab-size", "-1"], "--vocab-size -1"),
+    (["--gpus", "2", "--attention-efficiency", "2"], "attention efficiency = 2.0"),
     (["--gpus", "2", "--model.n_experts", "4"], "n_experts"),
     ([], "--gpus N"), (["--gpus", "4", "--ranks", "4"], "--gpus N"), (["--gpus", "0"], "--gpus 0"),
     (["--ranks", "8", "--train.steps", "3"], "use --gpus"), (["--gpus", "3", "--tensor_parallel.degree", "2"], "world size is 3"),
@@ -214,3 +218,42 @@ def test_simulate_step_rejects_bad_input_in_one_line(argv, message, capsys):
     assert main(["simulate", "--cluster", "h100-sxm", "--vocab-size", "257", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fivefold: error:") and message in err and err.count("\n") == 1
+
+
+# ---- published runs (plan/published.py; the whole table: benchmarks/sim_published.py, docs/simulator.md)
+
+
+def test_korthikanti_rows_are_the_published_models():
+    """Each model of Korthikanti et al.'s Table 3 built as ours has the published size (22B, 175B, 530B, 1T,
+    within 1%: no biases or learned positions), the paper's layout and batch, and both recomputation modes."""
+    from fivefold.plan.flops import count_parameters
+    from fivefold.plan.published import KORTHIKANTI_TABLE, korthikanti_config
+
+    sizes = {"22B": 22, "175B": 175, "530B": 530, "1T": 1000}
+    for run in KORTHIKANTI_TABLE:
+        full, selective = korthikanti_config(run, "full"), korthikanti_config(run, "selective")
+        assert count_parameters(full.model).total / 1e9 == pytest.approx(sizes[run.name], rel=0.01), run.name
+        for config in (full, selective):
+            assert (config.tensor_parallel.degree, config.pipeline_parallel.degree) == (run.tp, run.pp)
+            assert config.train.micro_batch_size * config.train.grad_accum_steps * run.dp == run.batch
+            assert config.pipeline_parallel.virtual == run.virtual
+        assert (full.train.recompute, full.tensor_parallel.sequence_parallel) == ("full", False)
+        assert (selective.train.recompute, selective.tensor_parallel.sequence_parallel) == ("selective", True)
+    with pytest.raises(ValueError, match="mode"):
+        korthikanti_config(KORTHIKANTI_TABLE[0], "none")
+
+
+def test_sequence_parallel_selective_recompute_saves_what_the_paper_measured():
+    """Korthikanti et al. measured 22B 29% faster with sequence parallelism + selective recomputation than with
+    full recomputation (1.42 s / 1.10 s). Simulated with the shares sim_published.py fits on SC21, the saving
+    is the recomputed forward and the all-reduces turned into reduce-scatter + all-gather: within 5 points."""
+    from fivefold.plan.efficiency import Efficiency
+    from fivefold.plan.published import KORTHIKANTI_TABLE, korthikanti_config
+
+    run = KORTHIKANTI_TABLE[0]
+    a100, efficiency = PRESETS["a100-80gb"], Efficiency(0.658, 0.224)
+    full = simulate_step(korthikanti_config(run, "full"), run.gpus, a100, efficiency, "analytical")
+    selective = simulate_step(korthikanti_config(run, "selective"), run.gpus, a100, efficiency, "analytical")
+    published = run.seconds["full"] / run.seconds["selective"]
+    assert full.time / selective.time == pytest.approx(published, abs=0.05)
+    assert full.breakdown()["recompute"] > 5 * selective.breakdown()["recompute"]  # a block vs its attention core

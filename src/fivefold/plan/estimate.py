@@ -23,9 +23,9 @@ Memory per rank (bytes), for every pipeline rank; the report takes the largest:
 
 Step time (seconds) = pipeline makespan + exposed data-parallel communication:
 
-    compute     forward FLOPs of a stage's blocks (2 x matmul parameters x tokens + the attention
-                core 4 q s per token, split by tp and cp; the head on the last stage) at the
-                accelerator's peak x efficiency, plus the bytes the blocks write outside their
+    compute     forward FLOPs of a stage's blocks (2 x matmul parameters x tokens at the
+                accelerator's peak x efficiency, the attention core 4 q s per token at peak x the
+                attention efficiency, split by tp and cp; the head on the last stage), plus the bytes the blocks write outside their
                 matmuls (the kept activations, the logits) at its memory bandwidth; backward twice
                 the forward; `full` recompute adds a forward to every backward, `selective` the
                 attention core's
@@ -61,6 +61,7 @@ from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
 from fivefold.plan.activations import ActivationShape, block_activation_elements, moe_block_activation_elements
 from fivefold.plan.cluster import ClusterSpec
+from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.flops import flops_per_token
 from fivefold.plan.memory import zero_model_states
 from fivefold.plan.parameters import RankParameters, first_block, block_parameters, padded_vocab, rank_parameters
@@ -401,45 +402,54 @@ def _block_forward_flops(model: ModelConfig, layer: int, tokens: int, seq: int, 
     matmul = full.dense - 2 * model.dim
     if model.is_moe_layer(layer):
         matmul += full.experts * model.moe_top_k // model.n_experts
+    return 2 * matmul * tokens / (d.tp * d.cp) + _attention_core_flops(model, tokens, seq, d)
+
+
+def _attention_core_flops(model: ModelConfig, tokens: int, seq: int, d: Degrees) -> float:
+    """Forward FLOPs of one block's attention core on one rank: q k^T and the product with v."""
     if model.attention == "mla":
         width = model.n_heads * (model.qk_nope_head_dim + model.qk_rope_head_dim + model.v_head_dim)
-        attention = 2 * width * seq
-    else:
-        attention = 4 * model.q_dim * seq
-    return (2 * matmul + attention) * tokens / (d.tp * d.cp)
+        return 2 * width * seq * tokens / (d.tp * d.cp)
+    return 4 * model.q_dim * seq * tokens / (d.tp * d.cp)
 
 
 @dataclass(frozen=True)
 class PassCosts:
     """Seconds of one micro-batch's forward pass on one rank, before any communication: a block's
-    (matmuls at the achieved rate plus the bytes it writes outside them at the memory bandwidth), by
-    kind (False: dense, True: MoE), the attention core's share of it, and the last stage's head and loss."""
+    (matmuls at the achieved rate, the attention core at its own, plus the bytes it writes outside them at
+    the memory bandwidth) by kind (False: dense, True: MoE), the attention core's share of it, and the last
+    stage's head and loss."""
 
     block: dict[bool, float]
     core: float
     head: float
 
 
-def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: ClusterSpec, rate: float) -> PassCosts:
+def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: ClusterSpec,
+               efficiency: float | Efficiency) -> PassCosts:
     """The forward costs every step-time model here shares (the planner's step_time, the simulator's workload)."""
-    t = config.train
+    t, eff = config.train, as_efficiency(efficiency)
+    peak = cluster.accelerator.peak_flops(compute_dtype(config))
+    rate = peak * eff.matmul
     tokens, seq = t.micro_batch_size * t.seq_len, t.seq_len
+    core_flops = _attention_core_flops(model, tokens, seq, d)
+    core = core_flops / (peak * eff.core)
     bandwidth = cluster.accelerator.memory_bandwidth_gbs * 1e9
     written = _written_per_block(model, config, d) if bandwidth else {}
-    block = {moe: _block_forward_flops(model, layer, tokens, seq, d) / rate
+    block = {moe: (_block_forward_flops(model, layer, tokens, seq, d) - core_flops) / rate + core
              + (written[moe] / bandwidth if bandwidth else 0.0)
              for moe in (False, True) if (layer := first_block(model, moe)) >= 0}
     head = 2 * padded_vocab(model.vocab_size, d.tp) * model.dim * tokens / (d.tp * d.cp) / rate
     if bandwidth:
         head += 2 * 4 * tokens // d.cp * padded_vocab(model.vocab_size, d.tp) // d.tp / bandwidth
-    return PassCosts(block, 4 * model.q_dim * seq * tokens / (d.tp * d.cp) / rate, head)
+    return PassCosts(block, core, head)
 
 
 def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], cluster: ClusterSpec,
-              efficiency: float, peak: float, runs: PipelineRuns | None = None) -> StepTime:
+              efficiency: float | Efficiency, peak: float, runs: PipelineRuns | None = None) -> StepTime:
     from fivefold.parallel.pipeline.simulate import Costs
 
-    t, rate = config.train, peak * efficiency
+    t = config.train
     b, seq, m = t.micro_batch_size, t.seq_len, t.grad_accum_steps
     tokens = b * seq
     element = 2 if compute_dtype(config) == "bf16" else 4
@@ -456,7 +466,7 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
             return native_collective("all_reduce", n, d.tp, cluster.collective_link("all_reduce", d.tp))
     ep_link = cluster.collective_link("all_to_all", d.ep * d.etp * (1 if sp else d.tp))
     activation_bytes = b * (seq // d.cp) * model.dim * element
-    costs = pass_costs(config, model, d, cluster, rate)
+    costs = pass_costs(config, model, d, cluster, efficiency)
     for stage, layers in enumerate(split):
         forward.append(sum(costs.block[model.is_moe_layer(layer) and bool(model.n_experts)] for layer in layers)
                        + (costs.head if stage == len(split) - 1 else 0.0))
@@ -627,7 +637,8 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
 
 
 # ---------------------------------------------------------------------------------------------- together
-def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float = 0.5, vocab_size: int = 0,
+def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency = 0.5,
+             vocab_size: int = 0,
              runs: PipelineRuns | None = None, time_if_over: bool = True, simulate: bool = True) -> Estimate:
     """Memory and step time of `config` on `gpus` accelerators of `cluster` (ConfigError if it cannot run).
 
@@ -636,8 +647,7 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
     the step time out (None) when the memory is over the accelerator's capacity."""
     from fivefold.parallel.pipeline.stages import plan_stages
 
-    if not 0 < efficiency <= 1:
-        raise ConfigError(f"efficiency = {efficiency}: the achieved share of peak FLOP/s must lie in (0, 1]")
+    efficiency = as_efficiency(efficiency)
     cluster.check_size(gpus)
     d = degrees_of(config, gpus)
     model = model_for(config, vocab_size)

@@ -1,4 +1,5 @@
-"""Published training runs the planner is calibrated against: Megatron-LM's weak-scaling table (SC21).
+"""Published training runs the planner and the simulator are checked against: Megatron-LM's weak-scaling
+table (SC21) and its iteration times with and without sequence parallelism (Korthikanti et al. 2022).
 
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (SC21, arXiv 2104.04473), Table 1: GPT models from 1.7B to 1T parameters on up to
@@ -8,6 +9,14 @@ recomputation. The same table is in NVIDIA/Megatron-LM's repository as images/ca
 (added in commit 50a4b5fa02, April 2021), whose README says a model-parallel size above 8 is tensor
 parallelism 8 times pipeline parallelism. Achieved teraFLOP/s there count the paper's
 96 B s l h^2 (1 + s / 6h + V / 16 l h) FLOPs per iteration, the recomputed forward included.
+
+Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (MLSys 2023,
+arXiv 2205.05198): Table 3 gives four GPT models (22B, 175B, 530B, 1T; vocabulary 51,200, sequence
+2,048) with their tensor and pipeline degrees, GPUs and global batch on A100-80GB of Selene, and
+Table 5 the measured seconds per iteration with full recomputation (tensor parallelism's all-reduces)
+and with sequence parallelism plus selective recomputation. The tables do not give the micro-batch
+or the interleaving; those are taken as Calculon's validation inputs read them (calculon-ai/calculon,
+validation/*.json: micro-batch 4 for 22B, else 1; 3 virtual stages for 175B and 530B).
 
 Our model is Llama-shaped (SwiGLU, RoPE, RMSNorm, no biases); each row is built with the GPT
 row's width, depth, tied embeddings and vocabulary and a SwiGLU width of 8h/3 (rounded to a multiple of tp), which keeps
@@ -72,17 +81,72 @@ def paper_flops(run: PublishedRun, seq_len: int = SC21_SEQ, vocab: int = SC21_VO
     return 96 * b * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))
 
 
-def sc21_config(run: PublishedRun, micro_batch: int = 1, schedule: str = "1f1b") -> JobConfig:
-    """The row as a fivefold job: its degrees, bf16 compute, full recomputation, DDP (2021: no ZeRO)."""
-    ffn = round(8 * run.hidden / 3 / run.tp) * run.tp
-    accum = run.batch // (run.dp * micro_batch)
+def gpt_config(hidden: int, heads: int, layers: int, tp: int, pp: int, micro_batch: int, accum: int,
+               recompute: str = "full", sequence_parallel: bool = False, schedule: str = "1f1b",
+               virtual: int = 1) -> JobConfig:
+    """A published GPT row as a fivefold job: width, depth and heads, the papers' vocabulary and sequence,
+    tied embeddings, a SwiGLU width of 8h/3 (rounded to a multiple of tp: the MLP keeps its 8h^2 weights),
+    bf16, the given recomputation and tp / sp / pp layout, DDP (neither paper shards optimizer states)."""
+    ffn = round(8 * hidden / 3 / tp) * tp
     overrides = [
-        f"--model.dim={run.hidden}", f"--model.n_layers={run.layers}", f"--model.n_heads={run.heads}", f"--model.n_kv_heads={run.heads}",
+        f"--model.dim={hidden}", f"--model.n_layers={layers}", f"--model.n_heads={heads}", f"--model.n_kv_heads={heads}",
         f"--model.vocab_size={SC21_VOCAB}", f"--model.ffn_dim={ffn}", f"--model.max_seq_len={SC21_SEQ}",
         f"--train.seq_len={SC21_SEQ}", f"--train.micro_batch_size={micro_batch}", f"--train.grad_accum_steps={accum}",
-        "--model.tie_embeddings=true", "--train.dtype=bf16", "--train.recompute=full",
-        f"--tensor_parallel.degree={run.tp}", f"--pipeline_parallel.degree={run.pp}",
+        "--model.tie_embeddings=true", "--train.dtype=bf16", f"--train.recompute={recompute}",
+        f"--tensor_parallel.degree={tp}", f"--pipeline_parallel.degree={pp}",
     ]
-    if run.pp > 1:
-        overrides.append(f"--pipeline_parallel.schedule={schedule}")
+    if sequence_parallel:
+        overrides.append("--tensor_parallel.sequence_parallel=true")
+    if pp > 1:
+        overrides += [f"--pipeline_parallel.schedule={schedule}", f"--pipeline_parallel.virtual={virtual}"]
     return load_config(None, overrides)
+
+
+def sc21_config(run: PublishedRun, micro_batch: int = 1, schedule: str = "1f1b") -> JobConfig:
+    """The row as a fivefold job: its degrees, bf16 compute, full recomputation, DDP (2021: no ZeRO)."""
+    return gpt_config(run.hidden, run.heads, run.layers, run.tp, run.pp, micro_batch,
+                      run.batch // (run.dp * micro_batch), "full", False, schedule)
+
+
+KORTHIKANTI_SOURCE = ("Korthikanti et al., MLSys 2023 (arXiv 2205.05198), Tables 3 and 5; micro-batch and "
+                      "interleaving as calculon-ai/calculon validation/*.json read them")
+KORTHIKANTI_MODES = ("full", "selective")
+
+
+@dataclass(frozen=True)
+class PublishedIteration:
+    """One model of Korthikanti et al.'s Table 3 with its two measured iteration times of Table 5."""
+
+    name: str
+    hidden: int
+    heads: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int  # global batch, sequences
+    micro_batch: int
+    virtual: int
+    seconds: dict  # "full": full recomputation; "selective": sequence parallelism + selective recomputation
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+
+KORTHIKANTI_TABLE = [
+    PublishedIteration("22B", 6144, 64, 48, 8, 1, 8, 4, 4, 1, {"full": 1.42, "selective": 1.10}),
+    PublishedIteration("175B", 12288, 96, 96, 8, 8, 64, 64, 1, 3, {"full": 18.13, "selective": 13.75}),
+    PublishedIteration("530B", 20480, 128, 105, 8, 35, 280, 280, 1, 3, {"full": 49.05, "selective": 37.83}),
+    PublishedIteration("1T", 25600, 160, 128, 8, 64, 512, 512, 1, 1, {"full": 94.42, "selective": 71.49}),
+]
+
+
+def korthikanti_config(run: PublishedIteration, mode: str) -> JobConfig:
+    """The row as a fivefold job: `full` is full recomputation with tensor parallelism's all-reduces,
+    `selective` is sequence parallelism with selective recomputation (the paper's "present work")."""
+    if mode not in KORTHIKANTI_MODES:
+        raise ValueError(f"mode {mode!r}: one of {', '.join(KORTHIKANTI_MODES)}")
+    schedule = "interleaved" if run.virtual > 1 else "1f1b"
+    return gpt_config(run.hidden, run.heads, run.layers, run.tp, run.pp, run.micro_batch,
+                      run.batch // (run.dp * run.micro_batch), mode, mode == "selective", schedule, run.virtual)

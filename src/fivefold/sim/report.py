@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     step.add_argument("--gpus", type=int, help="accelerators the step runs on")
     step.add_argument("--efficiency", type=float, default=0.5,
                       help="achieved share of peak FLOP/s in the matmuls (the planner's compute model; default 0.5)")
+    step.add_argument("--attention-efficiency", type=float, default=0.0,
+                      help="achieved share of peak FLOP/s in the attention core, softmax(q k^T) v, which runs "
+                           "further from peak than the large matmuls (default: the same as --efficiency)")
     step.add_argument("--fidelity", default="hybrid", choices=FIDELITIES,
                       help="flow: every collective as messages; hybrid: collectives inside a node by formula; "
                            "analytical: all by formula, one rank per pipeline stage (for tens of thousands of GPUs)")
@@ -91,21 +94,23 @@ def _write_trace(result, path: str) -> None:
 
 def run_step(args: argparse.Namespace, overrides: list[str]) -> int:
     from fivefold.config import load_config
+    from fivefold.plan.efficiency import Efficiency
     from fivefold.sim.step import PHASES, simulate_step
 
     if args.gpus < 1:
         raise ConfigError(f"--gpus {args.gpus}: must be a positive number of accelerators")
     config = load_config(args.config, overrides)
     cluster = cluster_with_overrides(args)
-    run_ = simulate_step(config, args.gpus, cluster, args.efficiency, args.fidelity, args.vocab_size,
-                         record_spans=True)
+    efficiency = Efficiency(args.efficiency, args.attention_efficiency)
+    run_ = simulate_step(config, args.gpus, cluster, efficiency, args.fidelity, args.vocab_size, record_spans=True)
     phases = run_.breakdown()
     links = run_.link_utilisation()
     work, spec = run_.workload, cluster.topology
     summary = {
         "gpus": args.gpus, "layout": work.degrees.describe(), "cluster": cluster.name, "topology": spec.kind,
         "fabric": run_.topology.describe(), "routing": spec.routing, "fidelity": args.fidelity,
-        "efficiency": args.efficiency, "seconds": run_.time, "phases_seconds": phases,
+        "efficiency": efficiency.matmul, "attention_efficiency": efficiency.core, "seconds": run_.time,
+        "phases_seconds": phases,
         "slowest_rank": run_.slowest_rank, "simulated_ranks": len(work.simulated),
         "collectives_as_messages": work.recorded, "collectives_by_formula": work.analytical,
         "bytes_sent": sum(run_.result.pair_bytes.values()), "busiest_links": links[:args.top_links],
@@ -119,7 +124,7 @@ def run_step(args: argparse.Namespace, overrides: list[str]) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     print(f"one step of {work.degrees.describe()} on {args.gpus} x {cluster.accelerator.name} ({cluster.name}), "
-          f"fidelity {args.fidelity}")
+          f"fidelity {args.fidelity}, efficiency {efficiency.describe()}")
     print(f"  fabric       {run_.topology.describe()}; routing {spec.routing}")
     print(f"  step         {run_.time * 1e3:.3f} ms   (slowest rank {run_.slowest_rank}; "
           f"{len(work.simulated)} ranks simulated)")

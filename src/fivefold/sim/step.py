@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from fivefold.config.schema import JobConfig
 from fivefold.plan.cluster import ClusterSpec
+from fivefold.plan.efficiency import Efficiency
 from fivefold.sim.collective import link_utilisation
 from fivefold.sim.engine import SimResult, simulate
 from fivefold.sim.network import DedicatedNetwork, FlowNetwork
@@ -64,7 +65,7 @@ class StepRun:
         return link_utilisation(self.topology, self.result.link_bytes, self.time)
 
 
-def simulate_step(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float = 0.5,
+def simulate_step(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency = 0.5,
                   fidelity: str = "hybrid", vocab_size: int = 0, record_spans: bool = True) -> StepRun:
     """Simulate one optimizer step of `config` on `gpus` accelerators of `cluster` (see workload.py)."""
     start = time.perf_counter()

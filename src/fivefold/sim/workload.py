@@ -57,6 +57,7 @@ from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
 from fivefold.parallel.mesh import MESH_DIMS
 from fivefold.plan.cluster import ClusterSpec
+from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.estimate import Degrees, PassCosts, compute_dtype, degrees_of, model_for, pass_costs
 from fivefold.plan.parameters import padded_vocab
 from fivefold.sim.names import FIDELITIES
@@ -187,14 +188,13 @@ def stage_units(model: ModelConfig, split: list[list[int]], d: Degrees) -> list[
 
 
 class _Builder:
-    def __init__(self, config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float, fidelity: str,
-                 vocab_size: int):
+    def __init__(self, config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency,
+                 fidelity: str, vocab_size: int):
         from fivefold.parallel.pipeline.stages import plan_stages
 
         if fidelity not in FIDELITIES:
             raise ConfigError(f"--fidelity {fidelity!r}: use one of {', '.join(FIDELITIES)}")
-        if not 0 < efficiency <= 1:
-            raise ConfigError(f"efficiency = {efficiency}: the achieved share of peak FLOP/s must lie in (0, 1]")
+        efficiency = as_efficiency(efficiency)
         cluster.check_size(gpus)
         self.config, self.cluster, self.fidelity = config, cluster, fidelity
         self.d = d = degrees_of(config, gpus)
@@ -204,8 +204,7 @@ class _Builder:
         self.split = plan_stages(self.model, t.seq_len, d.pp * pipe.virtual, pipe.layers_per_stage, pipe.balance) \
             if d.pp > 1 else [list(range(self.model.n_layers))]
         self.grid = Grid(d.pp, d.dp // d.dp_shard, d.dp_shard, d.cp, d.tp)
-        rate = cluster.accelerator.peak_flops(compute_dtype(config)) * efficiency
-        self.costs: PassCosts = pass_costs(config, self.model, d, cluster, rate)
+        self.costs: PassCosts = pass_costs(config, self.model, d, cluster, efficiency)
         self.units = stage_units(self.model, self.split, d)
         self.element = 2 if compute_dtype(config) == "bf16" else 4
         self.sp = config.tensor_parallel.sequence_parallel and d.tp > 1
@@ -685,7 +684,7 @@ def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:
                           ": use `fivefold plan` for this layout's estimate")
 
 
-def build_workload(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float = 0.5,
+def build_workload(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency = 0.5,
                    fidelity: str = "hybrid", vocab_size: int = 0) -> Workload:
     """Every simulated rank's program for one optimizer step of `config` on `gpus` accelerators of `cluster`."""
     builder = _Builder(config, gpus, cluster, efficiency, fidelity, vocab_size)

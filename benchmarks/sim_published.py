@@ -1,0 +1,157 @@
+"""The step simulator's (and the planner's) predictions against published Megatron-LM runs on A100s.
+
+Two tables, both on the `a100-80gb` cluster preset (plan/published.py builds each row as a fivefold
+job: the paper's width, depth, heads, vocabulary, sequence, degrees and batch):
+
+- Narayanan et al., SC21, Table 1: achieved teraFLOP/s per GPU of GPT 1.7B to 1T on 32 to 3,072
+  GPUs (full recomputation, 1F1B, micro-batch 1); the predicted rate is the paper's FLOPs per
+  iteration over (simulated step x GPUs), as the paper counts it.
+- Korthikanti et al., 2022, Table 5: seconds per iteration of 22B, 175B, 530B and 1T with full
+  recomputation and with sequence parallelism + selective recomputation.
+
+The compute model has two fitted numbers (plan/efficiency.py): the achieved share of peak in the
+large matmuls and in the attention core. Both are fitted, with the simulator, on two SC21 rows
+(--fit; default 1.7B, whose attention core is 15% of its matmul FLOPs, and 18B, 6%) and used for
+every other row, which are predictions. Each step is simulated on the analytical path (one rank per
+pipeline stage, collectives by formula on a contention-free fabric; --fidelity to change it).
+
+    python benchmarks/sim_published.py                                   # the tables of docs/simulator.md
+    python benchmarks/sim_published.py --sc21-rows 2 --korthikanti-rows 1  # the test's run
+
+Prints both tables and
+RESULT name=sim_published rows=N within_10pct=K median_abs_error=... worst_abs_error=... efficiency=...
+       attention_efficiency=... plan_median_abs_error=...
+(errors over the rows not fitted: rate error for SC21, iteration-time error for Korthikanti et al.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+from fivefold.plan.cluster import load_cluster
+from fivefold.plan.efficiency import Efficiency
+from fivefold.plan.estimate import PipelineRuns, estimate
+from fivefold.plan.published import (KORTHIKANTI_MODES, KORTHIKANTI_SOURCE, KORTHIKANTI_TABLE, SC21_SOURCE,
+                                     SC21_TABLE1, PublishedRun, korthikanti_config, paper_flops, sc21_config)
+from fivefold.sim.names import FIDELITIES
+from fivefold.sim.step import simulate_step
+
+CLUSTER = load_cluster("a100-80gb")
+
+
+def simulated_seconds(config, gpus: int, efficiency: Efficiency, fidelity: str):
+    return simulate_step(config, gpus, CLUSTER, efficiency, fidelity)
+
+
+def sc21_rate(run: PublishedRun, seconds: float) -> float:
+    return paper_flops(run) / (seconds * run.gpus) / 1e12
+
+
+def solve(rate_of: Callable[[float], float], target: float, start: float) -> float:
+    """The share x in (0, 1] with rate_of(x) = target. The step is nearly affine in 1/x, so the secant
+    method on 1/x converges in a few evaluations (each a simulation)."""
+    x0, x1 = 1 / start, 1 / start * 1.1
+    f0, f1 = 1 / rate_of(1 / x0) - 1 / target, 1 / rate_of(1 / x1) - 1 / target
+    for _ in range(20):
+        if f1 == f0:
+            break
+        x0, x1, f0 = x1, max(x1 - f1 * (x1 - x0) / (f1 - f0), 1.0), f1
+        f1 = 1 / rate_of(1 / x1) - 1 / target
+        if abs(f1) * target < 1e-6:
+            break
+    return 1 / x1
+
+
+def fit(attention_row: PublishedRun, matmul_row: PublishedRun, fidelity: str) -> Efficiency:
+    """Both shares, alternately: the matmul share on the wide row, the attention share on the narrow one."""
+    def rate(run: PublishedRun, efficiency: Efficiency) -> float:
+        return sc21_rate(run, simulated_seconds(sc21_config(run), run.gpus, efficiency, fidelity).time)
+
+    matmul, attention = 0.5, 0.5
+    for _ in range(10):
+        previous = (matmul, attention)
+        matmul = solve(lambda x: rate(matmul_row, Efficiency(x, attention)), matmul_row.tflops_per_gpu, matmul)
+        attention = solve(lambda x: rate(attention_row, Efficiency(matmul, x)), attention_row.tflops_per_gpu, attention)
+        if max(abs(a - b) for a, b in zip(previous, (matmul, attention))) < 1e-5:
+            break
+    return Efficiency(matmul, attention)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sc21-rows", type=int, default=len(SC21_TABLE1), help="the first N rows of SC21 Table 1")
+    parser.add_argument("--korthikanti-rows", type=int, default=len(KORTHIKANTI_TABLE),
+                        help="the first N models of Korthikanti et al.")
+    parser.add_argument("--fit", default="1.7B,18B",
+                        help="the two SC21 rows the attention and the matmul shares are fitted on")
+    parser.add_argument("--fidelity", default="analytical", choices=FIDELITIES)
+    args = parser.parse_args()
+    by_name = {run.name: run for run in SC21_TABLE1}
+    names = args.fit.split(",")
+    if len(names) != 2 or any(name not in by_name for name in names):
+        parser.error(f"--fit {args.fit!r}: two SC21 rows, comma-separated, of {', '.join(by_name)}")
+    if not (0 <= args.sc21_rows <= len(SC21_TABLE1) and 0 <= args.korthikanti_rows <= len(KORTHIKANTI_TABLE)):
+        parser.error("--sc21-rows and --korthikanti-rows: between 0 and the table's length")
+    started = time.perf_counter()
+    efficiency = fit(by_name[names[0]], by_name[names[1]], args.fidelity)
+    print(f"cluster a100-80gb, fidelity {args.fidelity}; efficiency {efficiency.matmul:.4f} (matmuls), "
+          f"{efficiency.attention:.4f} (attention core), fitted on {names[0]} and {names[1]} "
+          f"in {time.perf_counter() - started:.1f} s")
+    runs = PipelineRuns()
+    errors, plan_errors = [], []
+
+    print(f"\nsource: {SC21_SOURCE}")
+    print("| model | tp x pp x dp | batch | simulated step (s) | simulated TFLOP/s | published | error | "
+          "planner TFLOP/s | planner error | pipeline | tp | dp |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for run in SC21_TABLE1[:args.sc21_rows]:
+        config = sc21_config(run)
+        step = simulated_seconds(config, run.gpus, efficiency, args.fidelity)
+        phases = step.breakdown()
+        rate = sc21_rate(run, step.time)
+        planned = sc21_rate(run, estimate(config, run.gpus, CLUSTER, efficiency, runs=runs).time.total)
+        error, plan_error = rate / run.tflops_per_gpu - 1, planned / run.tflops_per_gpu - 1
+        fitted = run.name in names
+        if not fitted:
+            errors.append(abs(error))
+            plan_errors.append(abs(plan_error))
+        print(f"| {run.name}{' (fitted)' if fitted else ''} | {run.tp} x {run.pp} x {run.dp} | {run.batch} | "
+              f"{step.time:.2f} | {rate:.1f} | {run.tflops_per_gpu:.0f} | {error:+.1%} | {planned:.1f} | "
+              f"{plan_error:+.1%} | {phases['pipeline'] / step.time:.1%} | {phases['tp'] / step.time:.1%} | "
+              f"{phases['dp'] / step.time:.1%} |", flush=True)
+
+    print(f"\nsource: {KORTHIKANTI_SOURCE}")
+    print("| model | recomputation | tp x pp x dp (virtual) | batch (micro) | simulated (s) | published (s) | error | "
+          "planner (s) | planner error | pipeline | tp |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for run in KORTHIKANTI_TABLE[:args.korthikanti_rows]:
+        for mode in KORTHIKANTI_MODES:
+            config = korthikanti_config(run, mode)
+            step = simulated_seconds(config, run.gpus, efficiency, args.fidelity)
+            phases = step.breakdown()
+            planned = estimate(config, run.gpus, CLUSTER, efficiency, runs=runs).time.total
+            published = run.seconds[mode]
+            error, plan_error = step.time / published - 1, planned / published - 1
+            errors.append(abs(error))
+            plan_errors.append(abs(plan_error))
+            what = "full" if mode == "full" else "sp + selective"
+            print(f"| {run.name} | {what} | {run.tp} x {run.pp} x {run.dp} ({run.virtual}) | {run.batch} "
+                  f"({run.micro_batch}) | {step.time:.2f} | {published:.2f} | {error:+.1%} | {planned:.2f} | "
+                  f"{plan_error:+.1%} | {phases['pipeline'] / step.time:.1%} | {phases['tp'] / step.time:.1%} |",
+                  flush=True)
+    print(f"\nsimulated in {time.perf_counter() - started:.1f} s")
+    within = sum(error <= 0.10 for error in errors)
+    print(f"RESULT name=sim_published rows={len(errors)} within_10pct={within} "
+          f"median_abs_error={statistics.median(errors) if errors else 0.0:.4f} "
+          f"worst_abs_error={max(errors, default=0.0):.4f} efficiency={efficiency.matmul:.4f} "
+          f"attention_efficiency={efficiency.attention:.4f} "
+          f"plan_median_abs_error={statistics.median(plan_errors) if plan_errors else 0.0:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""The compute model's achieved shares of an accelerator's peak FLOP/s (the planner's and the simulator's).
+
+Two numbers, because two kinds of matmul run at different distances from peak: the projections, the
+MLP and the head are large GEMMs (K and N of the order of the hidden size), while the attention core,
+softmax(q k^T / sqrt(d)) v, multiplies by the head dimension (64 to 160) and has the softmax between
+its two matmuls, so it reaches a smaller share of peak, fused (FlashAttention) or not. Its share of a
+block's FLOPs is s / 6h, so one efficiency for both makes narrow models look as fast as wide ones;
+Megatron-LM's published rates rise from 137 to 163 teraFLOP/s per A100 as h grows from 2,304 to
+25,600 (docs/simulator.md, "Against published runs").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """matmul: achieved share of peak in the projections, MLP and head; attention: in the attention
+    core (0: the same as matmul)."""
+
+    matmul: float = 0.5
+    attention: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.matmul <= 1:
+            raise ConfigError(f"efficiency = {self.matmul}: the achieved share of peak FLOP/s must lie in (0, 1]")
+        if not 0 <= self.attention <= 1:
+            raise ConfigError(f"attention efficiency = {self.attention}: the attention core's achieved share of "
+                              "peak FLOP/s must lie in (0, 1] (0: the same as the matmuls')")
+
+    @property
+    def core(self) -> float:
+        """The attention core's share."""
+        return self.attention or self.matmul
+
+    def describe(self) -> str:
+        return f"{self.matmul:g}" + (f" (attention core {self.attention:g})" if self.attention else "")
+
+
+def as_efficiency(value: float | Efficiency) -> Efficiency:
+    """A bare number is one share for every matmul."""
+    return value if isinstance(value, Efficiency) else Efficiency(float(value))
