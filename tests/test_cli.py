@@ -59,3 +59,16 @@ def test_plot_schedule_writes_a_png_and_names_bad_settings(capsys, tmp_path):
     assert main(["plot-schedule", "--pp", "4", "--microbatches", "6", "--schedule", "interleaved",
                  "--output", str(tmp_path / "bad.png")]) == 2
     assert "multiple of pp (4)" in capsys.readouterr().err
+
+
+def test_a_reader_that_goes_away_stops_the_command_quietly():
+    """`fivefold ... | head -1`: the closed pipe ends the command without an 'internal error' message."""
+    import subprocess
+    import sys
+
+    reader = subprocess.Popen([sys.executable, "-m", "fivefold", "simulate", "--cluster", "h100-sxm", "--gpus", "16",
+                               "--config", "configs/tiny.toml", "--vocab-size", "257", "--top-links", "40"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reader.stdout.close()  # nobody reads: the first print meets a closed pipe
+    _, err = reader.communicate(timeout=120)
+    assert b"internal error" not in err and b"Traceback" not in err, err

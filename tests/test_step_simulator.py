@@ -25,7 +25,7 @@ from fivefold.config import load_config
 from fivefold.errors import ConfigError
 from fivefold.plan.cluster import PRESETS, LinkSpec
 from fivefold.plan.estimate import estimate
-from fivefold.sim.engine import Collective, Compute, simulate
+from fivefold.sim.engine import Collective, Compute, Send, simulate
 from fivefold.sim.network import DedicatedNetwork, FlowNetwork
 from fivefold.sim.routing import Router
 from fivefold.sim.step import PHASES, simulate_step
@@ -88,8 +88,10 @@ def test_fidelities_agree_inside_one_node():
     node = dataclasses.replace(H100, topology=dataclasses.replace(H100.topology, kind="nvswitch"))
     config = _config("--tensor_parallel.degree", "2", "--pipeline_parallel.degree", "2",
                      "--train.grad_accum_steps", "4", "--data_parallel.zero_stage", "1", "--data_parallel.shard", "2")
-    times = {f: simulate_step(config, 8, node, 0.5, f, vocab_size=257).time for f in ("flow", "hybrid", "analytical")}
-    assert times["hybrid"] == pytest.approx(times["analytical"], rel=1e-9)  # all inside the node: all by formula
+    times = {f: simulate_step(config, 8, node, 0.5, f, vocab_size=257).time
+             for f in ("flow", "hybrid", "aggregate", "analytical")}
+    for fidelity in ("hybrid", "aggregate"):  # all inside the node: all by formula
+        assert times[fidelity] == pytest.approx(times["analytical"], rel=1e-9)
     assert times["flow"] == pytest.approx(times["analytical"], rel=0.02)
     flow = simulate_step(config, 8, node, 0.5, "flow", vocab_size=257)
     assert flow.workload.recorded > 0 and flow.workload.analytical == 0
@@ -104,6 +106,28 @@ def test_contention_between_nodes_shows_at_flow_level():
     free = simulate_step(config, 32, thin, 0.5, "analytical", vocab_size=257)
     assert flow.breakdown()["dp"] > 1.5 * free.breakdown()["dp"]
     assert len(free.workload.simulated) == 1 and len(flow.workload.simulated) == 32
+    # a ring as one flow per rank keeps the contention (and every pair's bytes) at a fraction of the events
+    aggregate = simulate_step(config, 32, thin, 0.5, "aggregate", vocab_size=257)
+    assert aggregate.time == pytest.approx(flow.time, rel=0.05)
+    assert aggregate.breakdown()["dp"] > 1.5 * free.breakdown()["dp"]
+    between_nodes = {pair: n for pair, n in flow.result.pair_bytes.items() if pair[0] // 8 != pair[1] // 8}
+    assert aggregate.result.pair_bytes == between_nodes  # inside a node: by formula, no messages
+    sends = {run.workload.fidelity: sum(isinstance(op, Send) for ops in run.workload.programs.values() for op in ops)
+             for run in (flow, aggregate)}
+    assert sends["aggregate"] * 10 < sends["flow"]
+
+
+@pytest.mark.parametrize("leaf", [1, 4])
+def test_aggregate_ring_is_the_flow_ring_without_contention(leaf):
+    """Data parallelism over 4 nodes with nothing else on the fabric: the ring as one flow per rank takes what
+    its messages take at flow level (the slowest hop's latency per step, the bandwidth once), and with one node
+    per leaf (a route's whole latency, the cluster's alpha) what the ring formula says."""
+    fabric = dataclasses.replace(H100, topology=dataclasses.replace(H100.topology, nodes_per_leaf=leaf))
+    times = {f: simulate_step(_config(), 32, fabric, 0.5, f, vocab_size=257).time
+             for f in ("flow", "aggregate", "analytical")}
+    assert times["aggregate"] == pytest.approx(times["flow"], rel=1e-6)
+    if leaf == 1:
+        assert times["aggregate"] == pytest.approx(times["analytical"], rel=1e-6)
 
 
 def test_analytical_path_simulates_one_rank_per_stage_at_16384_gpus():
@@ -257,3 +281,15 @@ def test_sequence_parallel_selective_recompute_saves_what_the_paper_measured():
     published = run.seconds["full"] / run.seconds["selective"]
     assert full.time / selective.time == pytest.approx(published, abs=0.05)
     assert full.breakdown()["recompute"] > 5 * selective.breakdown()["recompute"]  # a block vs its attention core
+
+
+def test_breakdown_without_spans_is_the_breakdown_with_them():
+    """Without the trace (record_spans=False: what `fivefold simulate` does unless --trace or --plot) the engine
+    keeps each stream's seconds per label, and the phases are the ones the whole spans give."""
+    config = _config("--tensor_parallel.degree", "2", "--pipeline_parallel.degree", "2", "--train.grad_accum_steps", "4")
+    whole = simulate_step(config, 16, H100, 0.5, vocab_size=257)
+    light = simulate_step(config, 16, H100, 0.5, vocab_size=257, record_spans=False)
+    assert not light.result.spans and whole.result.spans
+    assert light.time == whole.time
+    assert light.breakdown() == pytest.approx(whole.breakdown(), rel=1e-12, abs=1e-15)
+    assert light.breakdown()["pipeline"] > 0 and light.breakdown()["tp"] > 0

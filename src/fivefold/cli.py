@@ -24,6 +24,7 @@ asks for the traceback. This module imports no torch until a command needs it, s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from fivefold.errors import EXIT_FAULT, EXIT_INTERNAL, ConfigError, FivefoldError
@@ -407,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fivefold: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`fivefold ... | head`): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        return 1
     except Exception as exc:  # noqa: BLE001 - one line, unless --debug asks for the traceback
         if args.debug:
             raise

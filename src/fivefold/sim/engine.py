@@ -100,6 +100,7 @@ class SimResult:
     pair_bytes: dict[tuple[int, int], int]
     link_bytes: list[float]
     spans: list[Span] = field(default_factory=list)
+    labelled: dict[StreamKey, dict[str, float]] = field(default_factory=dict)  # seconds per span label, per stream
 
     def chrome_trace(self) -> dict:
         """Chrome trace events: one process per rank, one thread per stream, times in microseconds."""
@@ -144,6 +145,15 @@ def simulate(programs: dict[StreamKey, list[Op]], network: FlowNetwork, record_s
     arrived: dict[tuple, list[tuple[StreamKey, float]]] = defaultdict(list)  # collective key -> (member, when)
     collecting: set[StreamKey] = set()  # streams waiting at a Collective for the other members
 
+    labelled: dict[StreamKey, dict[str, float]] = defaultdict(dict)
+
+    def mark(key: StreamKey, label: str, start: float, end: float) -> None:
+        """A span of `key`'s time: added to its label's total, and kept whole when spans are recorded."""
+        totals = labelled[key]
+        totals[label] = totals.get(label, 0.0) + (end - start)
+        if record_spans:
+            spans.append(Span(key[0], key[1], label, start, end))
+
     def complete(owner: tuple[StreamKey, int]) -> None:
         done_handles.add(owner)
         ready.append(owner[0])
@@ -156,40 +166,19 @@ def simulate(programs: dict[StreamKey, list[Op]], network: FlowNetwork, record_s
             in_flight[message] = ((sender, handle), posted_recvs[pair].popleft())
 
     def run(stream: _Stream, now: float) -> None:
-        """Execute the stream's operations that can complete at `now`."""
+        """Execute the stream's operations that can complete at `now` (dispatch by exact type, the most
+        frequent first: this loop is the simulator's hot path)."""
         rank, name = stream.key
-        while stream.pc < len(stream.ops) and stream.busy_until <= now:
-            op = stream.ops[stream.pc]
-            if isinstance(op, Compute):
+        ops, count = stream.ops, len(stream.ops)
+        while stream.pc < count and stream.busy_until <= now:
+            op = ops[stream.pc]
+            kind = type(op)
+            if kind is Compute:
                 stream.busy_until = now + op.seconds
                 if op.seconds > 0:
                     heapq.heappush(timers, (stream.busy_until, stream.key))
-                    if record_spans:
-                        spans.append(Span(rank, name, op.label, now, stream.busy_until))
-            elif isinstance(op, Send):
-                pair_bytes[(rank, op.peer)] += op.nbytes
-                sent[(rank, op.peer)].append((stream.key, op.handle, op.nbytes))
-                match((rank, op.peer))
-            elif isinstance(op, Recv):
-                posted_recvs[(op.peer, rank)].append((stream.key, op.handle))
-                match((op.peer, rank))
-            elif isinstance(op, (Wait, Await)):
-                if isinstance(op, Wait):
-                    waiting = not all((stream.key, h) in done_handles for h in op.handles)
-                else:
-                    waiting = (rank, op.event) not in events
-                if waiting:
-                    if stream.blocked_since is None:
-                        stream.blocked_since = now
-                    return
-                if stream.blocked_since is not None and record_spans and now > stream.blocked_since:
-                    label = op.label if isinstance(op, Wait) else (op.label or f"await {op.event}")
-                    spans.append(Span(rank, name, label, stream.blocked_since, now))
-                stream.blocked_since = None
-            elif isinstance(op, Notify):
-                events.add((rank, op.event))
-                ready.extend(of_rank[rank])
-            elif isinstance(op, Collective):
+                    mark(stream.key, op.label, now, stream.busy_until)
+            elif kind is Collective:
                 if stream.key in collecting:
                     return
                 members = arrived[op.key]
@@ -205,11 +194,36 @@ def simulate(programs: dict[StreamKey, list[Op]], network: FlowNetwork, record_s
                     other.pc += 1
                     other.busy_until = end
                     heapq.heappush(timers, (end, member))
-                    if record_spans and end > since:
-                        spans.append(Span(member[0], member[1], op.label, since, end))
+                    if end > since:
+                        mark(member, op.label, since, end)
                 continue
+            elif kind is Wait or kind is Await:
+                if kind is Wait:
+                    waiting = not all((stream.key, h) in done_handles for h in op.handles)
+                else:
+                    waiting = (rank, op.event) not in events
+                if waiting:
+                    if stream.blocked_since is None:
+                        stream.blocked_since = now
+                    return
+                if stream.blocked_since is not None and now > stream.blocked_since:
+                    label = op.label if kind is Wait else (op.label or f"await {op.event}")
+                    mark(stream.key, label, stream.blocked_since, now)
+                stream.blocked_since = None
+            elif kind is Send:
+                pair_bytes[(rank, op.peer)] += op.nbytes
+                sent[(rank, op.peer)].append((stream.key, op.handle, op.nbytes))
+                match((rank, op.peer))
+            elif kind is Recv:
+                posted_recvs[(op.peer, rank)].append((stream.key, op.handle))
+                match((op.peer, rank))
+            elif kind is Notify:
+                events.add((rank, op.event))
+                ready.extend(of_rank[rank])
+            else:
+                raise TypeError(f"not a simulator operation: {op!r}")
             stream.pc += 1
-        if stream.pc == len(stream.ops) and stream.key not in finish:
+        if stream.pc == count and stream.key not in finish:
             finish[stream.key] = max(now, stream.busy_until)
 
     now = 0.0
@@ -232,4 +246,4 @@ def simulate(programs: dict[StreamKey, list[Op]], network: FlowNetwork, record_s
         while timers and timers[0][0] <= now:
             ready.append(heapq.heappop(timers)[1])
     return SimResult(max(finish.values(), default=0.0), finish, dict(pair_bytes),
-                     network.link_bytes.tolist(), spans)
+                     network.link_bytes.tolist(), spans, dict(labelled))

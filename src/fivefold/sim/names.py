@@ -6,7 +6,7 @@ algorithms `fivefold simulate` can record (trace.py `ALGORITHMS`; a test keeps t
 
 TOPOLOGY_KINDS = ("nvswitch", "fat_tree", "rail_optimized", "torus_2d")
 ROUTINGS = ("ecmp", "ecmp_paths", "spray")
-FIDELITIES = ("flow", "hybrid", "analytical")  # workload.py: how collectives are simulated
+FIDELITIES = ("flow", "hybrid", "aggregate", "analytical")  # workload.py: how collectives are simulated
 COLLECTIVE_ALGORITHMS = {
     "all_reduce": ("ring", "halving_doubling", "rabenseifner", "butterfly", "tree", "double_tree", "hierarchical",
                    "torus"),

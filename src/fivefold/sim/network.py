@@ -29,26 +29,25 @@ _DONE_RELATIVE = 1e-9  # a flow with at most this fraction of its bytes left has
 class _Flow:
     message: int
     size: float
-    left: float
     route: Route
 
 
 @dataclass
 class FlowNetwork:
-    """Flows over `router.topology`; the caller advances time from event to event."""
+    """Flows over `router.topology`; the caller advances time from event to event.
+
+    Flows in transfer live in slots of flat arrays (bytes left, size, rate, message), and the links they
+    cross in three parallel arrays (slot, link, weight), so that advancing time, finding the next end and
+    recomputing the max-min rates are array operations over all flows at once."""
 
     router: Router
     now: float = 0.0
     link_bytes: np.ndarray = field(init=False)
     _capacity: np.ndarray = field(init=False)
-    _flows: dict[int, _Flow] = field(default_factory=dict)
     _starting: list[tuple[float, int, int]] = field(default_factory=list)  # (time, flow, message)
     _parked: dict[int, _Flow] = field(default_factory=dict)
     _unfinished: dict[int, int] = field(default_factory=dict)  # message -> flows not yet delivered
     _instant: list[tuple[float, int]] = field(default_factory=list)  # (time, message): nothing to transfer
-    _rates: np.ndarray | None = None
-    _pairs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-    _ids: list[int] = field(default_factory=list)
     _next_flow: int = 0
     _next_message: int = 0
 
@@ -56,6 +55,18 @@ class FlowNetwork:
         links = self.router.topology.links
         self._capacity = np.array([link.bandwidth for link in links], dtype=float)
         self.link_bytes = np.zeros(len(links))
+        self._left = np.zeros(0)
+        self._size = np.zeros(0)
+        self._rate = np.zeros(0)
+        self._message = np.zeros(0, dtype=np.int64)
+        self._active = np.zeros(0, dtype=bool)
+        self._free: list[int] = []
+        self._pair_slot = np.zeros(0, dtype=np.int64)
+        self._pair_link = np.zeros(0, dtype=np.int64)
+        self._pair_weight = np.zeros(0)
+        self._routes: dict[Route, tuple[np.ndarray, np.ndarray]] = {}
+        self._next_end = float("inf")  # when the first flow in transfer ends at the current rates
+        self._synced = 0.0  # the time bytes left and link counters are accurate at
 
     def send(self, source: int, destination: int, nbytes: float, key: object = None) -> int:
         """Start a message now; returns its id (reported by `advance` when delivered)."""
@@ -66,7 +77,7 @@ class FlowNetwork:
         for part_key, share in parts:
             route = self.router.route(source, destination, part_key)
             start = self.now + self.router.path_latency(route)
-            flow = _Flow(message, nbytes * share, nbytes * share, route)
+            flow = _Flow(message, nbytes * share, route)
             if not route or flow.size <= 0:
                 heapq.heappush(self._instant, (start, message))
                 continue
@@ -75,56 +86,103 @@ class FlowNetwork:
             self._next_flow += 1
         return message
 
-    # ----------------------------------------------------------------- rates
+    # ----------------------------------------------------------------- flows in slots
+    def _slot(self) -> int:
+        if not self._free:
+            old = len(self._left)
+            grown = max(16, 2 * old)
+            self._left = np.concatenate([self._left, np.zeros(grown - old)])
+            self._size = np.concatenate([self._size, np.ones(grown - old)])
+            self._rate = np.concatenate([self._rate, np.zeros(grown - old)])
+            self._message = np.concatenate([self._message, np.zeros(grown - old, dtype=np.int64)])
+            self._active = np.concatenate([self._active, np.zeros(grown - old, dtype=bool)])
+            self._free = list(range(grown - 1, old - 1, -1))
+        return self._free.pop()
+
+    def _route_arrays(self, route: Route) -> tuple[np.ndarray, np.ndarray]:
+        if route not in self._routes:
+            self._routes[route] = (np.array([link for link, _ in route], dtype=np.int64),
+                                   np.array([weight for _, weight in route], dtype=float))
+        return self._routes[route]
+
+    def _start(self, flows: list[_Flow]) -> None:
+        slots, links, weights = [], [], []
+        for flow in flows:
+            slot = self._slot()
+            self._left[slot] = self._size[slot] = flow.size
+            self._message[slot] = flow.message
+            self._active[slot] = True
+            link, weight = self._route_arrays(flow.route)
+            slots.append(np.full(len(link), slot, dtype=np.int64))
+            links.append(link)
+            weights.append(weight)
+        self._pair_slot = np.concatenate([self._pair_slot, *slots])
+        self._pair_link = np.concatenate([self._pair_link, *links])
+        self._pair_weight = np.concatenate([self._pair_weight, *weights])
+
     def _update_rates(self) -> None:
-        self._ids = list(self._flows)
-        if not self._ids:
-            self._rates, self._pairs = None, None
-            return
-        routes = [self._flows[i].route for i in self._ids]
-        lengths = np.fromiter((len(r) for r in routes), dtype=np.int64, count=len(routes))
-        flow_of = np.repeat(np.arange(len(routes)), lengths)
-        link_of = np.fromiter((link for r in routes for link, _ in r), dtype=np.int64, count=int(lengths.sum()))
-        weight = np.fromiter((w for r in routes for _, w in r), dtype=float, count=int(lengths.sum()))
-        self._pairs = (flow_of, link_of, weight)
-        self._rates = max_min_rates(flow_of, link_of, weight, self._capacity, len(routes))
+        """New max-min rates, and with them the time the first flow in transfer ends (rates hold till then)."""
+        self._rate[:] = 0.0
+        self._next_end = float("inf")
+        if len(self._pair_slot):
+            self._rate[:] = max_min_rates(self._pair_slot, self._pair_link, self._pair_weight, self._capacity,
+                                          len(self._rate))
+            self._schedule_end()
+
+    def _schedule_end(self) -> None:
+        active = self._active
+        end = self.now + float(np.min(self._left[active] / self._rate[active]))
+        # a flow ending sooner than the clock can resolve still ends: at the next representable time
+        self._next_end = end if end > self.now else float(np.nextafter(self.now, np.inf))
 
     def next_event(self) -> float:
         """Time of the next flow start, flow end or instant delivery (inf when idle)."""
-        times = [self._starting[0][0]] if self._starting else []
-        if self._instant:
-            times.append(self._instant[0][0])
-        if self._flows:
-            left = np.array([self._flows[i].left for i in self._ids])
-            end = self.now + float(np.min(left / self._rates))
-            # a flow ending sooner than the clock can resolve still ends: at the next representable time
-            times.append(end if end > self.now else float(np.nextafter(self.now, np.inf)))
-        return min(times, default=float("inf"))
+        return min(self._starting[0][0] if self._starting else float("inf"),
+                   self._instant[0][0] if self._instant else float("inf"), self._next_end)
+
+    def _sync(self) -> None:
+        """Bring bytes left and link counters up to `now` (rates were constant since the last sync)."""
+        elapsed = self.now - self._synced
+        if len(self._pair_slot) and elapsed > 0:
+            self.link_bytes += np.bincount(self._pair_link, self._pair_weight * self._rate[self._pair_slot] * elapsed,
+                                           minlength=len(self.link_bytes))
+            active = self._active
+            self._left[active] -= self._rate[active] * elapsed
+        self._synced = self.now
 
     def advance(self, until: float) -> list[int]:
-        """Move time to `until` (at most `next_event()`); returns the messages delivered by then, in order."""
+        """Move time to `until` (at most `next_event()`); returns the messages delivered by then, in order.
+        Flows are only touched when one ends or starts: in between, time moves and nothing else does."""
         delivered: list[int] = []
-        if self._flows and until > self.now:
-            elapsed = until - self.now
-            flow_of, link_of, weight = self._pairs
-            np.add.at(self.link_bytes, link_of, weight * self._rates[flow_of] * elapsed)
-            finished = []
-            for position, flow_id in enumerate(self._ids):
-                flow = self._flows[flow_id]
-                flow.left -= self._rates[position] * elapsed
-                if flow.left <= _DONE_RELATIVE * flow.size:
-                    finished.append(flow_id)
-            for flow_id in finished:
-                self._finish(self._flows.pop(flow_id).message, delivered)
-            changed = bool(finished)
-        else:
-            changed = False
+        changed = False
         self.now = max(self.now, until)
+        starts = bool(self._starting) and self._starting[0][0] <= self.now
+        if len(self._pair_slot) and (self.now >= self._next_end or starts):
+            self._sync()
+            active = self._active
+            finished = np.flatnonzero(active & (self._left <= _DONE_RELATIVE * self._size))
+            if len(finished):
+                self._active[finished] = False
+                self._free.extend(finished.tolist())
+                keep = self._active[self._pair_slot]
+                self._pair_slot, self._pair_link = self._pair_slot[keep], self._pair_link[keep]
+                self._pair_weight = self._pair_weight[keep]
+                for message in self._message[finished].tolist():
+                    self._finish(message, delivered)
+                changed = True
+            elif not starts:  # the first end, rounded: it is still due, a representable instant later
+                self._schedule_end()
+        else:
+            self._synced = self.now if not len(self._pair_slot) else self._synced
         while self._instant and self._instant[0][0] <= self.now:
             self._finish(heapq.heappop(self._instant)[1], delivered)
+        starting = []
         while self._starting and self._starting[0][0] <= self.now:
             _, flow_id, _ = heapq.heappop(self._starting)
-            self._flows[flow_id] = self._parked.pop(flow_id)
+            starting.append(self._parked.pop(flow_id))
+        if starting:
+            self._sync()
+            self._start(starting)
             changed = True
         if changed:
             self._update_rates()
@@ -138,14 +196,14 @@ class FlowNetwork:
 
     @property
     def busy(self) -> bool:
-        return bool(self._flows or self._starting or self._instant)
+        return bool(len(self._pair_slot) or self._starting or self._instant)
 
     def rates(self) -> dict[int, float]:
         """The current rate (bytes/s) of each message's flows in transfer, summed per message."""
         out: dict[int, float] = {}
-        for position, flow_id in enumerate(self._ids):
-            message = self._flows[flow_id].message
-            out[message] = out.get(message, 0.0) + float(self._rates[position])
+        for slot in np.flatnonzero(self._active).tolist():
+            message = int(self._message[slot])
+            out[message] = out.get(message, 0.0) + float(self._rate[slot])
         return out
 
 
@@ -154,23 +212,29 @@ def max_min_rates(flow_of: np.ndarray, link_of: np.ndarray, weight: np.ndarray, 
     """Weighted max-min fair rates by progressive filling.
 
     (flow_of[k], link_of[k], weight[k]): flow flow_of[k] puts weight[k] times its rate on link
-    link_of[k]. All rates rise together until a link is full; its flows freeze; repeat.
+    link_of[k]. All rates rise together until a link is full; its flows freeze; repeat. Flows that
+    appear in no triple keep rate 0.
     """
-    used, local = np.unique(link_of, return_inverse=True)
-    remaining = capacity[used].astype(float).copy()
-    full = 1e-12 * capacity[used]
+    remaining = capacity.astype(float)
+    full = 1e-12 * capacity
     rates = np.zeros(flows)
-    frozen = np.zeros(flows, dtype=bool)
-    while not frozen.all():
-        live = ~frozen[flow_of]
-        slope = np.bincount(local[live], weights=weight[live], minlength=len(used))
+    frozen = np.ones(flows, dtype=bool)
+    frozen[flow_of] = False
+    live = np.ones(len(flow_of), dtype=bool)
+    links = len(capacity)
+    while live.any():
+        slope = np.bincount(link_of[live], weights=weight[live], minlength=links)
         loaded = slope > 0
-        step = float(np.min(remaining[loaded] / slope[loaded]))
+        headroom = np.full(links, np.inf)
+        headroom[loaded] = remaining[loaded] / slope[loaded]
+        tightest = int(np.argmin(headroom))
+        step = float(headroom[tightest])
         rates[~frozen] += step
         remaining -= step * slope
         saturated = loaded & (remaining <= full)
-        saturated[np.argmin(np.where(loaded, remaining / np.where(loaded, slope, 1), np.inf))] = True
-        frozen[flow_of[live & saturated[local]]] = True
+        saturated[tightest] = True
+        frozen[flow_of[live & saturated[link_of]]] = True
+        live = ~frozen[flow_of]
     return rates
 
 

@@ -31,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "further from peak than the large matmuls (default: the same as --efficiency)")
     step.add_argument("--fidelity", default="hybrid", choices=FIDELITIES,
                       help="flow: every collective as messages; hybrid: collectives inside a node by formula; "
+                           "aggregate: also a ring between nodes as one flow per rank (for a thousand GPUs); "
                            "analytical: all by formula, one rank per pipeline stage (for tens of thousands of GPUs)")
     step.add_argument("--vocab-size", type=int, default=0, help="for a model whose vocabulary comes from the tokenizer")
     step.add_argument("--plot", help="draw the simulated timeline of the first ranks (PNG)")
@@ -102,7 +103,8 @@ def run_step(args: argparse.Namespace, overrides: list[str]) -> int:
     config = load_config(args.config, overrides)
     cluster = cluster_with_overrides(args)
     efficiency = Efficiency(args.efficiency, args.attention_efficiency)
-    run_ = simulate_step(config, args.gpus, cluster, efficiency, args.fidelity, args.vocab_size, record_spans=True)
+    run_ = simulate_step(config, args.gpus, cluster, efficiency, args.fidelity, args.vocab_size,
+                         record_spans=bool(args.trace or args.plot))
     phases = run_.breakdown()
     links = run_.link_utilisation()
     work, spec = run_.workload, cluster.topology

@@ -50,13 +50,12 @@ class StepRun:
 
     def breakdown(self, rank: int | None = None) -> dict[str, float]:
         """Seconds per phase (PHASES) of `rank`'s compute stream (the slowest rank's by default); they sum to
-        the step time. Needs the spans (simulate_step(record_spans=True))."""
+        the step time."""
         rank = self.slowest_rank if rank is None else rank
         out = dict.fromkeys(PHASES, 0.0)
-        for span in self.result.spans:
-            if span.rank == rank and span.stream == COMPUTE:
-                phase = _COMPUTE_LABELS.get(span.label, span.label)
-                out[phase if phase in out else "pipeline"] += span.end - span.start
+        for label, seconds in self.result.labelled.get((rank, COMPUTE), {}).items():
+            phase = _COMPUTE_LABELS.get(label, label)
+            out[phase if phase in out else "pipeline"] += seconds
         accounted = sum(out.values()) - out["pipeline"]
         out["pipeline"] = max(self.time - accounted, 0.0)
         return out
@@ -67,10 +66,11 @@ class StepRun:
 
 def simulate_step(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency = 0.5,
                   fidelity: str = "hybrid", vocab_size: int = 0, record_spans: bool = True) -> StepRun:
-    """Simulate one optimizer step of `config` on `gpus` accelerators of `cluster` (see workload.py)."""
+    """Simulate one optimizer step of `config` on `gpus` accelerators of `cluster` (see workload.py);
+    record_spans=False keeps each stream's seconds per label (the breakdown) but not every span (the trace)."""
     start = time.perf_counter()
-    workload = build_workload(config, gpus, cluster, efficiency, fidelity, vocab_size)
     router = cluster_router(cluster, gpus)
+    workload = build_workload(config, gpus, cluster, efficiency, fidelity, vocab_size, router)
     network = DedicatedNetwork(router) if fidelity == "analytical" else FlowNetwork(router)
     built = time.perf_counter()
     result = simulate(workload.programs, network, record_spans)

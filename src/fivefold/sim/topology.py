@@ -51,6 +51,7 @@ class Topology:
     _out: list[list[int]] = field(default_factory=list, repr=False)
     _into: list[list[int]] = field(default_factory=list, repr=False)
     _distance: dict[int, list[float]] = field(default_factory=dict, repr=False)
+    _next_hops: dict[tuple[int, int], list[int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self._out = [[] for _ in self.vertex_names]
@@ -64,6 +65,7 @@ class Topology:
         self._into[link.target].append(len(self.links))
         self.links.append(link)
         self._distance.clear()
+        self._next_hops.clear()
 
     def add_vertex(self, name: str) -> int:
         self.vertex_names.append(name)
@@ -104,6 +106,12 @@ class Topology:
 
     def equal_cost_next_hops(self, vertex: int, destination: int) -> list[int]:
         """Indices of the links out of `vertex` that lie on least-cost routes to `destination`."""
+        key = (vertex, destination)
+        if key not in self._next_hops:
+            self._next_hops[key] = self._equal_cost_next_hops(vertex, destination)
+        return self._next_hops[key]
+
+    def _equal_cost_next_hops(self, vertex: int, destination: int) -> list[int]:
         distance = self.distances_to(destination)
         if distance[vertex] == float("inf"):
             raise ValueError(f"{self.vertex_names[destination]} cannot be reached from {self.vertex_names[vertex]}")

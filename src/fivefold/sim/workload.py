@@ -33,6 +33,10 @@ fast path, one `Collective` op priced by comm/cost.py:
     flow        every collective as messages on the flow-level network
     hybrid      collectives inside one node (tensor parallelism, as a rule) analytical, the rest
                 as messages: a node's switch is non-blocking, so contention lives between nodes
+    aggregate   as hybrid, but a ring collective between nodes is one flow per rank to its ring
+                successor carrying all its steps' bytes (the ring's steady state), plus the other
+                steps' latencies: the fabric's sharing stays, the per-step rendezvous goes, and the
+                events fall by 2(p - 1) per all-reduce: the flow-level path for a thousand GPUs
     analytical  every collective by formula, messages on a contention-free network, and only one
                 rank per pipeline stage simulated (without contention the ranks of a stage are
                 identical): the path for tens of thousands of accelerators
@@ -61,10 +65,14 @@ from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.estimate import Degrees, PassCosts, compute_dtype, degrees_of, model_for, pass_costs
 from fivefold.plan.parameters import padded_vocab
 from fivefold.sim.names import FIDELITIES
+from fivefold.sim.routing import Router, cluster_router
 from fivefold.sim.engine import Await, Collective, Compute, Notify, Op, Recv, Send, StreamKey, Wait
 from fivefold.sim.trace import collective_programs, resolve_algorithm
 
 COMPUTE, DP = "compute", "dp"
+# (messages, bytes per byte of the vector) a rank sends in a ring collective (comm/cost.py's ring form)
+RING_FORM = {"all_reduce": lambda p: (2 * (p - 1), 2 * (p - 1) / p),
+             "reduce_scatter": lambda p: (p - 1, (p - 1) / p), "all_gather": lambda p: (p - 1, (p - 1) / p)}
 _TP_SPLIT = (".attention.", ".feed_forward.w")  # column/row-parallel weights
 _WHOLE = (".wq_a.", ".wkv_a.")  # multi-latent attention's down-projections are replicated
 
@@ -79,6 +87,7 @@ class Grid:
     cp: int
     tp: int
     DIMS = MESH_DIMS
+    _groups: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     @property
     def size(self) -> int:
@@ -96,13 +105,29 @@ class Grid:
             rank = rank * getattr(self, dim) + coords.get(dim, 0)
         return rank
 
+    def stride(self, dim: str) -> int:
+        """Ranks between neighbours along `dim` (the product of the sizes inside it)."""
+        inner = 1
+        for d in reversed(self.DIMS):
+            if d == dim:
+                return inner
+            inner *= getattr(self, d)
+        raise KeyError(dim)
+
     def group(self, rank: int, dims: tuple[str, ...]) -> tuple[int, ...]:
         """The ranks that differ from `rank` only in `dims` (a process group of the mesh), in rank order."""
-        base = self.coords(rank)
-        members = [base]
-        for dim in dims:
-            members = [m | {dim: i} for m in members for i in range(getattr(self, dim))]
-        return tuple(sorted(self.rank(**m) for m in members))
+        key = (rank, dims)
+        if key not in self._groups:
+            self._groups[key] = self._group(rank, dims)
+        return self._groups[key]
+
+    def _group(self, rank: int, dims: tuple[str, ...]) -> tuple[int, ...]:
+        coords = self.coords(rank)
+        members = [rank - sum(coords[dim] * self.stride(dim) for dim in dims)]
+        for dim in sorted(set(dims), key=self.DIMS.index):  # outer dims first: the members come out in order
+            stride = self.stride(dim)
+            members = [m + i * stride for m in members for i in range(getattr(self, dim))]
+        return tuple(members)
 
 
 @dataclass
@@ -223,6 +248,10 @@ class _Builder:
         self._handles: dict[StreamKey, int] = defaultdict(int)
         self._sequence: dict[tuple, int] = defaultdict(int)
         self._recordings: dict[tuple, dict[int, list[Op]]] = {}
+        self._formulas: dict[tuple, float] = {}  # collective seconds by formula, per (kind, algorithm, bytes, p, span)
+        self._simulated_members: dict[tuple[int, ...], int] = {}  # a group -> how many of it are simulated
+        self._ring_latency: dict[tuple[int, ...], float] = {}  # aggregate: a ring's slowest hop latency
+        self.router: Router | None = None
         self._events: dict[int, int] = defaultdict(int)
         self.recorded = self.analytical = 0
         self.log: dict[int, list[tuple[str, tuple[int, ...], int, str]]] = defaultdict(list)  # + the algorithm
@@ -248,18 +277,17 @@ class _Builder:
         key = (rank, stream)
         ops = self.programs[key]
         sequence_key = (stream, members, rank)
-        self._sequence[sequence_key] += 1
+        sequence = self._sequence[sequence_key] = self._sequence[sequence_key] + 1
         self.log[rank].append((kind, members, nbytes, algorithm))
-        if self.fidelity == "analytical" or (self.fidelity == "hybrid" and self._inside_node(members)):
-            span = members[-1] - members[0] + 1
-            if algorithm in ("native", "ring") or kind != "all_reduce":
-                seconds = native_collective(kind, nbytes, p, self.cluster.collective_link(kind, span))
-            else:
-                links = dataclasses.replace(self.cluster.links(), node_size=self._node_size(p))
-                seconds = predict(algorithm, nbytes, p, links)
-            size = sum(m in self._simulated for m in members)
-            ops.append(Collective((stream, members, self._sequence[sequence_key]), size, seconds, label))
+        if self.fidelity == "analytical" or (self.fidelity != "flow" and self._inside_node(members)):
+            seconds = self._formula(kind, algorithm, nbytes, p, members[-1] - members[0] + 1)
+            if members not in self._simulated_members:
+                self._simulated_members[members] = sum(m in self._simulated for m in members)
+            ops.append(Collective((stream, members, sequence), self._simulated_members[members], seconds, label))
             self.analytical += rank == members[0]
+            return
+        if self.fidelity == "aggregate" and kind in RING_FORM and resolve_algorithm(kind, algorithm) == "ring":
+            self._ring_flow(rank, stream, kind, members, nbytes, label)
             return
         offset = self._handles[key]
         top = offset
@@ -274,6 +302,38 @@ class _Builder:
                 ops.append(Wait(tuple(h + offset for h in op.handles), label))
         self._handles[key] = top
         self.recorded += rank == members[0]
+
+    def _ring_flow(self, rank: int, stream: str, kind: str, members: tuple[int, ...], nbytes: int,
+                   label: str) -> None:
+        """A ring collective as one flow per rank to its successor, carrying all its steps' bytes (the ring's
+        steady state), plus the other steps' latencies: contention for the fabric stays, the per-step
+        rendezvous goes. Uncontended, this is the ring formula exactly."""
+        key, p = (rank, stream), len(members)
+        steps, volume = RING_FORM[kind](p)
+        position = members.index(rank)
+        if members not in self._ring_latency:  # a ring step lasts as long as its slowest hop's latency
+            self._ring_latency[members] = max(
+                self.router.path_latency(self.router.route(a, b, None)) for a, b in zip(members, members[1:] + members[:1]))
+        extra = (steps - 1) * self._ring_latency[members]
+        ops = self.programs[key]
+        if extra > 0:
+            ops.append(Compute(extra, label))
+        send = Send(members[(position + 1) % p], round(volume * nbytes), self._handle(key))
+        recv = Recv(members[(position - 1) % p], round(volume * nbytes), self._handle(key))
+        ops += [send, recv, Wait((send.handle, recv.handle), label)]
+        self.recorded += rank == members[0]
+
+    def _formula(self, kind: str, algorithm: str, nbytes: int, p: int, span: int) -> float:
+        """Seconds of one collective by the cost model (comm/cost.py), over ranks within `span` consecutive ones."""
+        key = (kind, algorithm, nbytes, p, span)
+        if key not in self._formulas:
+            if algorithm in ("native", "ring") or kind != "all_reduce":
+                seconds = native_collective(kind, nbytes, p, self.cluster.collective_link(kind, span))
+            else:
+                links = dataclasses.replace(self.cluster.links(), node_size=self._node_size(p))
+                seconds = predict(algorithm, nbytes, p, links)
+            self._formulas[key] = seconds
+        return self._formulas[key]
 
     def _recording(self, kind: str, algorithm: str, p: int, nbytes: int) -> dict[int, list[Op]]:
         """The runtime algorithm's programs over positions 0..p-1 (recorded once per shape and size)."""
@@ -685,9 +745,13 @@ def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:
 
 
 def build_workload(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency = 0.5,
-                   fidelity: str = "hybrid", vocab_size: int = 0) -> Workload:
-    """Every simulated rank's program for one optimizer step of `config` on `gpus` accelerators of `cluster`."""
+                   fidelity: str = "hybrid", vocab_size: int = 0, router: Router | None = None) -> Workload:
+    """Every simulated rank's program for one optimizer step of `config` on `gpus` accelerators of `cluster`
+    (router: the fabric the programs will run on, for the aggregate fidelity's latencies; default the
+    cluster's own)."""
     builder = _Builder(config, gpus, cluster, efficiency, fidelity, vocab_size)
+    if fidelity == "aggregate":
+        builder.router = router or cluster_router(cluster, gpus)
     for rank in builder.simulated:
         builder.rank_program(rank)
     return Workload(dict(builder.programs), builder.grid, builder.d, builder.split, builder.simulated, fidelity,
