@@ -43,7 +43,7 @@ from fivefold.sim.step import simulate_step
 CLUSTER = load_cluster("a100-80gb")
 
 
-def simulated_seconds(config, gpus: int, efficiency: Efficiency, fidelity: str):
+def simulated_step(config, gpus: int, efficiency: Efficiency, fidelity: str):
     return simulate_step(config, gpus, CLUSTER, efficiency, fidelity)
 
 
@@ -69,7 +69,7 @@ def solve(rate_of: Callable[[float], float], target: float, start: float) -> flo
 def fit(attention_row: PublishedRun, matmul_row: PublishedRun, fidelity: str) -> Efficiency:
     """Both shares, alternately: the matmul share on the wide row, the attention share on the narrow one."""
     def rate(run: PublishedRun, efficiency: Efficiency) -> float:
-        return sc21_rate(run, simulated_seconds(sc21_config(run), run.gpus, efficiency, fidelity).time)
+        return sc21_rate(run, simulated_step(sc21_config(run), run.gpus, efficiency, fidelity).time)
 
     matmul, attention = 0.5, 0.5
     for _ in range(10):
@@ -110,7 +110,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for run in SC21_TABLE1[:args.sc21_rows]:
         config = sc21_config(run)
-        step = simulated_seconds(config, run.gpus, efficiency, args.fidelity)
+        step = simulated_step(config, run.gpus, efficiency, args.fidelity)
         phases = step.breakdown()
         rate = sc21_rate(run, step.time)
         planned = sc21_rate(run, estimate(config, run.gpus, CLUSTER, efficiency, runs=runs).time.total)
@@ -131,7 +131,7 @@ def main() -> int:
     for run in KORTHIKANTI_TABLE[:args.korthikanti_rows]:
         for mode in KORTHIKANTI_MODES:
             config = korthikanti_config(run, mode)
-            step = simulated_seconds(config, run.gpus, efficiency, args.fidelity)
+            step = simulated_step(config, run.gpus, efficiency, args.fidelity)
             phases = step.breakdown()
             planned = estimate(config, run.gpus, CLUSTER, efficiency, runs=runs).time.total
             published = run.seconds[mode]

@@ -336,5 +336,6 @@ def test_attention_core_runs_at_its_own_share_of_peak():
             Efficiency(bad)
     with pytest.raises(ConfigError, match="attention efficiency = -0.1"):
         Efficiency(0.5, -0.1)
-    assert main(["plan", "--model.preset", "tiny", "--model.vocab_size", "257", "--gpus", "1",
-                 "--attention-efficiency", "2"]) == 2
+    for bad in ("2", "nan", "inf", "-1"):
+        assert main(["plan", "--model.preset", "tiny", "--model.vocab_size", "257", "--gpus", "1",
+                     "--attention-efficiency", bad]) == 2

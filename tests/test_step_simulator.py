@@ -230,6 +230,8 @@ def test_every_step_option_changes_what_is_simulated(capsys):
     (["--gpus", "2", "--efficiency", "nan"], "efficiency = nan"), (["--gpus", "2", "--efficiency", "inf"], "efficiency"),
     (["--gpus", "2", "--efficiency", "0"], "efficiency"), (["--gpus", "2", "--vocab-size", "-1"], "--vocab-size -1"),
     (["--gpus", "2", "--attention-efficiency", "2"], "attention efficiency = 2.0"),
+    (["--gpus", "2", "--attention-efficiency", "nan"], "attention efficiency = nan"),
+    (["--gpus", "2", "--attention-efficiency", "inf"], "attention efficiency = inf"),
     (["--gpus", "2", "--model.n_experts", "4"], "n_experts"),
     ([], "--gpus N"), (["--gpus", "4", "--ranks", "4"], "--gpus N"), (["--gpus", "0"], "--gpus 0"),
     (["--ranks", "8", "--train.steps", "3"], "use --gpus"), (["--gpus", "3", "--tensor_parallel.degree", "2"], "world size is 3"),

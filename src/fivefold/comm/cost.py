@@ -247,7 +247,7 @@ def predict_collective(collective: str, algorithm: str, n: float, p: int, cluste
 NATIVE_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
 
-def _ring_form(collective: str, p: int) -> tuple[int, float]:
+def ring_form(collective: str, p: int) -> tuple[int, float]:
     """(messages, bytes per byte of the vector) the busiest rank sends in the ring form of `collective`."""
     if collective == "all_reduce":
         return 2 * (p - 1), 2 * (p - 1) / p
@@ -260,13 +260,13 @@ def native_collective(collective: str, n: float, p: int, link: Link) -> float:
     """Seconds of the backend's `collective` over n bytes (a rank's whole vector) in the ring form."""
     if p == 1:
         return 0.0
-    messages, volume = _ring_form(collective, p)
+    messages, volume = ring_form(collective, p)
     return messages * link.alpha + volume * n * link.beta
 
 
 def fit_native_link(collective: str, p: int, sizes: list[float], seconds: list[float]) -> Link:
     """The link on which `native_collective` reproduces measured (bytes, seconds) at p ranks, by least squares."""
-    messages, volume = _ring_form(collective, p)
+    messages, volume = ring_form(collective, p)
     return fit_link([volume * n / messages for n in sizes], [t / messages for t in seconds])
 
 

@@ -11,6 +11,7 @@ Megatron-LM's published rates rise from 137 to 163 teraFLOP/s per A100 as h grow
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 from fivefold.errors import ConfigError
@@ -43,3 +44,17 @@ class Efficiency:
 def as_efficiency(value: float | Efficiency) -> Efficiency:
     """A bare number is one share for every matmul."""
     return value if isinstance(value, Efficiency) else Efficiency(float(value))
+
+
+def add_efficiency_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--efficiency and --attention-efficiency, as `fivefold plan` and `fivefold simulate` take them."""
+    parser.add_argument("--efficiency", type=float, default=0.5,
+                        help="achieved share of peak FLOP/s in the blocks' matmuls (default 0.5)")
+    parser.add_argument("--attention-efficiency", type=float, default=0.0,
+                        help="achieved share of peak FLOP/s in the attention core, softmax(q k^T) v, which runs "
+                             "further from peak than the large matmuls (default: the same as --efficiency)")
+
+
+def efficiency_from(args: argparse.Namespace) -> Efficiency:
+    """The shares the command line gave (a one-line ConfigError for nan, inf or out of range)."""
+    return Efficiency(args.efficiency, args.attention_efficiency)

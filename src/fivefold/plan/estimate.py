@@ -446,7 +446,7 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
 
 
 def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], cluster: ClusterSpec,
-              efficiency: float | Efficiency, peak: float, runs: PipelineRuns | None = None) -> StepTime:
+              efficiency: float | Efficiency, runs: PipelineRuns | None = None) -> StepTime:
     from fivefold.parallel.pipeline.simulate import Costs
 
     t = config.train
@@ -665,7 +665,7 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
         shard = max(server_shards(model, config.parameter_server.servers, d.dp))
         server = server_memory(config, shard, d.dp)
         over = over or server.total > cluster.memory_bytes
-    time = None if over and not time_if_over else step_time(config, model, d, split, cluster, efficiency, peak, runs)
+    time = None if over and not time_if_over else step_time(config, model, d, split, cluster, efficiency, runs)
     if time is not None and server is not None:
         push_pull, update = _parameter_server_time(config, shard, d.dp, gpus, cluster)
         time = dataclasses.replace(time, dp=push_pull, optimizer=update)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fivefold.errors import ConfigError
+from fivefold.plan.efficiency import add_efficiency_arguments, efficiency_from
 
 if TYPE_CHECKING:  # the parser is built without torch (`fivefold --help` stays instant)
     from fivefold.config.schema import JobConfig
@@ -24,22 +25,12 @@ if TYPE_CHECKING:  # the parser is built without torch (`fivefold --help` stays 
 GIB = 2**30
 
 
-def _efficiency(args: argparse.Namespace):
-    from fivefold.plan.efficiency import Efficiency
-
-    return Efficiency(args.efficiency, args.attention_efficiency)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="the TOML config `train` would run (its model, batch and layout)")
     parser.add_argument("--gpus", type=int, default=0, help="accelerators the job runs on")
     parser.add_argument("--cluster", default="h100-sxm",
                         help="a preset (a100-80gb, h100-sxm, h200, b200) or a cluster TOML file (docs/planner.md)")
-    parser.add_argument("--efficiency", type=float, default=0.5,
-                        help="achieved share of peak FLOP/s in the blocks' matmuls (default 0.5)")
-    parser.add_argument("--attention-efficiency", type=float, default=0.0,
-                        help="achieved share of peak FLOP/s in the attention core, softmax(q k^T) v, which runs "
-                             "further from peak than the large matmuls (default: the same as --efficiency)")
+    add_efficiency_arguments(parser)
     parser.add_argument("--vocab-size", type=int, default=0, help="for a model whose vocabulary comes from the tokenizer")
     parser.add_argument("--json", help="also write the result as JSON here")
     parser.add_argument("--plot", help="draw the memory per rank by component (PNG)")
@@ -136,7 +127,7 @@ def run(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec) -> in
         raise ConfigError("fivefold plan needs --gpus N (the accelerators of the job)")
     if args.search:
         return _search(args, config, cluster, out)
-    found = estimate(config, args.gpus, cluster, _efficiency(args), args.vocab_size)
+    found = estimate(config, args.gpus, cluster, efficiency_from(args), args.vocab_size)
     print(format_estimate(found, cluster, "layout"))
     out["estimate"] = found.to_dict()
     if args.plot:
@@ -153,7 +144,7 @@ def _search(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec, o
 
     batch = args.global_batch or _default_batch(config, args.gpus)
     start = time.perf_counter()
-    result = search(config, args.gpus, cluster, batch, _efficiency(args), args.vocab_size, not args.no_offload)
+    result = search(config, args.gpus, cluster, batch, efficiency_from(args), args.vocab_size, not args.no_offload)
     seconds = time.perf_counter() - start
     print(f"searched {result.considered:,} layouts of {args.gpus} x {cluster.accelerator.name} for a global batch of "
           f"{batch} sequences in {seconds:.1f} s: {len(result.ranked):,} feasible"
@@ -202,7 +193,7 @@ def _calculator(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpe
         if args.gpus < 1:
             raise ConfigError("the calculator needs --achieved-tflops, --mfu, or --gpus N to predict the rate of the "
                               "config's layout on N accelerators")
-        found = estimate(config, args.gpus, cluster, _efficiency(args), args.vocab_size)
+        found = estimate(config, args.gpus, cluster, efficiency_from(args), args.vocab_size)
         rate = found.mfu * found.peak_flops
         source = f"predicted for {found.degrees.describe()} on {cluster.accelerator.name} (MFU {100 * found.mfu:.1f}%)"
     result = budget(model, args.tokens, seq, rate, gpus=0 if args.days else args.gpus, days=args.days)

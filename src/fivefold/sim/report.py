@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fivefold.errors import ConfigError
+from fivefold.plan.efficiency import add_efficiency_arguments, efficiency_from
 from fivefold.units import parse_bytes
 from fivefold.sim.names import COLLECTIVE_ALGORITHMS, FIDELITIES, ROUTINGS, TOPOLOGY_KINDS
 
@@ -24,11 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     step = parser.add_argument_group("a training step (--gpus; --config and --section.key overrides as for train)")
     step.add_argument("--config", help="the TOML config `train` would run (its model, batch and layout)")
     step.add_argument("--gpus", type=int, help="accelerators the step runs on")
-    step.add_argument("--efficiency", type=float, default=0.5,
-                      help="achieved share of peak FLOP/s in the matmuls (the planner's compute model; default 0.5)")
-    step.add_argument("--attention-efficiency", type=float, default=0.0,
-                      help="achieved share of peak FLOP/s in the attention core, softmax(q k^T) v, which runs "
-                           "further from peak than the large matmuls (default: the same as --efficiency)")
+    add_efficiency_arguments(step)  # the planner's compute model
     step.add_argument("--fidelity", default="hybrid", choices=FIDELITIES,
                       help="flow: every collective as messages; hybrid: collectives inside a node by formula; "
                            "aggregate: also a ring between nodes as one flow per rank (for a thousand GPUs); "
@@ -95,14 +92,13 @@ def _write_trace(result, path: str) -> None:
 
 def run_step(args: argparse.Namespace, overrides: list[str]) -> int:
     from fivefold.config import load_config
-    from fivefold.plan.efficiency import Efficiency
     from fivefold.sim.step import PHASES, simulate_step
 
     if args.gpus < 1:
         raise ConfigError(f"--gpus {args.gpus}: must be a positive number of accelerators")
     config = load_config(args.config, overrides)
     cluster = cluster_with_overrides(args)
-    efficiency = Efficiency(args.efficiency, args.attention_efficiency)
+    efficiency = efficiency_from(args)
     run_ = simulate_step(config, args.gpus, cluster, efficiency, args.fidelity, args.vocab_size,
                          record_spans=bool(args.trace or args.plot))
     phases = run_.breakdown()

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fivefold.comm.cost import best_all_reduce, native_collective, predict
+from fivefold.comm.cost import best_all_reduce, native_collective, predict, ring_form
 from fivefold.config.schema import JobConfig
 from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
@@ -70,9 +70,7 @@ from fivefold.sim.engine import Await, Collective, Compute, Notify, Op, Recv, Se
 from fivefold.sim.trace import collective_programs, resolve_algorithm
 
 COMPUTE, DP = "compute", "dp"
-# (messages, bytes per byte of the vector) a rank sends in a ring collective (comm/cost.py's ring form)
-RING_FORM = {"all_reduce": lambda p: (2 * (p - 1), 2 * (p - 1) / p),
-             "reduce_scatter": lambda p: (p - 1, (p - 1) / p), "all_gather": lambda p: (p - 1, (p - 1) / p)}
+_RING_FLOWS = ("all_reduce", "reduce_scatter", "all_gather")  # aggregate: the ring collectives played as flows
 _TP_SPLIT = (".attention.", ".feed_forward.w")  # column/row-parallel weights
 _WHOLE = (".wq_a.", ".wkv_a.")  # multi-latent attention's down-projections are replicated
 
@@ -214,7 +212,7 @@ def stage_units(model: ModelConfig, split: list[list[int]], d: Degrees) -> list[
 
 class _Builder:
     def __init__(self, config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency,
-                 fidelity: str, vocab_size: int):
+                 fidelity: str, vocab_size: int, router: Router | None = None):
         from fivefold.parallel.pipeline.stages import plan_stages
 
         if fidelity not in FIDELITIES:
@@ -251,7 +249,7 @@ class _Builder:
         self._formulas: dict[tuple, float] = {}  # collective seconds by formula, per (kind, algorithm, bytes, p, span)
         self._simulated_members: dict[tuple[int, ...], int] = {}  # a group -> how many of it are simulated
         self._ring_latency: dict[tuple[int, ...], float] = {}  # aggregate: a ring's slowest hop latency
-        self.router: Router | None = None
+        self.router = (router or cluster_router(cluster, gpus)) if fidelity == "aggregate" else None
         self._events: dict[int, int] = defaultdict(int)
         self.recorded = self.analytical = 0
         self.log: dict[int, list[tuple[str, tuple[int, ...], int, str]]] = defaultdict(list)  # + the algorithm
@@ -286,7 +284,7 @@ class _Builder:
             ops.append(Collective((stream, members, sequence), self._simulated_members[members], seconds, label))
             self.analytical += rank == members[0]
             return
-        if self.fidelity == "aggregate" and kind in RING_FORM and resolve_algorithm(kind, algorithm) == "ring":
+        if self.fidelity == "aggregate" and kind in _RING_FLOWS and resolve_algorithm(kind, algorithm) == "ring":
             self._ring_flow(rank, stream, kind, members, nbytes, label)
             return
         offset = self._handles[key]
@@ -309,7 +307,7 @@ class _Builder:
         steady state), plus the other steps' latencies: contention for the fabric stays, the per-step
         rendezvous goes. Uncontended, this is the ring formula exactly."""
         key, p = (rank, stream), len(members)
-        steps, volume = RING_FORM[kind](p)
+        steps, volume = ring_form(kind, p)
         position = members.index(rank)
         if members not in self._ring_latency:  # a ring step lasts as long as its slowest hop's latency
             self._ring_latency[members] = max(
@@ -749,9 +747,7 @@ def build_workload(config: JobConfig, gpus: int, cluster: ClusterSpec, efficienc
     """Every simulated rank's program for one optimizer step of `config` on `gpus` accelerators of `cluster`
     (router: the fabric the programs will run on, for the aggregate fidelity's latencies; default the
     cluster's own)."""
-    builder = _Builder(config, gpus, cluster, efficiency, fidelity, vocab_size)
-    if fidelity == "aggregate":
-        builder.router = router or cluster_router(cluster, gpus)
+    builder = _Builder(config, gpus, cluster, efficiency, fidelity, vocab_size, router)
     for rank in builder.simulated:
         builder.rank_program(rank)
     return Workload(dict(builder.programs), builder.grid, builder.d, builder.split, builder.simulated, fidelity,
