@@ -96,7 +96,7 @@ def test_weights_read_back_without_the_trainer(job):
     expected = dict(trainer.model.named_parameters())
     assert set(weights) == set(expected)
     for name, tensor in weights.items():
-        assert torch.equal(tensor, expected[name].detach()), name
+        assert torch.equal(tensor, expected[name].detach().cpu()), name
 
 
 def test_resume_with_another_model_is_refused(job):

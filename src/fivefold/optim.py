@@ -31,8 +31,12 @@ def build_adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], config:
         for params, wd in ((decay, config.weight_decay), (no_decay, 0.0))
         if params
     ]
+    # One fused kernel for every CUDA tensor (PyTorch's fused AdamW); on the CPU (and for host-offloaded
+    # ZeRO shards) the multi-tensor foreach implementation. Both compute the same update.
+    on_gpu = all(p.is_cuda for p in [*decay, *no_decay])
     return torch.optim.AdamW(
-        groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, foreach=True
+        groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
+        **({"fused": True} if on_gpu else {"foreach": True}),
     )
 
 

@@ -122,12 +122,18 @@ class TrainConfig:
     """Folder for checkpoints, metrics.jsonl, TensorBoard events and the loss plot."""
     recompute: str = "none"
     """Activation recomputation: `none`, `full` (each block's forward again in backward) or `selective` (attention core only)."""
+    compile: bool = False
+    """torch.compile each transformer block (fused Triton kernels for its norms, RoPE and SwiGLU on CUDA; docs/gpu.md)."""
+    fp8: bool = False
+    """Run the blocks' linear layers in FP8 (e4m3 forward, e5m2 gradients, per-tensor current scaling; torch._scaled_mm on H100-class GPUs, the same numerics emulated elsewhere; docs/gpu.md). Not with tensor parallelism."""
+    loss_chunk_tokens: int = 0
+    """Apply the LM head and cross-entropy this many tokens at a time, recomputing each chunk's logits in backward, so the full tokens x vocab logits never exist (docs/gpu.md); 0 = the plain head."""
     threads: int = 0
     """Intra-op CPU threads per rank; 0 = the cores this process may use divided by the ranks on this machine (at least 1), so ranks x threads <= cores."""
 
     def validate(self) -> None:
         _positive("train", self, "steps", "seq_len", "micro_batch_size", "grad_accum_steps", "eval_batches", "log_every")
-        _at_least("train", self, 0, "eval_every", "max_grad_norm", "peak_tflops", "threads")
+        _at_least("train", self, 0, "eval_every", "max_grad_norm", "peak_tflops", "threads", "loss_chunk_tokens")
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"train.seed = {self.seed}: must lie in [0, 2**63)")
         check_choice("train.dtype", self.dtype, ("fp32", "bf16"))

@@ -223,8 +223,11 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(
-        self, tokens: torch.Tensor, cache: KVCache | None = None, positions: torch.Tensor | None = None
+        self, tokens: torch.Tensor, cache: KVCache | None = None, positions: torch.Tensor | None = None,
+        project: bool = True,
     ) -> torch.Tensor:
+        """Logits, or with project=False the normalised hidden states the output projection would read
+        (a loss that applies the projection itself, ops/linear_cross_entropy.py)."""
         seq = tokens.shape[1]
         if positions is None:
             start = cache.seq_len if cache is not None else 0
@@ -233,7 +236,7 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin, cache)
-        return self.head(h)
+        return self.head(h) if project else self.norm(h)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of the rotary angles at these (global) positions."""
@@ -245,6 +248,11 @@ class Transformer(nn.Module):
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The output projection's (vocab, dim) matrix: the embedding table when tied."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     @torch.no_grad()
     def init_buffers(self) -> None:

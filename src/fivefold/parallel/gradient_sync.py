@@ -92,9 +92,13 @@ def clip_(grads: list[torch.Tensor], norm: float, max_norm: float) -> None:
             g.mul_(max_norm / (norm + 1e-6))
 
 
-def step_tensor(value: float) -> torch.Tensor:
-    """AdamW's step count as torch.optim keeps it (a float32 CPU scalar unless capturable/fused)."""
-    return torch.tensor(float(value), dtype=torch.float32)
+def step_tensor(value: float, optimizer: torch.optim.Optimizer | None = None,
+                param: torch.Tensor | None = None) -> torch.Tensor:
+    """AdamW's step count as torch.optim keeps it: a float32 CPU scalar, or on the parameter's device when
+    the optimizer is fused or capturable (the fused CUDA AdamW refuses a CPU step)."""
+    on_device = optimizer is not None and param is not None and any(
+        g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
+    return torch.tensor(float(value), dtype=torch.float32, device=param.device if on_device else "cpu")
 
 
 class GradientSync(abc.ABC):
@@ -206,7 +210,7 @@ def load_whole_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, pieces
         for name, value in unflatten(group, piece["model"]).items():
             param = params[name]
             param.copy_(value)
-            optimizer.state[param] = {"step": step_tensor(piece["step"]),
+            optimizer.state[param] = {"step": step_tensor(piece["step"], optimizer, param),
                                       **{m: moments[m][name].to(param.device, param.dtype).clone() for m in MOMENTS}}
 
 

@@ -34,6 +34,8 @@ from fivefold.model import Transformer, materialize
 from fivefold.model.hf import load_hf_weights
 from fivefold.optim import build_adamw, build_optimizer
 from fivefold.parallel.checkpoint_layout import CheckpointLayout, PieceRanks, local_layout
+from fivefold.ops.fp8 import apply_fp8
+from fivefold.parallel.compile import apply_compile
 from fivefold.parallel.comm_schedule import PriorityDataParallel, PrioritySync
 from fivefold.parallel.context_parallel import ContextParallelLayout, apply_context_parallel, build_context_parallel_groups
 from fivefold.errors import ConfigError
@@ -66,6 +68,7 @@ from fivefold.parallel.pipeline.stages import (
 )
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.step import PipelineStep, SingleStageStep
+from fivefold.parallel.output_loss import OutputLoss
 from fivefold.parallel.tensor_parallel import IGNORE_INDEX, apply_tensor_parallel, tp_spec, vocab_parallel_cross_entropy
 from fivefold.parallel.zero import ZeroDataParallel, ZeroSync
 
@@ -227,13 +230,14 @@ def build_step(model: Transformer, folds: ModelParallel, sync: GradientSync, mes
                stages: list[PipelineStage] | None, autocast: Callable) -> SingleStageStep | PipelineStep:
     """The step function, chosen once: one stage, or this rank's pipeline schedule."""
     dp_rank, dp = mesh.local_rank("dp"), mesh.dims.dp
-    if stages is None:
-        return SingleStageStep(model, folds.loss_sum, sync, autocast, dp_rank, dp, mesh.group("dp_cp"))
     t, pipe, tensor = config.train, config.pipeline_parallel, config.tensor_parallel
+    loss = OutputLoss(folds.loss_sum, model, folds.vocab_size, folds.tp_group, t.loss_chunk_tokens, DTYPES[t.dtype])
+    if stages is None:
+        return SingleStageStep(model, loss, sync, autocast, dp_rank, dp, mesh.group("dp_cp"))
     shape = PipelineShape(pipe.degree, t.grad_accum_steps, pipe.virtual)
     seq = t.seq_len // config.context_parallel.degree // (tensor.degree if tensor.sequence_parallel else 1)
     dtype = next(model.parameters()).dtype  # the residual stream's dtype (autocast leaves it)
-    executor = PipelineExecutor(model, stages, shape, pipe.schedule, mesh.group("pp"), folds.loss_sum,
+    executor = PipelineExecutor(model, stages, shape, pipe.schedule, mesh.group("pp"), loss,
                                 (t.micro_batch_size, seq, model.config.dim), dtype, next(model.parameters()).device,
                                 autocast)
     return PipelineStep(executor, pipe.schedule, sync, mesh.group("pp"), dp_rank, dp, mesh.group("dp_cp"))
@@ -276,6 +280,8 @@ def parallelize(model: Transformer, mesh: Mesh, config: JobConfig, device: torch
         load_hf_weights(model, model.config.init_from_hf)
     if experts is not None:
         shard_experts(model, experts.etp, experts.etp_rank)
+    if t.fp8:  # before recomputation wraps the blocks
+        apply_fp8(model)
     folds = apply_model_parallel(model, mesh, config.tensor_parallel, config.context_parallel, t.recompute, stages)
     norm = folds.grad_norm()
     meter, replicas = AllToAllMeter(), None
@@ -290,6 +296,8 @@ def parallelize(model: Transformer, mesh: Mesh, config: JobConfig, device: torch
     tied_group = None  # first and last pipeline stage, which both hold a tied embedding
     if stages is not None and model.config.tie_embeddings:
         tied_group = mesh.subgroup(tied_embedding_rows(mesh.rank_table("pp"), (len(split) - 1) % pipe.degree))
+    if t.compile:  # after every fold has rewritten the blocks, before data parallelism hooks in
+        apply_compile(model)
     local = local_layout(model, folds.piece_ranks(experts))  # before ZeRO empties the parameters
     parameters = sum(p.numel() for p in model.parameters())
     sync = apply_data_parallel(model, mesh, config, norm, tied_group, experts, replicas if replicas and replicas.sets else None)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.parallel.gradient_sync import GradientSync
+from fivefold.parallel.output_loss import OutputLoss
 from fivefold.parallel.pipeline.executor import MicroBatch, PipelineExecutor
 from fivefold.parallel.tensor_parallel import IGNORE_INDEX
 from fivefold.reliability.activity import phase
@@ -53,7 +54,7 @@ class SingleStageStep:
 
     schedule = None
 
-    def __init__(self, model: nn.Module, loss_sum: Callable, sync: GradientSync, autocast: Callable,
+    def __init__(self, model: nn.Module, loss_sum: OutputLoss, sync: GradientSync, autocast: Callable,
                  dp_rank: int, dp: int, data_group: dist.ProcessGroup | None):
         self.model, self.loss_sum, self.sync, self.autocast = model, loss_sum, sync, autocast
         self.dp_rank, self.dp, self.data_group = dp_rank, dp, data_group
@@ -67,8 +68,8 @@ class SingleStageStep:
             accumulating = micro_step < len(batches) - 1
             with self.sync.no_sync() if accumulating else contextlib.nullcontext():
                 with phase(f"forward micro-batch {micro_step + 1}/{len(batches)}"), self.autocast():
-                    logits = self.model(inputs, positions=positions)
-                loss = self.loss_sum(logits, labels)
+                    out = self.model(inputs, positions=positions, project=self.loss_sum.project)
+                loss = self.loss_sum(out, labels)
                 if self.loss_factor is not None:
                     loss = loss * self.loss_factor
                 with phase(f"backward micro-batch {micro_step + 1}/{len(batches)}"):
@@ -94,9 +95,9 @@ class SingleStageStep:
                 continue
             inputs, labels, positions = batches[index] if counted else batches[0]
             with self.autocast():
-                logits = self.model(inputs, positions=positions)
+                out = self.model(inputs, positions=positions, project=self.loss_sum.project)
             if counted:
-                totals[0] += self.loss_sum(logits, labels).double()
+                totals[0] += self.loss_sum(out, labels).double()
                 totals[1] += target_tokens([batches[index]])
         _sum(totals, self.data_group, "evaluation all-reduce")
         return float(totals[0]), int(totals[1])

@@ -50,6 +50,9 @@ def check_config(config: JobConfig) -> JobConfig:
     if config.pipeline_parallel.degree > 1:
         check_pipeline(config.model, config.pipeline_parallel, t.seq_len, t.grad_accum_steps)
     check_moe(config)
+    if t.fp8 and tp.degree > 1:
+        raise ConfigError(f"train.fp8 = true with tensor_parallel.degree = {tp.degree}: FP8 swaps the blocks' plain "
+                          "nn.Linear layers, and tensor parallelism has replaced them; use one of the two")
     return config
 
 

@@ -482,4 +482,5 @@ class ZeroSync(GradientSync):
             return out
 
         g.master.copy_(padded(values["model"]))
-        self.optimizer.state[g.master] = {"step": step_tensor(step), **{m: padded(values[m]) for m in MOMENTS}}
+        self.optimizer.state[g.master] = {"step": step_tensor(step, self.optimizer, g.master),
+                                          **{m: padded(values[m]) for m in MOMENTS}}

@@ -17,7 +17,8 @@ Memory per rank (bytes), for every pipeline rank; the report takes the largest:
                                        this rank's real instruction stream); 4 bytes per element
                                        (fp32), 2 under bf16 autocast (an estimate)
     logits                             the last stage's fp32 logits and their gradient,
-                                       2 x 4 x b x s/cp x V_t/t
+                                       2 x 4 x b x s/cp x V_t/t; with the chunked head (chunk c)
+                                       4 x b x s/cp + 2 x 4 x c x V_t/t (`logits_bytes`)
     buffers                            ZeRO-3's gathered block (two with prefetch); MoE dispatch
                                        rows (the expected k x tokens x h x 4 in and out)
 
@@ -294,6 +295,16 @@ def _in_flight(config: JobConfig, d: Degrees) -> dict[int, int]:
     return {r: peak_in_flight(pipe.schedule, shape, r) for r in range(d.pp)}
 
 
+def logits_bytes(tokens: int, vocab: int, held: int, chunk: int = 0) -> int:
+    """Bytes of the loss's logits on the last stage: `held` micro-batches' fp32 log-probabilities kept for
+    backward plus one live logits gradient (tokens x this rank's vocabulary each); with the chunked head
+    (train.loss_chunk_tokens = c) 4 bytes per token kept (the log-sum-exp) and one chunk's fp32 logits
+    and gradient live (ops/linear_cross_entropy.py)."""
+    if chunk:
+        return held * 4 * tokens + 2 * 4 * min(chunk, tokens) * vocab
+    return (held + 1) * 4 * tokens * vocab
+
+
 def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]]) -> list[RankMemory]:
     t = config.train
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
@@ -325,8 +336,8 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
             per_stage = max(len(split[s]) for s in stages) * kinds[False]
         # with interleaving a rank's peak (micro-batch, stage) pairs spread over its stages: the largest bounds each
         activations = element * per_stage * in_flight[rank]
-        logits = (held + 1) * 4 * t.micro_batch_size * (t.seq_len // d.cp) * padded_vocab(model.vocab_size, d.tp) // d.tp \
-            if last else 0
+        logits = logits_bytes(t.micro_batch_size * (t.seq_len // d.cp), padded_vocab(model.vocab_size, d.tp) // d.tp,
+                              held, t.loss_chunk_tokens) if last else 0
         out.append(RankMemory(p, g, o - host, activations, logits, buffers, host, count, buckets))
     return out
 

@@ -71,12 +71,16 @@ class TrainingFloor:
 
 
 def training_floor(parameters: int, layers: int, block_elements: int, micro_batch: int, seq_len: int,
-                   vocab: int, model_parallel: int = 1) -> TrainingFloor:
+                   vocab: int, model_parallel: int = 1, loss_chunk: int = 0) -> TrainingFloor:
     """At least this much memory per rank: 16 bytes per parameter it holds (fp32 AdamW, before any ZeRO
     sharding beyond `model_parallel`), each of its `layers` blocks' saved activations in fp32, and the
-    fp32 logits with their gradient. Anything else (workspace, the allocator, ZeRO buffers) comes on top."""
-    return TrainingFloor(16 * parameters // model_parallel, 4 * layers * block_elements,
-                         2 * 4 * micro_batch * seq_len * vocab // model_parallel)
+    fp32 logits with their gradient (with the chunked head, `loss_chunk` tokens' worth, plus 4 bytes per
+    token). Anything else (workspace, the allocator, ZeRO buffers) comes on top."""
+    tokens = micro_batch * seq_len
+    logits = 2 * 4 * tokens * vocab // model_parallel
+    if loss_chunk:
+        logits = 4 * tokens + 2 * 4 * min(loss_chunk, tokens) * vocab // model_parallel
+    return TrainingFloor(16 * parameters // model_parallel, 4 * layers * block_elements, logits)
 
 
 def moe_parameters_per_rank(total: int, routed_experts: int, ep: int, etp: int = 1) -> int:

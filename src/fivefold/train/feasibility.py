@@ -40,14 +40,15 @@ def check_fits(config: JobConfig, model: ModelConfig, device: torch.device, loca
     shape = ActivationShape(t.micro_batch_size, seq, tp.degree, tp.sequence_parallel, t.recompute)
     split = tp.degree * pp * (config.data_parallel.shard * cp if config.data_parallel.zero_stage == 3 else 1)
     floor = training_floor(count_parameters(model).total, math.ceil(model.n_layers / pp),
-                           block_activation_elements(model, shape), t.micro_batch_size, seq, model.vocab_size, split)
+                           block_activation_elements(model, shape), t.micro_batch_size, seq, model.vocab_size, split,
+                           t.loss_chunk_tokens)
     available = memory_per_rank(device, local_ranks)
     if floor.total <= available:
         return
     gib = 2**30
     parts = sorted([(floor.model_states, "model states (model.dim, model.n_layers, model.ffn_dim)"),
                     (floor.activations, "activations (train.micro_batch_size, train.seq_len; train.recompute helps)"),
-                    (floor.logits, "logits (train.micro_batch_size x train.seq_len x vocabulary)")], reverse=True)
+                    (floor.logits, "logits (train.micro_batch_size x train.seq_len x vocabulary; train.loss_chunk_tokens helps)")], reverse=True)
     raise ConfigError(
         f"this run needs at least {floor.total / gib:,.1f} GiB per rank but a rank has {available / gib:,.1f} GiB "
         f"({'accelerator' if device.type == 'cuda' else 'RAM / local ranks'}): "

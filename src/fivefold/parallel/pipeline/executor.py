@@ -302,7 +302,7 @@ class PipelineExecutor:
         else:
             x = self._inbox.pop(("act", ins.stage, ins.microbatch)).requires_grad_()
         with self._deferring(), self.autocast():
-            out = stage.forward(self.model, x, batch.positions)
+            out = stage.forward(self.model, x, batch.positions, getattr(self.loss_sum, "project", True))
         loss = torch.zeros((), device=self.device)
         if stage.is_last:
             loss = self.loss_sum(out, batch.labels)
@@ -347,7 +347,7 @@ class PipelineExecutor:
                     x = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
                     dist.recv(x, self.global_rank[self.shape.rank_of(index - 1)], group=self.group)
                 with self.autocast():
-                    out = stage.forward(self.model, x, batch.positions)
+                    out = stage.forward(self.model, x, batch.positions, getattr(self.loss_sum, "project", True))
                 if stage.is_last:
                     loss += self.loss_sum(out, batch.labels).double()
                 else:

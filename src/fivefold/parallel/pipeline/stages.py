@@ -158,8 +158,9 @@ class PipelineStage:
     is_first: bool
     is_last: bool
 
-    def forward(self, model: Transformer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Token ids (first stage) or hidden states -> hidden states, or logits (last stage).
+    def forward(self, model: Transformer, x: torch.Tensor, positions: torch.Tensor, project: bool = True) -> torch.Tensor:
+        """Token ids (first stage) or hidden states -> hidden states, or logits (last stage; with
+        project=False its normalised hidden states, for a loss that applies the head itself).
 
         `positions` are the tokens' (global) positions: hidden states may hold only part of the
         sequence (sequence parallelism), so they cannot be read off x.
@@ -168,7 +169,9 @@ class PipelineStage:
         h = model.tok_embeddings(x) if self.is_first else x
         for layer in self.layers:
             h = model.layers[str(layer)](h, cos, sin)
-        return model.head(h) if self.is_last else h
+        if not self.is_last:
+            return h
+        return model.head(h) if project else model.norm(h)
 
 
 def stages_of_rank(split: list[list[int]], pp: int, rank: int) -> list[PipelineStage]:

@@ -1,0 +1,136 @@
+"""The CUDA paths on one GPU (skipped where there is none; CI never has one).
+
+Run on a lent H100 for docs/gpu.md. Each test checks what the CPU suite cannot: training on CUDA
+equals training on the CPU (fp32; cuBLAS and the CPU BLAS sum in different orders), the defaults
+on CUDA (fused AdamW, SDPA's flash kernel for bf16 causal attention), compiled blocks without
+recompiles, the chunked head's peak-memory saving, FP8 through torch._scaled_mm, and the fused
+kernels' parity with eager.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fivefold.ops.fp8 import E4M3, E5M2, _fast_path, quantize, scaled_matmul
+from fivefold.ops.fused import OPS, fused
+from fivefold.ops.linear_cross_entropy import linear_cross_entropy
+from fivefold.optim import build_optimizer
+from fivefold.config import OptimConfig
+from fivefold.parallel.compile import compiled_graphs
+from fivefold.plan.estimate import logits_bytes
+from fivefold.train.trainer import Trainer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _config(job, tmp_path, name, **train):
+    return dataclasses.replace(job, train=dataclasses.replace(job.train, output_dir=str(tmp_path / name), **train))
+
+
+def test_training_on_cuda_equals_training_on_the_cpu(job, tmp_path):
+    cpu = Trainer(_config(job, tmp_path, "cpu", device="cpu"))
+    gpu = Trainer(_config(job, tmp_path, "gpu", device="cuda"))
+    assert next(gpu.model.parameters()).is_cuda
+    expected = [cpu.train_step()["loss"] for _ in range(4)]
+    losses = [gpu.train_step()["loss"] for _ in range(4)]
+    print("cpu", expected, "cuda", losses)
+    assert losses == pytest.approx(expected, rel=1e-4)
+
+
+def test_bf16_chunked_compiled_fp8_training_on_cuda(job, tmp_path):
+    torch._dynamo.reset()
+    base = Trainer(_config(job, tmp_path, "bf16", device="cuda", dtype="bf16", micro_batch_size=8))
+    fast = Trainer(_config(job, tmp_path, "fast", device="cuda", dtype="bf16", micro_batch_size=8, compile=True,
+                           loss_chunk_tokens=64, fp8=True))
+    expected = [base.train_step()["loss"] for _ in range(30)]
+    losses = [fast.train_step()["loss"]]
+    fast.evaluate()
+    warm = compiled_graphs()
+    losses += [fast.train_step()["loss"] for _ in range(29)]
+    fast.evaluate()
+    print(f"bf16 {expected[0]:.3f} -> {expected[-1]:.3f}; compile + chunked + fp8 {losses[0]:.3f} -> {losses[-1]:.3f}")
+    assert compiled_graphs() == warm
+    assert expected[-1] < expected[0] - 1.5
+    assert abs(sum(losses[-5:]) / 5 - sum(expected[-5:]) / 5) <= 0.05
+
+
+def test_fused_adamw_on_cuda_and_foreach_on_the_cpu():
+    gpu = build_optimizer(torch.nn.Linear(4, 4, device="cuda"), OptimConfig())
+    cpu = build_optimizer(torch.nn.Linear(4, 4), OptimConfig())
+    assert gpu.defaults["fused"] and not cpu.defaults.get("fused")
+
+
+def test_sdpa_runs_the_flash_kernel_for_bf16_causal_attention():
+    from torch.profiler import ProfilerActivity, profile
+
+    from fivefold.model.llama import attention_core
+
+    q, k, v = (torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        attention_core(q, k, v)
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages()]
+    print(names)
+    assert any("flash" in name.lower() for name in names), names
+
+
+def test_chunked_head_peak_memory_saving_on_cuda():
+    n, d, v = 8192, 1024, 32000
+    hidden = torch.randn(n, d, device="cuda", requires_grad=True)
+    weight = (torch.randn(v, d, device="cuda") * 0.02).requires_grad_()
+    labels = torch.randint(0, v, (n,), device="cuda")
+
+    def peak(fn) -> tuple[int, torch.Tensor]:
+        hidden.grad = weight.grad = None
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fn()
+        loss.backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before, loss.detach()
+
+    plain, expected = peak(lambda: F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum"))
+    plain_grads = (hidden.grad.clone(), weight.grad.clone())
+    chunked, loss = peak(lambda: linear_cross_entropy(hidden, weight, labels, 1024))
+    saving, formula = plain - chunked, logits_bytes(n, v, 1) - logits_bytes(n, v, 1, 1024)
+    print(f"peak above the inputs: plain {plain / 2**20:.0f} MiB, chunked {chunked / 2**20:.0f} MiB; "
+          f"saving {saving / 2**20:.0f} MiB, planner's logits term {formula / 2**20:.0f} MiB")
+    assert torch.allclose(loss, expected, rtol=1e-5)
+    assert ((hidden.grad - plain_grads[0]).norm() / plain_grads[0].norm()).item() < 1e-2
+    assert saving >= 4 * n * v  # at least the log-probabilities the plain loss keeps
+
+
+def test_fp8_matmul_runs_on_the_tensor_cores_and_equals_the_emulation():
+    a, b = torch.randn(256, 512, device="cuda"), torch.randn(512, 384, device="cuda")
+    a8, a_inv = quantize(a, E4M3)
+    b8, b_inv = quantize(b, E5M2)
+    assert _fast_path(a8, b8)
+    fast = scaled_matmul(a8, a_inv, b8, b_inv, torch.float32)
+    emulated = (a8.float() * a_inv) @ (b8.float() * b_inv)
+    # Hopper's FP8 tensor cores accumulate with fewer bits than fp32 (measured 1.0e-4 relative on an H100)
+    assert ((fast - emulated).norm() / emulated.norm()).item() < 1e-3
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_fused_kernels_equal_eager(name):
+    tokens, dim = 512, 256
+    if name == "rms_norm":
+        args = (torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16), torch.randn(dim, device="cuda"), 1e-5)
+    elif name == "swiglu":
+        args = tuple(torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    else:
+        args = (torch.randn(1, 4, tokens, 64, device="cuda", dtype=torch.bfloat16),
+                torch.randn(tokens, 64, device="cuda"), torch.randn(tokens, 64, device="cuda"))
+    args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) else a for a in args)
+    eager, fast = OPS[name](*args), fused(OPS[name], "cuda")(*args)
+    grad = torch.randn_like(eager)
+    inputs = [a for a in args if isinstance(a, torch.Tensor)]
+    expected = torch.autograd.grad(eager, inputs, grad)
+    got = torch.autograd.grad(fast, inputs, grad)
+    assert torch.allclose(fast.float(), eager.float(), rtol=1e-2, atol=1e-2)
+    for g, e in zip(got, expected):
+        assert ((g.float() - e.float()).norm() / e.float().norm()).item() < 1e-2
