@@ -3,13 +3,14 @@
     bf16 eager         train.dtype = bf16 (SDPA attention, fused AdamW: the defaults on CUDA)
     + compile          train.compile: every block compiled (fused Triton kernels for norms, RoPE, SwiGLU)
     + chunked loss     train.loss_chunk_tokens: the head and cross-entropy never hold the full logits
-    + fp8              train.fp8: the blocks' linear layers through torch._scaled_mm (e4m3 / e5m2)
+    + fp8              train.fp8 (with compile): the blocks' linear layers through torch._scaled_mm (e4m3 / e5m2)
+    + fp8 + chunked    all of the above
     transformers       LlamaForCausalLM (attn_implementation="sdpa") of the same shape, bf16 autocast,
                        fused AdamW, its own loss: the peer, in the same process
 
 Each fivefold setting is the real `Trainer.train_step` (data, forward, backward, clip, AdamW) on the
-embedded corpus; the peer runs forward, loss, backward, clip and fused AdamW on random tokens of the
-same shape. Steps are timed on the host clock after a CUDA synchronize, after warm-up steps (which
+embedded corpus; the peer runs forward, loss, backward, clip and fused AdamW on one batch of random
+tokens of the same shape, again and again (so its loss, which it memorises, is not comparable). Steps are timed on the host clock after a CUDA synchronize, after warm-up steps (which
 include compilation). MFU = model FLOPs per token (6 N_matmul + 12 L H Q T, plan/flops.py) x
 tokens/s / the GPU's dense bf16 peak (fp8 is quoted against the same bf16 peak, as torchtitan does).
 Peak memory is torch.cuda.max_memory_allocated beside the planner's estimate for the same config.
@@ -89,7 +90,7 @@ def transformers_setting(model_config, batch: int, seq_len: int, warmup: int, st
         _sync()
         if index >= warmup:
             times.append(time.perf_counter() - start)
-    row = {"name": "transformers", "step_s": statistics.median(times), "loss": float(loss),
+    row = {"name": "transformers", "step_s": statistics.median(times), "loss": float(loss.detach()),
            "peak_bytes": torch.cuda.max_memory_allocated(), "planned_bytes": 0, "planned_logits": 0,
            "tokens": batch * seq_len, "flops_per_token": flops_per_token(model_config, seq_len)}
     del model, optimizer
@@ -126,7 +127,8 @@ def kernel_rows(tokens: int, dim: int, heads: int, head_dim: int, hidden: int) -
 
         eager_ms = do_bench(run(fn), return_mode="median")
         fused_ms = do_bench(run(fast), return_mode="median")
-        diff = (fast(*args).float() - fn(*args).float()).abs().max().item()
+        with torch.no_grad():
+            diff = (fast(*args).float() - fn(*args).float()).abs().max().item()
         rows.append({"op": name, "eager_ms": eager_ms, "fused_ms": fused_ms, "max_abs_diff": diff})
     return rows
 
@@ -139,7 +141,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--chunk", type=int, default=4096, help="train.loss_chunk_tokens of the chunked settings")
-    parser.add_argument("--settings", default="eager,compile,chunked,fp8,transformers")
+    parser.add_argument("--settings", default="eager,compile,chunked,fp8,fp8+chunked,transformers")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -162,7 +164,8 @@ def main() -> None:
         "eager": {},
         "compile": {"compile": True},
         "chunked": {"compile": True, "loss_chunk_tokens": args.chunk},
-        "fp8": {"compile": True, "loss_chunk_tokens": args.chunk, "fp8": True},
+        "fp8": {"compile": True, "fp8": True},
+        "fp8+chunked": {"compile": True, "loss_chunk_tokens": args.chunk, "fp8": True},
     }
     wanted = args.settings.split(",")
     rows = [fivefold_setting(base, name, args.warmup, args.steps, **settings[name]) for name in settings if name in wanted]

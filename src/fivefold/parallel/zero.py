@@ -72,6 +72,7 @@ class FlatGroup:
     reduced: bool = False  # reduced in the current backward pass
     pending: list = field(default_factory=list)
     norm_weights: torch.Tensor | None = None  # per element of this rank's shard: its weight in the norm
+    host_grad: torch.Tensor | None = None  # offload from a GPU: the pinned host buffer the gradient shard lands in
 
     def views(self, flat: torch.Tensor):
         for param, shape, offset in zip(self.params, self.shapes, self.offsets):
@@ -110,6 +111,7 @@ class ZeroDataParallel(SkipOnAccumulation):
         self.device = next(model.parameters()).device
         self.offload_device = torch.device("cpu") if offload else self.device
         self.offload = offload
+        self.pinned = offload and self.device.type == "cuda"
         # Other ranks holding other parts of the model (tensor-parallel pieces, pipeline stages) and
         # the weight each parameter's squares get (1 / copies), for the global gradient norm.
         self.norm = norm
@@ -161,7 +163,11 @@ class ZeroDataParallel(SkipOnAccumulation):
                 param.data = view
             own = flat[lo:hi]
         aliased = self.param_dtype == torch.float32 and not self.offload
-        g.master = nn.Parameter(own if aliased else own.to(self.offload_device, torch.float32, copy=True))
+        if self.pinned:  # page-locked host memory: copies to and from the GPU run asynchronously, at full speed
+            g.master = nn.Parameter(torch.empty(own.shape, dtype=torch.float32, pin_memory=True).copy_(own))
+            g.host_grad = torch.empty(own.shape, dtype=torch.float32, pin_memory=True)
+        else:
+            g.master = nn.Parameter(own if aliased else own.to(self.offload_device, torch.float32, copy=True))
         if self.stage == 1:
             g.flat_grad = torch.zeros(g.padded_numel, dtype=self.param_dtype, device=self.device)
             for param, view in g.views(g.flat_grad):
@@ -310,7 +316,12 @@ class ZeroDataParallel(SkipOnAccumulation):
     def prepare_step(self) -> None:
         """Hand the gradient shards to the fp32 masters (on the offload device)."""
         for g in self.groups:
-            g.master.grad = g.grad_shard.to(self.offload_device, torch.float32)
+            if self.pinned:
+                g.master.grad = g.host_grad.copy_(g.grad_shard, non_blocking=True)
+            else:
+                g.master.grad = g.grad_shard.to(self.offload_device, torch.float32)
+        if self.pinned:
+            torch.cuda.synchronize(self.device)  # every shard's copy has landed before the CPU optimizer reads it
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -332,10 +343,10 @@ class ZeroDataParallel(SkipOnAccumulation):
             lo, hi = self.rank * g.shard_numel, (self.rank + 1) * g.shard_numel
             if self.stage == 3:
                 if g.local.data_ptr() != g.master.data_ptr():
-                    g.local.copy_(g.master)
+                    g.local.copy_(g.master, non_blocking=self.pinned)
             else:
                 if g.flat[lo:hi].data_ptr() != g.master.data_ptr():
-                    g.flat[lo:hi].copy_(g.master)
+                    g.flat[lo:hi].copy_(g.master, non_blocking=self.pinned)
                 all_gather_flat(g.flat, g.flat[lo:hi].clone(), group=self.shard_group)
 
     def owned_range(self, g: FlatGroup) -> tuple[int, int]:
