@@ -22,10 +22,12 @@ Then the three fused kernels (ops/fused.py) against eager, forward + backward, t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -168,9 +170,12 @@ def main() -> None:
         "fp8+chunked": {"compile": True, "loss_chunk_tokens": args.chunk, "fp8": True},
     }
     wanted = args.settings.split(",")
-    rows = [fivefold_setting(base, name, args.warmup, args.steps, **settings[name]) for name in settings if name in wanted]
-    if "transformers" in wanted:
-        rows.append(transformers_setting(base.model, args.batch, args.seq_len, args.warmup, args.steps))
+    # the trainer's own start-up lines go to stderr under --json, so stdout stays one JSON document + the table
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        rows = [fivefold_setting(base, name, args.warmup, args.steps, **settings[name])
+                for name in settings if name in wanted]
+        if "transformers" in wanted:
+            rows.append(transformers_setting(base.model, args.batch, args.seq_len, args.warmup, args.steps))
     device = torch.cuda.get_device_name()
     peak = lookup_gpu_peak_tflops(device) * 1e12
     for row in rows:

@@ -62,3 +62,10 @@ def test_reliability_benchmark_runs_and_prints_result(script, args, expected):
     assert len(result) == 1 and expected in result[0]
     numbers = {k: float(v) for k, v in (item.split("=", 1) for item in result[0].split()[1:]) if k != "name"}
     assert numbers and all(math.isfinite(v) and v >= 0 for v in numbers.values()), numbers
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="on a GPU this would run the whole benchmark")
+def test_gpu_benchmark_says_why_it_cannot_run_without_a_gpu():
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_train.py")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and "none is visible here" in done.stderr and "docs/gpu.md" in done.stderr
