@@ -74,9 +74,12 @@ def test_fp8_training_tracks_bf16(job, tmp_path):
         train = dataclasses.replace(job.train, steps=30, micro_batch_size=8, dtype="bf16", fp8=fp8, eval_every=0,
                                     output_dir=str(tmp_path / f"fp8-{fp8}"))
         trainer = Trainer(dataclasses.replace(job, train=train))
+        swapped = sum(isinstance(m, Float8Linear) for m in trainer.model.modules())
+        assert swapped == (2 * 7 if fp8 else 0)
         return [trainer.train_step()["loss"] for _ in range(30)]
 
     bf16, fp8 = losses(False), losses(True)
     print(f"bf16 {bf16[0]:.3f} -> {bf16[-1]:.3f}; fp8 {fp8[0]:.3f} -> {fp8[-1]:.3f}")
+    assert fp8 != bf16, "train.fp8 changed nothing"
     assert bf16[-1] < bf16[0] - 1.5
     assert abs(sum(fp8[-5:]) / 5 - sum(bf16[-5:]) / 5) <= 0.05

@@ -115,3 +115,22 @@ def test_the_training_loss_runs_the_head_in_the_training_dtype(job):
         expected = linear_cross_entropy(hidden, model.head_weight, labels, 32)
     assert loss(hidden, labels).item() == expected.item()
     assert loss(hidden, labels).item() != linear_cross_entropy(hidden, model.head_weight, labels, 32).item()
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_training_takes_the_chunked_head_exactly_when_asked(job, tmp_path, monkeypatch, chunk):
+    """train.loss_chunk_tokens reaches the step: the model stops before its head and the chunked loss runs."""
+    import fivefold.parallel.output_loss as output_loss
+    from fivefold.train.trainer import Trainer
+
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[3])
+        return linear_cross_entropy(*args, **kwargs)
+
+    monkeypatch.setattr(output_loss, "linear_cross_entropy", counting)
+    train = dataclasses.replace(job.train, loss_chunk_tokens=chunk, output_dir=str(tmp_path / "run"))
+    trainer = Trainer(dataclasses.replace(job, train=train))
+    trainer.train_step()
+    assert calls == ([chunk] * job.train.grad_accum_steps if chunk else [])

@@ -5,8 +5,8 @@ runs one kernel per operation, reading and writing the whole tensor each time: R
 six passes (cast, square, mean, rsqrt, multiply, multiply by the gain), SwiGLU three (silu,
 multiply and the sigmoid inside silu), RoPE five (two products, the half rotation's negate and
 concatenate, the sum). Inductor fuses each chain into one kernel that reads its inputs once and
-writes its output once, forward and backward. These are the functions the model runs (model/layers.py),
-compiled standalone for the parity tests and the kernel benchmark; in training `train.compile`
+writes its output once, forward and backward. These are the very functions the model runs
+(model/layers.py: `rms_norm`, `swiglu`, `apply_rope`), compiled standalone for the parity tests and the kernel benchmark; in training `train.compile`
 compiles whole blocks, which generates the same fusions in place (parallel/compile.py).
 
 On a machine without CUDA `fused` returns the eager function unchanged (the fallback): inductor's
@@ -18,25 +18,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from fivefold.model.layers import apply_rope
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / sqrt(mean(x^2) + eps), computed in fp32 (model/layers.py RMSNorm)."""
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, SwiGLU's pointwise part (model/layers.py FeedForward)."""
-    return F.silu(gate) * up
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in the half-split convention (model/layers.py apply_rope)."""
-    return apply_rope(x, cos, sin)
+from fivefold.model.layers import apply_rope, rms_norm, swiglu
 
 
 def fused(fn: Callable, device: torch.device | str) -> Callable:
@@ -46,4 +29,4 @@ def fused(fn: Callable, device: torch.device | str) -> Callable:
     return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
-OPS: dict[str, Callable] = {"rms_norm": rms_norm, "swiglu": swiglu, "rope": rope}
+OPS: dict[str, Callable] = {"rms_norm": rms_norm, "swiglu": swiglu, "rope": apply_rope}

@@ -192,6 +192,9 @@ class PipelineExecutor:
         self.stages = {stage.index: stage for stage in stages}
         self.stream: list[Instruction] = schedule(schedule_name, shape, self.rank)
         self.loss_sum, self.autocast = loss_sum, autocast
+        # whether the last stage applies the output projection (False: the loss does, parallel/output_loss.py);
+        # a plain (logits, labels) function, as benchmarks pass, wants logits
+        self.project = getattr(loss_sum, "project", True)
         self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
         self.global_rank = {r: dist.get_global_rank(group, r) for r in range(shape.ranks)}
         self.store = WeightGradStore()
@@ -302,7 +305,7 @@ class PipelineExecutor:
         else:
             x = self._inbox.pop(("act", ins.stage, ins.microbatch)).requires_grad_()
         with self._deferring(), self.autocast():
-            out = stage.forward(self.model, x, batch.positions, getattr(self.loss_sum, "project", True))
+            out = stage.forward(self.model, x, batch.positions, self.project)
         loss = torch.zeros((), device=self.device)
         if stage.is_last:
             loss = self.loss_sum(out, batch.labels)
@@ -347,7 +350,7 @@ class PipelineExecutor:
                     x = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
                     dist.recv(x, self.global_rank[self.shape.rank_of(index - 1)], group=self.group)
                 with self.autocast():
-                    out = stage.forward(self.model, x, batch.positions, getattr(self.loss_sum, "project", True))
+                    out = stage.forward(self.model, x, batch.positions, self.project)
                 if stage.is_last:
                     loss += self.loss_sum(out, batch.labels).double()
                 else:
