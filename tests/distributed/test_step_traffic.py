@@ -8,7 +8,8 @@ be equal. This covers DDP's buckets (backend and hand-written all-reduce, in whi
 message of the algorithm is compared), ZeRO-1/2/3 and hybrid sharding, tensor parallelism with and
 without sequence parallelism (blocks, vocab-parallel embedding, head and loss, the norms' summed
 gradients), the pipeline schedules' activations and gradients, ring, Ulysses and 2D context
-parallelism and recomputation. For the layouts whose every byte goes point to point (pipelines,
+parallelism, recomputation and ZeRO++ (quantised gathers, hpZ's in-node backward gathers, qgZ's two levels
+of all-to-alls). For the layouts whose every byte goes point to point (pipelines,
 hand-written all-reduce) the bytes per ordered rank pair the engine counts while playing the
 programs equal the runtime's. The only calls left out are those of <= 64 bytes: the trainer's
 scalars (loss, token count, gradient norm, the guard's flags), which the simulator does not model.
@@ -56,6 +57,9 @@ LAYOUTS = {
                           train={"grad_accum_steps": 4}),
         "dp2-cp2-zero1-selective": dict(context_parallel={"degree": 2}, data_parallel={"zero_stage": 1, "shard": 2},
                                         train={"recompute": "selective"}),
+        "zero3-pp-2-nodes-accum2": dict(data_parallel={"zero_stage": 3, "shard": 4, "quantized_weights": True,
+                                                       "hpz_partition": 2, "quantized_gradients": "int4"},
+                                        gradient_comm={"node_size": 2}, train={"grad_accum_steps": 2}),
     },
 }
 

@@ -31,6 +31,7 @@ from fivefold.model.config import ModelConfig
 from fivefold.model.presets import get_preset
 
 DTYPES = ("fp32", "bf16")
+QUANTIZED_GRADIENTS = ("none", "int8", "int4")
 
 
 def did_you_mean(word: str, options: Iterable[str]) -> str:
@@ -234,6 +235,14 @@ class DataParallelConfig:
     """ZeRO-Offload: keep fp32 masters and optimizer states on the CPU and run the step there."""
     mode: str = "ddp"
     """Data parallelism by all-reduce (`ddp`, with ZeRO when zero_stage > 0) or by parameter servers (`ps`: see [parameter_server])."""
+    quantized_weights: bool = False
+    """ZeRO++ qwZ (zero_stage 3): all-gather the weights as int8 blocks with one fp32 scale each (lossy, bounded)."""
+    hpz_partition: int = 1
+    """ZeRO++ hpZ (zero_stage 3): keep a secondary weight shard over this many ranks of one node so backward gathers stay in the node; 1 = off."""
+    quantized_gradients: str = "none"
+    """ZeRO++ qgZ (zero_stage 3): reduce-scatter gradients as `int8` or `int4` blocks by two all-to-alls, within then across nodes (lossy, bounded); `none` = off."""
+    quantization_block: int = 256
+    """Values per fp32 scale for quantized_weights and quantized_gradients (a positive multiple of 8)."""
 
     def validate(self) -> None:
         if self.replicate == 0 or self.replicate < -1:
@@ -247,6 +256,21 @@ class DataParallelConfig:
             raise ConfigError(f"data_parallel.shard = {self.shard} shards model states with ZeRO: set data_parallel.zero_stage to 1, 2 or 3")
         if self.zero_stage == 0 and (self.param_dtype != "fp32" or self.offload):
             raise ConfigError("data_parallel.param_dtype = bf16 and data_parallel.offload need ZeRO: set data_parallel.zero_stage >= 1")
+        _positive("data_parallel", self, "hpz_partition")
+        check_choice("data_parallel.quantized_gradients", self.quantized_gradients, QUANTIZED_GRADIENTS)
+        if self.quantization_block < 8 or self.quantization_block % 8:
+            raise ConfigError(f"data_parallel.quantization_block = {self.quantization_block}: must be a positive multiple of 8")
+        zero_pp = [name for name, on in (("quantized_weights", self.quantized_weights),
+                                         ("hpz_partition", self.hpz_partition > 1),
+                                         ("quantized_gradients", self.quantized_gradients != "none")) if on]
+        if zero_pp and self.zero_stage != 3:
+            raise ConfigError(f"data_parallel.{zero_pp[0]} is ZeRO++, which works on sharded weights: set "
+                              f"data_parallel.zero_stage = 3 (it is {self.zero_stage})")
+
+    @property
+    def gradient_bits(self) -> int:
+        """qgZ's bits per gradient value: 0 (off), 8 or 4."""
+        return {"none": 0, "int8": 8, "int4": 4}[self.quantized_gradients]
 
 
 @dataclass
@@ -329,7 +353,7 @@ class GradientCommConfig:
     allreduce_algorithm: str = "native"
     """How DDP buckets are summed: `native` (the backend's), a hand-written `ring`, `halving_doubling`, `rabenseifner`, `butterfly`, `tree`, `double_tree`, `hierarchical`, `torus`, or `auto` (the cost model's fastest per bucket, links measured at start)."""
     node_size: int = 0
-    """Ranks per node for `hierarchical` and `auto`: 0 takes LOCAL_WORLD_SIZE; set it to split one machine into pretend nodes."""
+    """Ranks per node for `hierarchical` and `auto`, ZeRO++ and ZeRO's cross-node byte counts: 0 takes LOCAL_WORLD_SIZE; set it to split one machine into pretend nodes."""
     schedule: str = "fifo"
     """Order of DDP gradient communication: `fifo` (buckets as backward fills them) or `priority` (slices in next-forward order, each module's update deferred to its next forward; needs train.max_grad_norm = 0)."""
     slice_mb: float = 1.0
@@ -478,6 +502,9 @@ class JobConfig:
 
     def _validate_data_parallel(self) -> None:
         dp = self.data_parallel
+        if (dp.shard * self.context_parallel.degree) % dp.hpz_partition:
+            raise ConfigError(f"data_parallel.hpz_partition = {dp.hpz_partition} must divide the ZeRO shard degree "
+                              f"data_parallel.shard x context_parallel.degree = {dp.shard * self.context_parallel.degree}")
         if dp.zero_stage > 0 and dp.shard * self.context_parallel.degree < 2:
             raise ConfigError(f"data_parallel.zero_stage = {dp.zero_stage} needs data_parallel.shard x "
                               "context_parallel.degree >= 2 ranks to shard over: raise data_parallel.shard")
@@ -492,7 +519,7 @@ class JobConfig:
         """Settings that a mode would ignore are errors, never silence."""
         comm, defaults, dp = self.gradient_comm, GradientCommConfig(), self.data_parallel
         changed = [f.name for f in dataclasses.fields(comm) if getattr(comm, f.name) != getattr(defaults, f.name)]
-        ddp_only = [n for n in changed if n != "reduce_dtype"]
+        ddp_only = [n for n in changed if n not in ("reduce_dtype", "node_size")]  # ZeRO reads these two as well
         if dp.mode == "ps" and changed:
             raise ConfigError(f"{', '.join('gradient_comm.' + n for n in changed)} shape DDP's gradient all-reduce; with "
                               "data_parallel.mode = ps workers push whole fp32 gradients to the servers: leave them at "

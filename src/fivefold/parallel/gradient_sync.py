@@ -159,6 +159,10 @@ class GradientSync(abc.ABC):
     def describe(self) -> str:
         return self.kind
 
+    def traffic_metrics(self) -> dict[str, int]:
+        """Bytes this rank sent in the gradient sync's collectives since the last call, for the step's metrics."""
+        return {}
+
     @abc.abstractmethod
     def model_state_tensors(self) -> tuple[list, list, list]:
         """(parameters, gradients, optimizer states) tensors this rank holds, for byte counting."""

@@ -144,11 +144,14 @@ class Mesh:
         return dist.get_process_group_ranks(self._sub(name).get_group())
 
     def rank_table(self, name: str) -> torch.Tensor:
-        """Global ranks of every group along mesh dimension `name`: one row per group, in group-rank order."""
+        """Global ranks of every group along mesh dimension `name` (or a flattened one, e.g. `dp_shard_cp`): one
+        row per group, in group-rank order."""
         if self.device_mesh is None:
             return torch.zeros(1, 1, dtype=torch.long)
-        table = self.device_mesh.mesh.movedim(MESH_DIMS.index(name), -1)
-        return table.reshape(-1, table.shape[-1])
+        parts = FLATTENED.get(name, (name,))
+        positions = [MESH_DIMS.index(part) for part in parts]
+        table = self.device_mesh.mesh.movedim(positions, list(range(-len(parts), 0)))
+        return table.reshape(-1, self.dims.size(name))
 
     def subgroup(self, rows: list[list[int]]) -> dist.ProcessGroup | None:
         return subgroup(rows, self.timeout)

@@ -19,6 +19,7 @@ The result is frozen: the training loop reads it and never branches on which fol
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -71,6 +72,7 @@ from fivefold.parallel.step import PipelineStep, SingleStageStep
 from fivefold.parallel.output_loss import OutputLoss
 from fivefold.parallel.tensor_parallel import IGNORE_INDEX, apply_tensor_parallel, tp_spec, vocab_parallel_cross_entropy
 from fivefold.parallel.zero import ZeroDataParallel, ZeroSync
+from fivefold.parallel.zero_pp import ZeroPPOptions, build_zero_pp_groups
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -165,6 +167,13 @@ def apply_model_parallel(model: Transformer, mesh: Mesh, tensor: TensorParallelC
     return ModelParallel(**folds)
 
 
+def zero_pp_options(config: JobConfig) -> ZeroPPOptions:
+    """The ZeRO++ switches of a config, with its node size resolved (gradient_comm.node_size, else torchrun's)."""
+    dp = config.data_parallel
+    node_size = config.gradient_comm.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    return ZeroPPOptions(dp.quantized_weights, dp.hpz_partition, dp.gradient_bits, dp.quantization_block, node_size)
+
+
 def apply_data_parallel(model: Transformer, mesh: Mesh, config: JobConfig, norm: GradNorm,
                         tied_group: dist.ProcessGroup | None = None, experts: ExpertGroups | None = None,
                         replicas: Callable[[], None] | None = None) -> GradientSync:
@@ -181,9 +190,10 @@ def apply_data_parallel(model: Transformer, mesh: Mesh, config: JobConfig, norm:
     reduce_dtype = DTYPES[comm.reduce_dtype]
     if dp.zero_stage > 0:
         moe = experts is not None
+        zero_pp = build_zero_pp_groups(zero_pp_options(config), mesh.rank_table("dp_shard_cp").tolist(), mesh.subgroup)
         zero = ZeroDataParallel(model, mesh.group("dp_shard_cp"), mesh.group("dp_replicate"), dp.zero_stage,
                                 DTYPES[dp.param_dtype], reduce_dtype, dp.offload, norm=norm,
-                                select=(lambda key: not is_expert_group(key)) if moe else None)
+                                select=(lambda key: not is_expert_group(key)) if moe else None, zero_pp=zero_pp)
         parts = [zero]
         expert_part = None
         if moe:

@@ -25,6 +25,10 @@ shards go to the CPU for the step and updated shards come back.
 Gradients are SUMMED over the data-parallel ranks (the trainer divides the loss by the global
 token count). With dp_replicate > 1 (hybrid sharding), each shard is then all-reduced across
 the replicas.
+
+Stage 3 takes the ZeRO++ methods (quantised weight gathers, a secondary partition within the
+node for backward gathers, quantised hierarchical gradient reduce-scatter): parallel/zero_pp.py.
+Every collective's bytes are counted per phase and per kind of group in `traffic`.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from fivefold.parallel.collectives import all_gather_flat, reduce_scatter_flat
 from fivefold.parallel.data_parallel import SkipOnAccumulation, broadcast_module
 from fivefold.parallel.flat_groups import GroupLayout, flat_group_layout, units
 from fivefold.parallel.gradient_sync import GradientSync, GradNorm, clip_, step_tensor
+from fivefold.parallel.zero_pp import (ZeroPPGroups, ZeroPPOptions, ZeroTraffic, quantized_all_gather,
+                                       quantized_reduce_scatter)
 from fivefold.plan.memory import ModelStateBytes, zero_model_states
 from fivefold.reliability.activity import phase
 
@@ -73,6 +79,7 @@ class FlatGroup:
     pending: list = field(default_factory=list)
     norm_weights: torch.Tensor | None = None  # per element of this rank's shard: its weight in the norm
     host_grad: torch.Tensor | None = None  # offload from a GPU: the pinned host buffer the gradient shard lands in
+    secondary: torch.Tensor | None = None  # hpZ: this rank's 1/h of the weights gathered in forward, for backward
 
     def views(self, flat: torch.Tensor):
         for param, shape, offset in zip(self.params, self.shapes, self.offsets):
@@ -99,6 +106,7 @@ class ZeroDataParallel(SkipOnAccumulation):
         offload: bool = False,
         norm: GradNorm = GradNorm(),
         select: Callable[[str], bool] | None = None,
+        zero_pp: ZeroPPGroups | None = None,
     ):
         if stage not in (1, 2, 3):
             raise ConfigError(f"data_parallel.zero_stage = {stage}: ZeRO stages are 1, 2 or 3")
@@ -116,6 +124,14 @@ class ZeroDataParallel(SkipOnAccumulation):
         # the weight each parameter's squares get (1 / copies), for the global gradient norm.
         self.norm = norm
         self.select = select  # which flat groups (by key) this instance owns; None: all
+        self.zero_pp = zero_pp or ZeroPPGroups(ZeroPPOptions(), lambda group: False)
+        if self.zero_pp.options.active and stage != 3:
+            raise ConfigError(f"ZeRO++ (quantized_weights, hpz_partition, quantized_gradients) works on ZeRO stage 3, "
+                              f"not {stage}: set data_parallel.zero_stage = 3")
+        self.traffic = ZeroTraffic()
+        self._cross = self.zero_pp.spans_nodes(shard_group)
+        self.hpz_size = dist.get_world_size(self.zero_pp.hpz) if self.zero_pp.hpz is not None else 1
+        self.hpz_rank = dist.get_rank(self.zero_pp.hpz) if self.zero_pp.hpz is not None else 0
         self._broadcast_parameters()
         self.units = [block for _, block in units(model)]
         self.groups = self._build_groups()
@@ -191,7 +207,7 @@ class ZeroDataParallel(SkipOnAccumulation):
         self.model.register_forward_pre_hook(lambda module, args: self._gather(root, wait=True))
         for index, unit in enumerate(self.units):
             unit.register_forward_pre_hook(self._pre_forward(index))
-            unit.register_forward_hook(lambda module, args, out, index=index: self._free(index))
+            unit.register_forward_hook(lambda module, args, out, index=index: self._after_forward(index))
             unit.register_full_backward_pre_hook(self._pre_backward(index))
 
     def _pre_forward(self, index: int):
@@ -203,18 +219,19 @@ class ZeroDataParallel(SkipOnAccumulation):
 
     def _pre_backward(self, index: int):
         def hook(module, grad_output):
-            self._gather(index, wait=True)
+            self._gather(index, wait=True, backward=True)
             if index > 0:
-                self._gather(index - 1, wait=False)  # backward runs blocks in reverse
+                self._gather(index - 1, wait=False, backward=True)  # backward runs blocks in reverse
         return hook
 
     @torch.no_grad()
-    def _gather(self, unit: int, wait: bool) -> None:
+    def _gather(self, unit: int, wait: bool, backward: bool = False) -> None:
         if unit not in self._gathered:
             works = []
+            name = "backward all-gather" if backward else "forward all-gather"
             for g in self._groups_of_unit.get(unit, []):
                 full = torch.empty(g.padded_numel, dtype=self.param_dtype, device=self.device)
-                works.append(all_gather_flat(full, g.local, group=self.shard_group, async_op=True))
+                works.append(self._gather_group(g, full, name))
                 for param, view in g.views(full):
                     param.data = view
             self._gathered[unit] = works
@@ -224,11 +241,40 @@ class ZeroDataParallel(SkipOnAccumulation):
                     work.wait()
             self._gathered[unit] = []
 
-    def _free(self, unit: int) -> None:
-        works = self._gathered.pop(unit, None)
+    def _gather_group(self, g: FlatGroup, full: torch.Tensor, name: str):
+        """Start gathering one flat group into `full`: from the hpZ secondary shards within the node when
+        this backward has them, else from the primary shards (int8 under qwZ)."""
+        pp = self.zero_pp
+        traffic = self.traffic if self.model.training else ZeroTraffic()  # evaluation's gathers are not a step's
+        if g.secondary is not None and name == "backward all-gather":
+            traffic.add(name, pp.spans_nodes(pp.hpz), pp.hpz, full.numel() * full.element_size())
+            return all_gather_flat(full, g.secondary, group=pp.hpz, async_op=True)
+        if pp.options.quantized_weights:
+            return quantized_all_gather(full, g.local, self.shard_group, pp.options.block, traffic, name, self._cross)
+        traffic.add(name, self._cross, self.shard_group, full.numel() * full.element_size())
+        return all_gather_flat(full, g.local, group=self.shard_group, async_op=True)
+
+    def _after_forward(self, unit: int) -> None:
+        """hpZ: keep this rank's 1/h of the gathered weights for the backward gather; then free them.
+        (Only in a forward that will have a backward: not in evaluation or generation.)"""
+        if self.hpz_size > 1 and torch.is_grad_enabled():
+            self._wait_gathered(unit)
+            with torch.no_grad():
+                for g in self._groups_of_unit.get(unit, []):
+                    part = g.padded_numel // self.hpz_size
+                    full = torch.empty(g.padded_numel, dtype=self.param_dtype, device=self.device)
+                    for param, view in g.views(full):
+                        view.copy_(param.data)
+                    g.secondary = full[self.hpz_rank * part : (self.hpz_rank + 1) * part].clone()
+        self._free(unit)
+
+    def _wait_gathered(self, unit: int) -> None:
         with phase(f"ZeRO-3 all-gather of unit {unit}", comm=True):
-            for work in works or []:
+            for work in self._gathered.pop(unit, None) or []:
                 work.wait()
+
+    def _free(self, unit: int) -> None:
+        self._wait_gathered(unit)
         for g in self._groups_of_unit.get(unit, []):
             for param in g.params:
                 param.data = torch.empty(0, dtype=self.param_dtype, device=self.device)
@@ -249,6 +295,7 @@ class ZeroDataParallel(SkipOnAccumulation):
         if self.stage == 1:
             buffer = g.flat_grad.to(self.reduce_dtype)
             work = dist.all_reduce(buffer, group=self.shard_group, async_op=True)
+            self.traffic.add("all-reduce", self._cross, self.shard_group, buffer.numel() * buffer.element_size(), True)
             g.pending.append((work, buffer))
             return
         full = torch.zeros(g.padded_numel, dtype=self.reduce_dtype, device=self.device)
@@ -257,13 +304,17 @@ class ZeroDataParallel(SkipOnAccumulation):
                 view.copy_(param.grad)
             param.grad = None  # the full gradient is not kept (stages 2 and 3)
         out = torch.empty(g.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        work = reduce_scatter_flat(out, full, group=self.shard_group, async_op=True)
+        if self.zero_pp.options.gradient_bits:
+            work = quantized_reduce_scatter(out, full, self.zero_pp, self.traffic)
+        else:
+            work = reduce_scatter_flat(out, full, group=self.shard_group, async_op=True)
+            self.traffic.add("reduce-scatter", self._cross, self.shard_group, full.numel() * full.element_size())
         g.pending.append((work, out))
         unit_groups = self._groups_of_unit[g.unit]
         if self.stage == 3 and g.unit < len(self.units) and all(x.reduced for x in unit_groups):
             self._free(g.unit)  # this block's backward is done: drop its gathered weights
             for x in unit_groups:
-                x.reduced = False
+                x.reduced, x.secondary = False, None
 
     @torch.no_grad()
     def finish_gradient_sync(self) -> None:
@@ -294,6 +345,8 @@ class ZeroDataParallel(SkipOnAccumulation):
         if self.replicate_group is not None:
             for g in self.groups:
                 reduced = g.grad_shard.to(self.reduce_dtype)
+                self.traffic.add("replica all-reduce", self.zero_pp.spans_nodes(self.replicate_group), self.replicate_group,
+                                 reduced.numel() * reduced.element_size(), True)
                 with phase("ZeRO replica all-reduce", comm=True):
                     dist.all_reduce(reduced, group=self.replicate_group)
                 g.grad_shard.copy_(reduced)
@@ -340,6 +393,7 @@ class ZeroDataParallel(SkipOnAccumulation):
             for unit in range(len(self.units) + 1):
                 self._free(unit)  # gathered copies (e.g. kept by evaluation) are stale now
         for g in self.groups:
+            g.secondary = None
             lo, hi = self.rank * g.shard_numel, (self.rank + 1) * g.shard_numel
             if self.stage == 3:
                 if g.local.data_ptr() != g.master.data_ptr():
@@ -348,6 +402,7 @@ class ZeroDataParallel(SkipOnAccumulation):
                 if g.flat[lo:hi].data_ptr() != g.master.data_ptr():
                     g.flat[lo:hi].copy_(g.master, non_blocking=self.pinned)
                 all_gather_flat(g.flat, g.flat[lo:hi].clone(), group=self.shard_group)
+                self.traffic.add("parameter all-gather", self._cross, self.shard_group, g.flat.numel() * g.flat.element_size())
 
     def owned_range(self, g: FlatGroup) -> tuple[int, int]:
         """[lo, hi) of the group's unpadded flat vector held in this rank's shard (empty past the end)."""
@@ -416,6 +471,12 @@ class ZeroSync(GradientSync):
         for z in self.zeros:
             z.after_step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def traffic_metrics(self) -> dict[str, int]:
+        """zero_bytes: what this rank sent in ZeRO's collectives since the last call (ring volume, see ZeroTraffic);
+        zero_cross_node_bytes: the part sent in groups that span nodes (gradient_comm.node_size)."""
+        counts = self.zero.traffic.take()
+        return {"zero_bytes": sum(counts.values()), "zero_cross_node_bytes": sum(ZeroTraffic.cross_node(counts).values())}
 
     @property
     def mixed_precision(self) -> bool:

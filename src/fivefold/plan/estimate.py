@@ -399,6 +399,9 @@ def _buffers(config: JobConfig, model: ModelConfig, d: Degrees, layers: list[int
         kinds = ({False} if len(moe) < len(layers) else set()) | ({True} if moe else set())
         biggest = max(block_parameters(model, first_block(model, k), d.tp, d.ep, d.etp).total for k in kinds)
         buffers += 2 * weight * biggest
+        if config.data_parallel.hpz_partition > 1:  # hpZ: 1/h of every block's weights, from its forward to its backward
+            blocks = sum(block_parameters(model, layer, d.tp, d.ep, d.etp).total for layer in layers)
+            buffers += weight * blocks // config.data_parallel.hpz_partition
     if moe and d.ep * d.etp > 1:
         rows = model.moe_top_k * t.micro_batch_size * (t.seq_len // d.cp) // (d.tp if sp else 1)
         buffers += 2 * rows * model.dim * 4
@@ -644,7 +647,39 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
         return hidden_behind(scatter, backward) + gather
     if z.zero_stage == 2:
         return m * hidden_behind(scatter, backward) + gather
+    if z.quantized_weights or z.hpz_partition > 1 or z.gradient_bits:
+        forward_gather, backward_gather, scatter = _zero_pp_times(config, params.total, d, cluster)
+        return m * (hidden_behind(forward_gather, forward) + hidden_behind(backward_gather + scatter, backward))
     return m * (hidden_behind(gather, forward) + hidden_behind(gather + scatter, backward))
+
+
+def _zero_pp_times(config: JobConfig, params: int, d: Degrees, cluster: ClusterSpec) -> tuple[float, float, float]:
+    """Seconds of ZeRO-3's forward gather, backward gather and reduce-scatter with ZeRO++ (parallel/zero_pp.py):
+    qwZ gathers 1 + 4/block bytes per weight; hpZ's backward gather runs over h ranks of one node; qgZ's
+    reduce-scatter is an all-to-all of bits/8 + 4/block bytes per value within the node (L ranks) and one of
+    1/L of them across the K nodes. Nodes are the cluster's (or gradient_comm.node_size ranks)."""
+    z = config.data_parallel
+    shards = d.dp_shard * d.cp
+    stride = d.tp  # shard-group members are tp ranks apart on the grid
+    node = config.gradient_comm.node_size or cluster.accelerators_per_node
+    per_node = max(1, min(shards, node // stride))
+    nodes = max(1, shards // per_node)
+    weight = 2 if z.param_dtype == "bf16" else 4
+    reduce = 2 if config.gradient_comm.reduce_dtype == "bf16" else weight
+    quantized = 1 + 4 / z.quantization_block
+
+    def native(collective: str, n: float, p: int) -> float:
+        return native_collective(collective, n, p, cluster.collective_link(collective, p * stride))
+
+    full = native("all_gather", params * (quantized if z.quantized_weights else weight), shards)
+    backward = native("all_gather", params * weight, z.hpz_partition) if z.hpz_partition > 1 else full
+    if z.gradient_bits:
+        value = z.gradient_bits / 8 + 4 / z.quantization_block
+        scatter = native("all_to_all", params * value, per_node) + \
+            native_collective("all_to_all", params * value / per_node, nodes, cluster.link_for(shards * stride))
+    else:
+        scatter = native("reduce_scatter", params * reduce, shards)
+    return full, backward, scatter
 
 
 # ---------------------------------------------------------------------------------------------- together

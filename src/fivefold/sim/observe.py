@@ -33,7 +33,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
 def recording_traffic(calls: list[Call]) -> Iterator[list[Call]]:
     """Append every collective and send the runtime makes inside the block to `calls`."""
     from fivefold.comm import native
-    from fivefold.parallel import collectives, tensor_parallel, zero
+    from fivefold.parallel import collectives, tensor_parallel, zero, zero_pp
 
     saved: list[tuple[object, str, object]] = []
 
@@ -69,7 +69,7 @@ def recording_traffic(calls: list[Call]) -> Iterator[list[Call]]:
         patch(module, "all_reduce", all_reduce_)
         patch(module, "all_to_all_single", all_to_all_)
         patch(module, "isend", isend_)
-    for module in (native, collectives, tensor_parallel, zero):
+    for module in (native, collectives, tensor_parallel, zero, zero_pp):
         if hasattr(module, "all_gather_flat"):
             patch(module, "all_gather_flat", gather_)
         if hasattr(module, "reduce_scatter_flat"):

@@ -237,6 +237,7 @@ class _Builder:
         self.reduce_element = 2 if config.gradient_comm.reduce_dtype == "bf16" else \
             (2 if z.zero_stage and z.param_dtype == "bf16" else 4)
         self.weight_element = 2 if z.zero_stage and z.param_dtype == "bf16" else 4
+        self.zero_node = config.gradient_comm.node_size or cluster.accelerators_per_node  # ZeRO++'s nodes
         if fidelity == "analytical":
             self.simulated = tuple(self.grid.rank(pp=p) for p in range(d.pp))
         else:
@@ -513,27 +514,64 @@ class _Builder:
         if z.zero_stage == 1 and not sync:
             return
         for n in self.flat_groups[(stage, unit.name)]:
+            if z.gradient_bits:
+                self.quantized_reduce_scatter(rank, n)
+                continue
             kind = "all_reduce" if z.zero_stage == 1 else "reduce_scatter"
             self.pending.append(self.launch(rank, kind, n * self.reduce_element, self.shard_group))
         self.reduced.add((stage, unit.name))
 
-    def gather(self, rank: int, stage: int, unit: Unit) -> str:
-        """ZeRO-3: launch the all-gather of a unit's weights (once until it is waited for)."""
+    def quantized_reduce_scatter(self, rank: int, padded: int) -> None:
+        """qgZ (parallel/zero_pp.py): all-to-alls of codes and scales within the node, then across the nodes."""
+        z = self.config.data_parallel
+        members = self.shard_group
+        shard = padded // len(members)
+        node = {r: r // self.zero_node for r in members}
+        intra = tuple(r for r in members if node[r] == node[rank])
+        place = intra.index(rank)
+        by_node: dict[int, list[int]] = defaultdict(list)
+        for r in sorted(members):
+            by_node[node[r]].append(r)
+        inter = tuple(ranks[place] for ranks in by_node.values())
+        for group, row in ((intra, len(inter) * shard), (inter, shard)):
+            codes, scales = _quantized_rows(row, z.gradient_bits, z.quantization_block)
+            for nbytes in (len(group) * codes, len(group) * scales):
+                self.pending.append(self.launch(rank, "all_to_all", nbytes, group))
+
+    def hpz_group(self, rank: int) -> tuple[int, ...]:
+        """hpZ: the secondary partition holding `rank` (consecutive members of its shard group)."""
+        h, members = self.config.data_parallel.hpz_partition, sorted(self.shard_group)
+        start = members.index(rank) // h * h
+        return tuple(members[start : start + h])
+
+    def gather(self, rank: int, stage: int, unit: Unit, backward: bool = False) -> str:
+        """ZeRO-3: launch the all-gather of a unit's weights (once until it is waited for): from the hpZ secondary
+        shards within the node for a block's backward, else from the primary shards (int8 codes and scales: qwZ)."""
+        z = self.config.data_parallel
         key = (stage, unit.name)
         if key not in self.gathering:
             self.gathering[key] = ""
             for n in self.flat_groups.get(key, []):
-                self.gathering[key] = self.launch(rank, "all_gather", n * self.weight_element, self.shard_group)
+                if backward and unit.index >= 0 and z.hpz_partition > 1:
+                    parts = [(n * self.weight_element, self.hpz_group(rank))]
+                elif z.quantized_weights:
+                    codes, scales = _quantized_rows(n // len(self.shard_group), 8, z.quantization_block)
+                    parts = [(len(self.shard_group) * codes, self.shard_group),
+                             (len(self.shard_group) * scales, self.shard_group)]
+                else:
+                    parts = [(n * self.weight_element, self.shard_group)]
+                for nbytes, group in parts:
+                    self.gathering[key] = self.launch(rank, "all_gather", nbytes, group)
         return self.gathering[key]
 
-    def zero3_before(self, rank: int, stage: int, blocks: list[Unit], position: int) -> None:
+    def zero3_before(self, rank: int, stage: int, blocks: list[Unit], position: int, backward: bool = False) -> None:
         """ZeRO-3's pre-hook of blocks[position]: gather it and wait, prefetch the next block (forward order
         in forward, reverse in backward: `blocks` is in the pass's order)."""
         if not self.zero3:
             return
-        done = self.gather(rank, stage, blocks[position])
+        done = self.gather(rank, stage, blocks[position], backward)
         if position + 1 < len(blocks):
-            self.gather(rank, stage, blocks[position + 1])
+            self.gather(rank, stage, blocks[position + 1], backward)
         if done:
             self.programs[(rank, COMPUTE)].append(Await(done, "dp"))
         self.gathering.pop((stage, blocks[position].name), None)  # freed after this pass (runtime: _free)
@@ -595,7 +633,7 @@ class _Builder:
                 if part == "W":
                     self.compute(rank, 2 * self.costs.block[unit.moe] * share, "backward")
                 else:
-                    self.zero3_before(rank, stage, blocks, blocks.index(unit))
+                    self.zero3_before(rank, stage, blocks, blocks.index(unit), backward=True)
                     if recompute == "full":
                         self.block_pass(rank, unit, backward=False, recompute=True)
                     elif recompute == "selective":  # the attention core again, context parallelism's messages too
@@ -720,6 +758,12 @@ class _Builder:
                 self.finish(rank)
             elif ins.op == P.OPTIMIZER_STEP:
                 self.optimizer(rank)
+
+
+def _quantized_rows(elements: int, bits: int, block: int) -> tuple[int, int]:
+    """(code bytes, scale bytes) of one row of `elements` values quantised by parallel/zero_pp.py quantize_rows."""
+    padded = -(-elements // block) * block
+    return padded * bits // 8, 4 * (padded // block)
 
 
 def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:

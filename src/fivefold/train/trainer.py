@@ -156,7 +156,7 @@ class Trainer:
         metrics["skipped_steps"] = self.state.skipped_steps
         if self.routing.active:
             metrics.update(self.routing.after_step(logged, update_bias=not self.check.bad))
-        metrics.update(self.report.step_metrics(self.state.step, self.tokens_per_step, logged))
+        metrics.update(**self.sync.traffic_metrics(), **self.report.step_metrics(self.state.step, self.tokens_per_step, logged))
         return metrics
 
     @torch.no_grad()
