@@ -69,3 +69,15 @@ def test_gpu_benchmark_says_why_it_cannot_run_without_a_gpu():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_train.py")], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 1 and "none is visible here" in done.stderr and "docs/gpu.md" in done.stderr
+
+
+@pytest.mark.slow
+def test_zero_pp_benchmark_counts_fewer_cross_node_bytes_and_keeps_hpz_exact():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "zero_pp.py"), *SMALL], capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    result = [line for line in out.splitlines() if line.startswith("RESULT name=zero_pp")]
+    assert len(result) == 1
+    numbers = {k: float(v) for k, v in (item.split("=", 1) for item in result[0].split()[2:])}
+    assert numbers["hpz_loss_abs_diff"] == 0.0  # hpZ gathers the same values as plain ZeRO-3
+    assert numbers["last_loss_rel_diff"] <= 5e-2  # the lossy switches stay within their tested bound
+    assert all(numbers[f"{v}_cross_node_less"] > 1 for v in ("qwZ", "hpZ", "qgZ_int8", "qgZ_int4", "zeropp"))

@@ -1,0 +1,135 @@
+"""ZeRO++ against plain ZeRO-3 in the same run: cross-node bytes, step time and loss, on 4 gloo ranks as 2 nodes.
+
+Variants (parallel/zero_pp.py), each a real Trainer on the same config and seed:
+
+    zero3       plain ZeRO-3 (the peer: every gather and reduce-scatter over all 4 ranks)
+    qwZ         int8 weight gathers
+    hpZ         secondary weight shards over the 2 ranks of a node; backward gathers stay inside it
+    qgZ-int8    int8 hierarchical all-to-all reduce-scatter   (qgZ-int4: int4, as in the paper)
+    zero++      all three (qwZ + hpZ + qgZ-int4)
+
+Rounds run one optimizer step of every variant in rotating order (benchmarks/ranks.py); a step's time
+is the slowest rank's, reported as the median after the warm-up. Bytes are what rank 0's ZeRO sent in
+one step (ring volume per collective, parallel/zero_pp.py ZeroTraffic), split into groups spanning the
+2 pretend nodes (gradient_comm.node_size = 2) and groups inside one. Weights are bf16 with bf16
+gradient reduction, the paper's fp16 baseline. Losses: each variant's first and last step against
+plain ZeRO-3 (quantisation is lossy; hpZ is exact).
+
+    python benchmarks/zero_pp.py --preset tiny --rounds 6
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+from ranks import benchmark_arguments, spawn
+
+VARIANTS = {
+    "zero3": {},
+    "qwZ": {"quantized_weights": True},
+    "hpZ": {"hpz_partition": 2},
+    "qgZ-int8": {"quantized_gradients": "int8"},
+    "qgZ-int4": {"quantized_gradients": "int4"},
+    "zero++": {"quantized_weights": True, "hpz_partition": 2, "quantized_gradients": "int4"},
+}
+
+
+def _config(args, options: dict, output: str):
+    import dataclasses
+
+    from fivefold.config import JobConfig
+    from fivefold.model import get_preset
+
+    config = JobConfig()
+    config.model = get_preset(args.preset)
+    if args.layers:
+        config.model.n_layers = args.layers
+    config.train = dataclasses.replace(config.train, steps=args.warmup + args.rounds, seq_len=args.seq_len,
+                                       micro_batch_size=args.batch, eval_every=0, output_dir=output)
+    config.data_parallel = dataclasses.replace(config.data_parallel, zero_stage=3, shard=4, replicate=1,
+                                               param_dtype=args.param_dtype, **options)
+    config.gradient_comm = dataclasses.replace(config.gradient_comm, node_size=2, reduce_dtype=args.param_dtype)
+    config.checkpoint = dataclasses.replace(config.checkpoint, enabled=False)
+    config.logging = dataclasses.replace(config.logging, progress=False, tensorboard=False, plot=False, sample_prompt="")
+    # six trainers take turns in one process: one waiting for its turn is not a hung rank
+    config.watchdog = dataclasses.replace(config.watchdog, enabled=False)
+    return config.validate()
+
+
+def _rank(rank: int, world_size: int, args) -> dict:
+    import contextlib
+    import io
+    import os
+
+    from fivefold.train.trainer import Trainer
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    output = tempfile.mkdtemp()
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainers = {name: Trainer(_config(args, options, f"{output}/{name}")) for name, options in VARIANTS.items()}
+    for trainer in trainers.values():
+        trainer.sync.traffic_metrics = lambda: {}  # the benchmark reads the counts itself
+    names = list(VARIANTS)
+    times = {name: [] for name in names}
+    losses = {name: [] for name in names}
+    sent = {}
+    quiet = contextlib.redirect_stdout(io.StringIO())  # the trainers' first-step memory tables
+    quiet.__enter__()
+    for index in range(args.warmup + args.rounds):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            trainer = trainers[name]
+            trainer.sync.zero.traffic.take()
+            dist.barrier()
+            start = time.perf_counter()
+            metrics = trainer.train_step()
+            elapsed = torch.tensor(time.perf_counter() - start)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            sent[name] = trainer.sync.zero.traffic.take()
+            losses[name].append(metrics["loss"])
+            if index >= args.warmup:
+                times[name].append(float(elapsed))
+    quiet.__exit__(None, None, None)
+    rows = {}
+    for name in names:
+        cross = sum(n for (_, over), n in sent[name].items() if over)
+        rows[name] = {"step_ms": statistics.median(times[name]) * 1e3, "bytes": sum(sent[name].values()),
+                      "cross_node_bytes": cross, "first_loss": losses[name][0], "last_loss": losses[name][-1],
+                      "phases": {f"{phase} ({'cross' if over else 'intra'})": n for (phase, over), n in sent[name].items()}}
+    return rows
+
+
+def main() -> None:
+    parser = benchmark_arguments(__doc__)
+    parser.add_argument("--param-dtype", default="bf16", choices=("bf16", "fp32"))
+    args = parser.parse_args()
+    rows = spawn(_rank, 4, args, args.timeout)
+    if args.json:
+        print(json.dumps({"config": vars(args), "results": rows}, indent=2))
+    base = rows["zero3"]
+    print(f"{args.preset}, 4 gloo ranks as 2 nodes of 2, per-rank batch {args.batch} x {args.seq_len}, "
+          f"{args.param_dtype} weights, median of {args.rounds} rounds")
+    print(f"{'variant':<9} {'step (ms)':>10} {'bytes/step':>12} {'cross-node':>12} {'cross x less':>13} "
+          f"{'loss, first':>12} {'last':>8}")
+    ratios = []
+    for name, row in rows.items():
+        less = base["cross_node_bytes"] / max(row["cross_node_bytes"], 1)
+        print(f"{name:<9} {row['step_ms']:>10.1f} {row['bytes']:>12,} {row['cross_node_bytes']:>12,} {less:>13.2f} "
+              f"{row['first_loss']:>12.4f} {row['last_loss']:>8.4f}")
+        if name != "zero3":
+            key = name.replace("+", "p").replace("-", "_")
+            ratios.append(f"{key}_vs_zero3_time={row['step_ms'] / base['step_ms']:.3f} {key}_cross_node_less={less:.3f}")
+    last = max(abs(row["last_loss"] - base["last_loss"]) / base["last_loss"] for row in rows.values())
+    exact = abs(rows["hpZ"]["last_loss"] - base["last_loss"])
+    print(f"loss after {args.warmup + args.rounds} steps: largest relative difference from zero3 {last:.1e}; "
+          f"hpZ vs zero3 {exact:.1e} (exact)")
+    print("RESULT name=zero_pp " + " ".join(ratios) + f" last_loss_rel_diff={last:.3e} hpz_loss_abs_diff={exact:.3e}")
+
+
+if __name__ == "__main__":
+    main()
