@@ -8,7 +8,7 @@ be equal. This covers DDP's buckets (backend and hand-written all-reduce, in whi
 message of the algorithm is compared), ZeRO-1/2/3 and hybrid sharding, tensor parallelism with and
 without sequence parallelism (blocks, vocab-parallel embedding, head and loss, the norms' summed
 gradients), the pipeline schedules' activations and gradients, ring, Ulysses and 2D context
-parallelism, recomputation and ZeRO++ (quantised gathers, hpZ's in-node backward gathers, qgZ's two levels
+parallelism, recomputation, collective matmuls (tensor_parallel.comm_overlap) and ZeRO++ (quantised gathers, hpZ's in-node backward gathers, qgZ's two levels
 of all-to-alls). For the layouts whose every byte goes point to point (pipelines,
 hand-written all-reduce) the bytes per ordered rank pair the engine counts while playing the
 programs equal the runtime's. The only calls left out are those of <= 64 bytes: the trainer's
@@ -33,6 +33,8 @@ LAYOUTS = {
         "dp2-halving-doubling-accum2": dict(gradient_comm={"allreduce_algorithm": "halving_doubling"},
                                             train={"grad_accum_steps": 2}),
         "tp2-sp": dict(tensor_parallel={"degree": 2, "sequence_parallel": True}),
+        "tp2-sp-overlap-full-recompute": dict(tensor_parallel={"degree": 2, "sequence_parallel": True,
+                                                               "comm_overlap": True}, train={"recompute": "full"}),
         "tp2-full-recompute": dict(tensor_parallel={"degree": 2}, train={"recompute": "full"}),
         "pp2-1f1b": dict(pipeline_parallel={"degree": 2}, train={"grad_accum_steps": 2}),
         "pp2-zb-h1": dict(pipeline_parallel={"degree": 2, "schedule": "zb-h1"}, train={"grad_accum_steps": 2}),
@@ -47,6 +49,10 @@ LAYOUTS = {
         "pp2-dp2-interleaved": dict(pipeline_parallel={"degree": 2, "schedule": "interleaved", "virtual": 2},
                                     model={"n_layers": 4}, train={"grad_accum_steps": 2}),
         "hsdp-2x2-zero3": dict(data_parallel={"zero_stage": 3, "shard": 2, "replicate": 2}),
+        "tp4-sp-overlap": dict(tensor_parallel={"degree": 4, "sequence_parallel": True, "comm_overlap": True},
+                               model={"n_kv_heads": 4}),
+        "tp2-pp2-sp-overlap-zb-h1": dict(tensor_parallel={"degree": 2, "sequence_parallel": True, "comm_overlap": True},
+                                         pipeline_parallel={"degree": 2, "schedule": "zb-h1"}, train={"grad_accum_steps": 2}),
         "tp2-pp2-sp": dict(tensor_parallel={"degree": 2, "sequence_parallel": True}, pipeline_parallel={"degree": 2},
                            train={"grad_accum_steps": 2}),
         "cp2-tp2": dict(context_parallel={"degree": 2}, tensor_parallel={"degree": 2}),

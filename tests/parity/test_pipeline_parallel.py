@@ -71,11 +71,14 @@ def test_pp2_x_dp2_ddp_interleaved(deep, deep_reference, tmp_path):
     print(f"pp2 x dp2 ddp interleaved: {diffs}")
 
 
-def test_pp2_x_tp2_sequence_parallel_zero_bubble(deep, deep_reference, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_pp2_x_tp2_sequence_parallel_zero_bubble(deep, deep_reference, tmp_path, overlap):
+    """With comm_overlap the collective matmuls compute their weight gradients in the I pass (their matmuls are
+    not F.linear calls the W pass could defer)."""
     config = _pipelined(deep, tmp_path, "pp-tp", 4, pp=2, schedule="zb-h1",
-                        tensor_parallel={"degree": 2, "sequence_parallel": True})
+                        tensor_parallel={"degree": 2, "sequence_parallel": True, "comm_overlap": overlap})
     diffs = assert_parity(deep_reference, train_distributed(config, 4), param_atol=TP_PARAM_ATOL)
-    print(f"pp2 x tp2 sp zb-h1: {diffs}")
+    print(f"pp2 x tp2 sp zb-h1 (overlap {overlap}): {diffs}")
 
 
 def test_pp2_x_cp2_ring(deep, deep_reference, tmp_path):

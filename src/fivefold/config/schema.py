@@ -279,9 +279,14 @@ class TensorParallelConfig:
     """Tensor-parallel degree (Megatron): attention heads, MLP width and vocabulary split over this many ranks."""
     sequence_parallel: bool = False
     """With degree > 1: norms and residuals run on 1/degree of the sequence (all-gather / reduce-scatter instead of all-reduce)."""
+    comm_overlap: bool = False
+    """With sequence_parallel: each block's all-gathers and reduce-scatters run as collective matmuls, chunk by chunk over a ring, overlapped with the matmuls that need them."""
 
     def validate(self) -> None:
         _positive("tensor_parallel", self, "degree")
+        if self.comm_overlap and not (self.sequence_parallel and self.degree > 1):
+            raise ConfigError("tensor_parallel.comm_overlap overlaps sequence parallelism's all-gathers and reduce-scatters: "
+                              "set tensor_parallel.sequence_parallel = true with tensor_parallel.degree > 1")
 
 
 @dataclass

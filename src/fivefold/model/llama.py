@@ -160,8 +160,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.kv_dim, config.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None):
-        batch, seq, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        batch, seq = q.shape[:2]  # the sequence the projections produced (a tensor-parallel layer may gather it)
         if self.qk_norm == "projection":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(batch, seq, -1, self.head_dim)

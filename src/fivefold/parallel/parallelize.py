@@ -154,7 +154,7 @@ def apply_model_parallel(model: Transformer, mesh: Mesh, tensor: TensorParallelC
     folds = {"vocab_size": model.config.vocab_size, "pp_group": mesh.group("pp")}
     tp_group = mesh.group("tp")
     if tp_group is not None:
-        apply_tensor_parallel(model, tp_group, tensor.sequence_parallel)
+        apply_tensor_parallel(model, tp_group, tensor.sequence_parallel, tensor.comm_overlap)
         folds.update(tp_group=tp_group, tp_rank=dist.get_rank(tp_group), tp=tensor.degree)
     if context.degree > 1:
         layout = ContextParallelLayout.for_method(context.method, context.degree, context.heads)

@@ -59,7 +59,9 @@ from fivefold.model.config import ModelConfig
 from fivefold.model.llama import RMSNorm
 from fivefold.model.mla import MultiLatentAttention
 from fivefold.model.moe import MoE
+from fivefold.comm.p2p import Ranks
 from fivefold.parallel.collectives import all_gather_flat, conjugate_function, reduce_scatter_flat
+from fivefold.parallel.tp_overlap import SharedGather, matmul_reduce_scatter
 from fivefold.reliability.activity import phase
 
 IGNORE_INDEX = -100  # label of positions that carry no target token (PyTorch's cross-entropy default)
@@ -80,7 +82,8 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     local = x.movedim(dim, 0).contiguous()
     out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=x.dtype, device=x.device)
-    all_gather_flat(out, local, group=group)
+    with phase("tensor-parallel all-gather", comm=True):
+        all_gather_flat(out, local, group=group)
     return out.movedim(0, dim).contiguous()  # one copy here, not one per consuming linear
 
 
@@ -88,7 +91,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     full = x.movedim(dim, 0).contiguous()
     out = torch.empty((full.shape[0] // world, *full.shape[1:]), dtype=x.dtype, device=x.device)
-    reduce_scatter_flat(out, full, group=group)
+    with phase("tensor-parallel reduce-scatter", comm=True):
+        reduce_scatter_flat(out, full, group=group)
     return out.movedim(0, dim)
 
 
@@ -199,32 +203,42 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _parameter(linear.weight[rows], spec)
         self.bias = None if linear.bias is None else _parameter(linear.bias[rows], spec)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def effective_parameters(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Weight and bias as the matmul uses them (replicated key/value heads sum their gradients)."""
         weight, bias = self.weight, self.bias
         if self.replica_slot is not None:
             weight = _SumGradOverReplicas.apply(weight, self.group, *self.replica_slot)
             if bias is not None:
                 bias = _SumGradOverReplicas.apply(bias, self.group, *self.replica_slot)
-        return F.linear(x, weight, bias)
+        return weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared is not None:  # communication overlap: x is this rank's part of the sequence
+            return self.shared.output(self, x)
+        return F.linear(x, *self.effective_parameters())
+
+    shared: SharedGather | None = None  # set by apply_tensor_parallel with comm_overlap
 
 
 class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_local W_local^T, then + b once; W split by input columns; leaves the TP region."""
 
-    def __init__(self, linear: nn.Linear, group, sequence_parallel: bool):
+    def __init__(self, linear: nn.Linear, group, sequence_parallel: bool, overlap: bool = False):
         super().__init__()
         tp, rank = dist.get_world_size(group), dist.get_rank(group)
         cols = linear.in_features // tp
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.ranks = Ranks.of_group(group) if overlap else None  # reduce-scatter overlapped with the matmul
         self.weight = _parameter(linear.weight[:, rank * cols : (rank + 1) * cols], TPSpec(1, tuple(range(tp)), linear.in_features))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(y, self.group)
+        if self.ranks is not None:
+            y = matmul_reduce_scatter(x, self.weight, self.ranks)
+        elif self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.group)
         else:
-            y = reduce_from_tensor_parallel_region(y, self.group)
+            y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
         if self.bias is None:
             return y
         bias = _SumGradOverReplicas.apply(self.bias, self.group, 0, 1) if self.sequence_parallel else self.bias
@@ -265,14 +279,17 @@ class ParallelRMSNorm(RMSNorm):
     With SP it runs on this rank's part of the sequence and its weight gradient is summed over the group.
     """
 
-    def __init__(self, norm: RMSNorm, group, sequence_parallel: bool):
+    def __init__(self, norm: RMSNorm, group, sequence_parallel: bool, gather: bool = True):
         nn.Module.__init__(self)
         self.eps, self.weight = norm.eps, norm.weight
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.gather = gather  # False: the layers after it gather while they multiply (comm_overlap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             weight = _SumGradOverReplicas.apply(self.weight, self.group, 0, 1)
+            if not self.gather:
+                return weight * self.normalize(x)
             return gather_from_sequence_parallel_region(weight * self.normalize(x), self.group)
         return copy_to_tensor_parallel_region(self.weight * self.normalize(x), self.group)
 
@@ -372,8 +389,15 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, voc
 
 
 # ---------------------------------------------------------------------------------- applying
-def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool, seq_len: int) -> None:
+def check_tensor_parallel(config: ModelConfig, tp: int, sequence_parallel: bool, seq_len: int,
+                          comm_overlap: bool = False) -> None:
     """Raise ConfigError, naming the setting, when the model cannot be split tp ways."""
+    if comm_overlap and config.norm_position == "post":
+        raise ConfigError("tensor_parallel.comm_overlap gathers in the layers after a pre-norm; model.norm_position = "
+                          "post enters the region before the branch: turn comm_overlap off for this family")
+    if comm_overlap and config.attention == "mla":
+        raise ConfigError("tensor_parallel.comm_overlap is not built for multi-latent attention (model.attention = mla): "
+                          "turn it off")
     if tp == 1:
         if sequence_parallel:
             raise ConfigError("tensor_parallel.sequence_parallel needs tensor_parallel.degree > 1")
@@ -427,13 +451,14 @@ def _enter_region_hook(group, sequence_parallel: bool):
     return hook
 
 
-def _split_attention(attention, config: ModelConfig, column, group, sequence_parallel: bool) -> None:
+def _split_attention(attention, config: ModelConfig, column, group, sequence_parallel: bool,
+                     comm_overlap: bool = False) -> None:
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     everyone = tuple(range(tp))
     attention.wq = column(attention.wq)
     attention.wk = _kv_linear(attention.wk, config, group)
     attention.wv = _kv_linear(attention.wv, config, group)
-    attention.wo = RowParallelLinear(attention.wo, group, sequence_parallel)
+    attention.wo = RowParallelLinear(attention.wo, group, sequence_parallel, comm_overlap)
     if config.qk_norm == "head":
         attention.q_norm, attention.k_norm = HeadNorm(attention.q_norm, group), HeadNorm(attention.k_norm, group)
     elif config.qk_norm == "projection":
@@ -471,9 +496,27 @@ def _split_mla(attention, column, group, sequence_parallel: bool) -> None:
     attention.wo = RowParallelLinear(attention.wo, group, sequence_parallel)
 
 
+def _overlap(block, attention, mlp, group) -> None:
+    """comm_overlap: the block's norms stop gathering; the column-parallel layers of each region share one
+    all-gather -> matmul ring, and the row-parallel exits reduce-scatter while they multiply (tp_overlap.py)."""
+    ranks = Ranks.of_group(group)
+    regions = [(block.attention_norm, [attention.wq, attention.wk, attention.wv])]
+    if not isinstance(mlp, MoE):
+        regions.append((block.ffn_norm, [mlp.w1, mlp.w3]))
+    for norm, consumers in regions:
+        norm.gather = False
+        shared = SharedGather(ranks)
+        for layer in consumers:
+            layer.shared = shared
+            shared.members.append(layer)
+
+
 @torch.no_grad()
-def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False) -> None:
-    """Swap the model's layers for their tensor-parallel versions, slicing the (materialised) weights."""
+def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = False, comm_overlap: bool = False) -> None:
+    """Swap the model's layers for their tensor-parallel versions, slicing the (materialised) weights.
+
+    comm_overlap (needs sequence_parallel): the sequence all-gathers and reduce-scatters of each block run as
+    collective matmuls, overlapped chunk by chunk with the matmuls that need them (tp_overlap.py)."""
     config: ModelConfig = model.config
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     everyone = tuple(range(tp))
@@ -488,13 +531,13 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
         if isinstance(attention, MultiLatentAttention):
             _split_mla(attention, column, group, sequence_parallel)
         else:
-            _split_attention(attention, config, column, group, sequence_parallel)
+            _split_attention(attention, config, column, group, sequence_parallel, comm_overlap)
         if moe:  # outside the TP region: on replicated tokens, or with SP on this rank's (parallel/expert_parallel.py)
             if sequence_parallel:
                 mlp.replicated = _ReplicaGradSum(group)
         else:
             mlp.w1, mlp.w3 = column(mlp.w1), column(mlp.w3)
-            mlp.w2 = RowParallelLinear(mlp.w2, group, sequence_parallel)
+            mlp.w2 = RowParallelLinear(mlp.w2, group, sequence_parallel, comm_overlap)
         if config.norm_position == "post":
             for branch in (attention, mlp):
                 if branch is not mlp or not moe:
@@ -504,6 +547,8 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool = Fal
         else:
             block.attention_norm = ParallelRMSNorm(block.attention_norm, group, sequence_parallel)
             block.ffn_norm = (SequenceShardNorm if moe else ParallelRMSNorm)(block.ffn_norm, group, sequence_parallel)
+            if comm_overlap:
+                _overlap(block, attention, mlp, group)
     # A pipeline stage may hold neither the embedding nor the head.
     if model.tok_embeddings is not None:
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, sequence_parallel)

@@ -44,7 +44,7 @@ def check_config(config: JobConfig) -> JobConfig:
                           "Hugging Face tokenizer folder (holding tokenizer.json) that exists")
     check_context_parallel(config.model, cp.degree, cp.method, cp.heads, tp.degree, t.seq_len)
     # Tensor (and sequence) parallelism sees each context-parallel rank's part of the sequence.
-    check_tensor_parallel(config.model, tp.degree, tp.sequence_parallel, t.seq_len // cp.degree)
+    check_tensor_parallel(config.model, tp.degree, tp.sequence_parallel, t.seq_len // cp.degree, tp.comm_overlap)
     check_choice("pipeline_parallel.schedule", config.pipeline_parallel.schedule, PIPELINE_SCHEDULES)
     check_choice("pipeline_parallel.balance", config.pipeline_parallel.balance, BALANCE_BY)
     if config.pipeline_parallel.degree > 1:

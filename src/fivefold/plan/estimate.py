@@ -488,6 +488,10 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
         core = costs.core * len(layers)
         attn_core.append(core)
         per_block_tp = tp_collective(activation_bytes) if d.tp > 1 else 0.0
+        if sp and config.tensor_parallel.comm_overlap and layers:
+            moe_blocks = [model.is_moe_layer(layer) and bool(model.n_experts) for layer in layers]
+            per_block_tp = sum(_overlapped_tp_block(model, d, costs.block[m], costs.core, activation_bytes, cluster,
+                                                    per_block_tp, m) for m in moe_blocks) / len(layers)
         comm_tp.append(per_block_tp * len(layers))
         comm_cp.append(_context_parallel_block(config, model, d, core / len(layers), element, cluster) * len(layers))
         if moe and d.ep * d.etp > 1:
@@ -651,6 +655,24 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
         forward_gather, backward_gather, scatter = _zero_pp_times(config, params.total, d, cluster)
         return m * (hidden_behind(forward_gather, forward) + hidden_behind(backward_gather + scatter, backward))
     return m * (hidden_behind(gather, forward) + hidden_behind(gather + scatter, backward))
+
+
+def _overlapped_tp_block(model: ModelConfig, d: Degrees, block: float, core: float, activation: float,
+                         cluster: ClusterSpec, plain_region: float, moe: bool) -> float:
+    """tensor_parallel.comm_overlap (parallel/tp_overlap.py): one block's exposed tensor-parallel seconds per
+    region (the unit `plain_region`, one all-gather + one reduce-scatter, is priced in). Each of a region's two
+    rings takes t - 1 steps of one sequence chunk (alpha + activation/t beta on the tp link) beside 1/t of the
+    matmul it feeds (q, k, v and wo; w1, w3 and w2, shared by weight size); a step shows what its transfer takes
+    beyond its matmul. A MoE block's MLP keeps the plain collectives."""
+    t = d.tp
+    step = cluster.link_for(t).message(activation / t)
+    attention_matmul = block / 2 - core
+    q, kv = model.q_dim, model.kv_dim
+    shares = [(attention_matmul, (q + 2 * kv) / (2 * q + 2 * kv)), (attention_matmul, q / (2 * q + 2 * kv))]
+    if not moe:
+        shares += [(block / 2, 2 / 3), (block / 2, 1 / 3)]
+    exposed = sum((t - 1) * max(0.0, step - seconds * share / t) for seconds, share in shares)
+    return (exposed + (plain_region if moe else 0.0)) / 2
 
 
 def _zero_pp_times(config: JobConfig, params: int, d: Degrees, cluster: ClusterSpec) -> tuple[float, float, float]:

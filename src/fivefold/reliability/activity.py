@@ -46,6 +46,7 @@ class ActivityRecorder:
         self._lock = threading.Lock()
         self.seq = 0  # communication phases entered so far, all threads
         self.step = 0
+        self.blocked: dict[str, float] = {}  # seconds spent inside communication phases, by name, all threads
 
     def _mine(self) -> ThreadActivity:
         ident = threading.get_ident()
@@ -60,11 +61,16 @@ class ActivityRecorder:
         stack = self._mine().stack
         if comm:
             self.seq += 1
-        stack.append(Frame(name, comm, time.monotonic(), self.seq))
+        frame = Frame(name, comm, time.monotonic(), self.seq)
+        stack.append(frame)
         try:
             yield
         finally:
             stack.pop()
+            if comm:
+                elapsed = time.monotonic() - frame.since
+                with self._lock:
+                    self.blocked[name] = self.blocked.get(name, 0.0) + elapsed
 
     def snapshot(self) -> dict:
         """{'step', 'seq', 'threads': {name: {'phases': [...], 'comm': bool, 'age_s': float}}} for a heartbeat."""
@@ -91,6 +97,13 @@ ACTIVITY = ActivityRecorder()
 def phase(name: str, comm: bool = False):
     """Mark what this thread is doing for the heartbeat (a context manager)."""
     return ACTIVITY.phase(name, comm)
+
+
+def blocked_seconds(prefix: str) -> float:
+    """Seconds this process has spent waiting in communication phases whose name starts with `prefix`: the
+    exposed communication of that kind (what ran while nothing else could)."""
+    with ACTIVITY._lock:
+        return sum(seconds for name, seconds in ACTIVITY.blocked.items() if name.startswith(prefix))
 
 
 def set_step(step: int) -> None:

@@ -60,10 +60,17 @@ def recording_traffic(calls: list[Call]) -> Iterator[list[Call]]:
         calls.append(("reduce_scatter", _members(group), _nbytes(input)))
         return scatter(output, input, *args, group=group, **kwargs)
 
+    inside_isend = []  # under a TorchFunctionMode (the zero-bubble W split) torch re-enters isend for one send
+
     def isend_(tensor, dst=None, group=None, tag=0, group_dst=None):
-        peer = dst if dst is not None else dist.get_global_rank(group, group_dst)
-        calls.append(("send", (dist.get_rank(), peer), _nbytes(tensor)))
-        return isend(tensor, dst, group, tag, group_dst=group_dst)
+        if not inside_isend:
+            peer = dst if dst is not None else dist.get_global_rank(group, group_dst)
+            calls.append(("send", (dist.get_rank(), peer), _nbytes(tensor)))
+        inside_isend.append(True)
+        try:
+            return isend(tensor, dst, group, tag, group_dst=group_dst)
+        finally:
+            inside_isend.pop()
 
     for module in (dist, c10d):
         patch(module, "all_reduce", all_reduce_)

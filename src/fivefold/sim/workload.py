@@ -231,6 +231,7 @@ class _Builder:
         self.units = stage_units(self.model, self.split, d)
         self.element = 2 if compute_dtype(config) == "bf16" else 4
         self.sp = config.tensor_parallel.sequence_parallel and d.tp > 1
+        self.tp_overlap = self.sp and config.tensor_parallel.comm_overlap
         self.activation = t.micro_batch_size * (t.seq_len // d.cp) * self.model.dim * self.element
         self.per_node = cluster.accelerators_per_node
         z = config.data_parallel
@@ -383,6 +384,9 @@ class _Builder:
         label = "recompute" if recompute else ("backward" if backward else "forward")
         halves = ("mlp", "attention") if backward else ("attention", "mlp")
         for half in halves:
+            if self.tp_overlap and not (half == "mlp" and unit.moe):
+                self.overlapped_half(rank, half, forward, core, scale, label, backward)
+                continue
             if half == "attention":
                 self.attention(rank, (forward / 2 - core) * scale, core * scale, label, backward)
             else:
@@ -390,6 +394,38 @@ class _Builder:
             self.tensor_parallel(rank)
             if backward:
                 self.norm_gradient(rank)
+
+    def overlapped_half(self, rank: int, half: str, forward: float, core: float, scale: float, label: str,
+                        backward: bool) -> None:
+        """tensor_parallel.comm_overlap (parallel/tp_overlap.py): the region's entry ring runs beside the matmuls
+        that read the gathered input (q, k, v or w1, w3), its exit ring beside the row-parallel one (wo or w2),
+        each chunk's transfer beside one chunk's matmul; shares of the half's matmul seconds by their weights."""
+        m = self.model
+        if half == "attention":
+            entry, exit_ = m.q_dim + 2 * m.kv_dim, m.q_dim
+            matmul = (forward / 2 - core) * scale
+        else:
+            entry, exit_ = 2, 1
+            matmul = forward / 2 * scale
+        first, last = entry / (entry + exit_), exit_ / (entry + exit_)
+        if backward:
+            first, last = last, first  # the exit's conjugate comes first in backward
+        self.tp_ring(rank, matmul * first, label)
+        if half == "attention":
+            self.attention(rank, 0.0, core * scale, label, backward)
+        self.tp_ring(rank, matmul * last, label)
+        if backward:
+            self.norm_gradient(rank)
+
+    def tp_ring(self, rank: int, seconds: float, label: str) -> None:
+        """One collective matmul: t - 1 ring exchanges of a sequence chunk, each beside 1/t of the matmul."""
+        group = self.grid.group(rank, ("tp",))
+        t, i = len(group), group.index(rank)
+        peers = (group[(i + 1) % t], group[(i - 1) % t])
+        for step in range(t):
+            moving = self.exchange(rank, peers, self.activation // t, "tp") if step < t - 1 else []
+            self.compute(rank, seconds / t, label)
+            self.wait(rank, moving, "tp")
 
     def norm_gradient(self, rank: int) -> None:
         """With sequence parallelism each norm sees its part of the sequence: its weight gradient is summed."""
@@ -402,7 +438,10 @@ class _Builder:
         if self.d.tp == 1:
             return
         group = self.grid.group(rank, ("tp",))
-        if self.sp:
+        if self.tp_overlap:  # the rings alone (a zero-bubble input-gradient pass)
+            self.tp_ring(rank, 0.0, "tp")
+            self.tp_ring(rank, 0.0, "tp")
+        elif self.sp:
             self.collective(rank, COMPUTE, "all_gather", group, self.activation, "tp")
             self.collective(rank, COMPUTE, "reduce_scatter", group, self.activation, "tp")
         else:
