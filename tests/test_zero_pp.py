@@ -8,7 +8,8 @@ import torch
 
 from fivefold.config import JobConfig
 from fivefold.errors import ConfigError
-from fivefold.parallel.zero_pp import dequantize_rows, hpz_rows, node_rows, quantize_rows, wire_bytes
+from fivefold.parallel.zero_pp import dequantize_rows, hpz_rows, node_rows, quantize_rows
+from fivefold.plan.zero_traffic import quantized_bytes
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -23,7 +24,7 @@ def test_block_quantisation_is_within_half_a_step_and_exact_on_its_grid(bits):
     grid = torch.randint(-top, top + 1, (2, 128)).float() * 0.25
     grid[:, 0], grid[:, 64] = top * 0.25, -top * 0.25  # each block's max sets the scale to 0.25
     assert torch.equal(dequantize_rows(*quantize_rows(grid, bits, 64), bits, 64, 128), grid)
-    assert wire_bytes(1000, bits, 64) == codes[0].numel() + 4 * 16
+    assert quantized_bytes(1000, bits, 64) == codes[0].numel() + 4 * 16
 
 
 def test_zero_blocks_and_padding_stay_zero():

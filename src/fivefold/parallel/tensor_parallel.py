@@ -200,6 +200,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, rows: slice, spec: TPSpec, group, replica_slot: tuple[int, int] | None = None):
         super().__init__()
         self.group, self.replica_slot = group, replica_slot
+        self.shared: SharedGather | None = None  # comm_overlap: the region's one all-gather -> matmul ring
         self.weight = _parameter(linear.weight[rows], spec)
         self.bias = None if linear.bias is None else _parameter(linear.bias[rows], spec)
 
@@ -216,8 +217,6 @@ class ColumnParallelLinear(nn.Module):
         if self.shared is not None:  # communication overlap: x is this rank's part of the sequence
             return self.shared.output(self, x)
         return F.linear(x, *self.effective_parameters())
-
-    shared: SharedGather | None = None  # set by apply_tensor_parallel with comm_overlap
 
 
 class RowParallelLinear(nn.Module):

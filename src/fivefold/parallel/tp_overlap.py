@@ -29,6 +29,8 @@ summation order (the parity tests' TP tolerance).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,24 +53,35 @@ def _wait(handles, what: str) -> None:
             handle.wait()
 
 
-def gather_matmul(x_local: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
-                  ranks: Ranks) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """[F.linear(all_gather(x_local), W_j, b_j)] with the gather decomposed over the ring; also the gathered x."""
+def ring_gather(local: torch.Tensor, ranks: Ranks, use: Callable[[int, torch.Tensor], None]) -> torch.Tensor:
+    """All-gather `local` along a new first dimension over the ring, calling use(c, chunk c) on each chunk as it is
+    held (its own first) while the next one travels; returns the gathered (t, *local.shape)."""
     t, i = ranks.size, ranks.index
-    batch, chunk, hidden = x_local.shape
-    gathered = x_local.new_empty((t, batch, chunk, hidden))
-    gathered[i] = x_local
-    outs = [x_local.new_empty((batch, t * chunk, w.shape[0])) for w in weights]
+    gathered = local.new_empty((t, *local.shape))
+    gathered[i] = local
     for k in range(t):
         c = (i - k) % t
         handles = _ring_step(gathered[c], gathered[(c - 1) % t], ranks) if k < t - 1 else []
-        for out, weight, bias in zip(outs, weights, biases):
-            out[:, c * chunk : (c + 1) * chunk] = F.linear(gathered[c], weight, bias)
+        use(c, gathered[c])
         _wait(handles, "all-gather")
-    return outs, gathered.permute(1, 0, 2, 3).reshape(batch, t * chunk, hidden)
+    return gathered
 
 
-def matmul_scatter(partial_of: callable, chunks: int, like: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+def gather_matmul(x_local: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                  ranks: Ranks) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """[F.linear(all_gather(x_local), W_j, b_j)] with the gather decomposed over the ring; also the gathered x."""
+    batch, chunk, hidden = x_local.shape
+    outs = [x_local.new_empty((batch, ranks.size * chunk, w.shape[0])) for w in weights]
+
+    def multiply(c: int, x: torch.Tensor) -> None:
+        for out, weight, bias in zip(outs, weights, biases):
+            out[:, c * chunk : (c + 1) * chunk] = F.linear(x, weight, bias)
+
+    gathered = ring_gather(x_local, ranks, multiply)
+    return outs, gathered.permute(1, 0, 2, 3).reshape(batch, ranks.size * chunk, hidden)
+
+
+def matmul_scatter(partial_of: Callable[[int], torch.Tensor], chunks: int, like: torch.Tensor, ranks: Ranks) -> torch.Tensor:
     """Reduce-scatter along the sequence of a product computed chunk by chunk: `partial_of(c)` is this rank's
     partial product for sequence chunk c; returns the sum over the ring of chunk `ranks.index`."""
     t, i = ranks.size, ranks.index
@@ -150,20 +163,16 @@ class _MatmulScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        ranks, chunk = ctx.ranks, ctx.chunk
-        t, i = ranks.size, ranks.index
-        grad = grad.to(x.dtype).contiguous()
-        gathered = grad.new_empty((t, *grad.shape))
-        gathered[i] = grad
+        chunk = ctx.chunk
         x_grad = torch.empty_like(x)
         weight_grad = torch.zeros_like(weight)
-        for k in range(t):
-            c = (i - k) % t
-            handles = _ring_step(gathered[c], gathered[(c - 1) % t], ranks) if k < t - 1 else []
+
+        def use(c: int, grad_chunk: torch.Tensor) -> None:
             rows = slice(c * chunk, (c + 1) * chunk)
-            x_grad[:, rows] = gathered[c] @ weight
-            weight_grad += gathered[c].reshape(-1, grad.shape[-1]).t() @ x[:, rows].reshape(-1, x.shape[-1])
-            _wait(handles, "all-gather")
+            x_grad[:, rows] = grad_chunk @ weight
+            weight_grad.add_(grad_chunk.reshape(-1, grad_chunk.shape[-1]).t() @ x[:, rows].reshape(-1, x.shape[-1]))
+
+        ring_gather(grad.to(x.dtype).contiguous(), ctx.ranks, use)
         return x_grad.to(ctx.dtypes[0]), weight_grad.to(ctx.dtypes[1]), None
 
 

@@ -83,12 +83,6 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, bits: int, block:
     return (values.view(rows, padded // block, block) * scales[..., None]).view(rows, padded)[:, :cols]
 
 
-def wire_bytes(elements: int, bits: int, block: int) -> int:
-    """Bytes of `elements` values quantised by `quantize_rows` (one row): codes plus fp32 scales."""
-    padded = -(-elements // block) * block
-    return padded * bits // 8 + 4 * (padded // block)
-
-
 # ------------------------------------------------------------------------------------- the groups
 def node_rows(shard_rows: list[list[int]], node_size: int) -> tuple[list[list[int]], list[list[int]]]:
     """(intra, inter) rows of global ranks for qgZ: each shard group's members split by node (node = rank

@@ -42,9 +42,16 @@ class ZeroShape:
         return self.shards // self.nodes
 
 
-def _quantized(elements: int, bits: int, block: int) -> int:
+def quantized_parts(elements: int, bits: int, block: int) -> tuple[int, int]:
+    """(code bytes, fp32 scale bytes) of one row of `elements` values quantised in blocks (parallel/zero_pp.py
+    quantize_rows): the row is padded to a multiple of the block."""
     padded = -(-elements // block) * block
-    return padded * bits // 8 + 4 * (padded // block)
+    return padded * bits // 8, 4 * (padded // block)
+
+
+def quantized_bytes(elements: int, bits: int, block: int) -> int:
+    """Bytes on the wire for one quantised row: codes plus scales."""
+    return sum(quantized_parts(elements, bits, block))
 
 
 def zero3_step_bytes(groups: list[tuple[int, bool]], shape: ZeroShape, micro_batches: int) -> dict[tuple[str, bool], int]:
@@ -63,7 +70,7 @@ def zero3_step_bytes(groups: list[tuple[int, bool]], shape: ZeroShape, micro_bat
         shard = -(-elements // n)
         padded = shard * n
         if shape.quantized_weights:
-            gathered = n * _quantized(shard, 8, shape.block)
+            gathered = n * quantized_bytes(shard, 8, shape.block)
         else:
             gathered = padded * shape.weight_bytes
         add("forward all-gather", cross, n, gathered, m if block else 1)
@@ -73,8 +80,8 @@ def zero3_step_bytes(groups: list[tuple[int, bool]], shape: ZeroShape, micro_bat
             else:
                 add("backward all-gather", cross, n, gathered, m)
         if shape.gradient_bits:
-            add("reduce-scatter", False, per_node, per_node * _quantized(k * shard, shape.gradient_bits, shape.block), m)
-            add("reduce-scatter", True, k, k * _quantized(shard, shape.gradient_bits, shape.block), m)
+            add("reduce-scatter", False, per_node, per_node * quantized_bytes(k * shard, shape.gradient_bits, shape.block), m)
+            add("reduce-scatter", True, k, k * quantized_bytes(shard, shape.gradient_bits, shape.block), m)
         else:
             add("reduce-scatter", cross, n, padded * shape.reduce_bytes, m)
         add("replica all-reduce", shape.replicas_span_nodes, shape.replicas, shard * shape.reduce_bytes, factor=2)

@@ -64,6 +64,7 @@ from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.estimate import Degrees, PassCosts, compute_dtype, degrees_of, model_for, pass_costs
 from fivefold.plan.parameters import padded_vocab
+from fivefold.plan.zero_traffic import quantized_parts
 from fivefold.sim.names import FIDELITIES
 from fivefold.sim.routing import Router, cluster_router
 from fivefold.sim.engine import Await, Collective, Compute, Notify, Op, Recv, Send, StreamKey, Wait
@@ -562,26 +563,24 @@ class _Builder:
 
     def quantized_reduce_scatter(self, rank: int, padded: int) -> None:
         """qgZ (parallel/zero_pp.py): all-to-alls of codes and scales within the node, then across the nodes."""
+        from fivefold.parallel.zero_pp import node_rows
+
         z = self.config.data_parallel
-        members = self.shard_group
-        shard = padded // len(members)
-        node = {r: r // self.zero_node for r in members}
-        intra = tuple(r for r in members if node[r] == node[rank])
-        place = intra.index(rank)
-        by_node: dict[int, list[int]] = defaultdict(list)
-        for r in sorted(members):
-            by_node[node[r]].append(r)
-        inter = tuple(ranks[place] for ranks in by_node.values())
+        shard = padded // len(self.shard_group)
+        intra_rows, inter_rows = node_rows([list(self.shard_group)], self.zero_node)
+        intra = next(tuple(row) for row in intra_rows if rank in row)
+        inter = next(tuple(row) for row in inter_rows if rank in row)
         for group, row in ((intra, len(inter) * shard), (inter, shard)):
-            codes, scales = _quantized_rows(row, z.gradient_bits, z.quantization_block)
+            codes, scales = quantized_parts(row, z.gradient_bits, z.quantization_block)
             for nbytes in (len(group) * codes, len(group) * scales):
                 self.pending.append(self.launch(rank, "all_to_all", nbytes, group))
 
     def hpz_group(self, rank: int) -> tuple[int, ...]:
-        """hpZ: the secondary partition holding `rank` (consecutive members of its shard group)."""
-        h, members = self.config.data_parallel.hpz_partition, sorted(self.shard_group)
-        start = members.index(rank) // h * h
-        return tuple(members[start : start + h])
+        """hpZ: the secondary partition holding `rank` (the runtime's rows, parallel/zero_pp.py)."""
+        from fivefold.parallel.zero_pp import hpz_rows
+
+        rows = hpz_rows([list(self.shard_group)], self.config.data_parallel.hpz_partition, self.zero_node)
+        return next(tuple(row) for row in rows if rank in row)
 
     def gather(self, rank: int, stage: int, unit: Unit, backward: bool = False) -> str:
         """ZeRO-3: launch the all-gather of a unit's weights (once until it is waited for): from the hpZ secondary
@@ -594,7 +593,7 @@ class _Builder:
                 if backward and unit.index >= 0 and z.hpz_partition > 1:
                     parts = [(n * self.weight_element, self.hpz_group(rank))]
                 elif z.quantized_weights:
-                    codes, scales = _quantized_rows(n // len(self.shard_group), 8, z.quantization_block)
+                    codes, scales = quantized_parts(n // len(self.shard_group), 8, z.quantization_block)
                     parts = [(len(self.shard_group) * codes, self.shard_group),
                              (len(self.shard_group) * scales, self.shard_group)]
                 else:
@@ -797,12 +796,6 @@ class _Builder:
                 self.finish(rank)
             elif ins.op == P.OPTIMIZER_STEP:
                 self.optimizer(rank)
-
-
-def _quantized_rows(elements: int, bits: int, block: int) -> tuple[int, int]:
-    """(code bytes, scale bytes) of one row of `elements` values quantised by parallel/zero_pp.py quantize_rows."""
-    padded = -(-elements // block) * block
-    return padded * bits // 8, 4 * (padded // block)
 
 
 def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:
