@@ -20,7 +20,7 @@ from fivefold.plan.cluster import PRESETS as CLUSTERS
 from fivefold.plan.cluster import cluster_from_dict, cluster_toml, load_cluster
 from fivefold.plan.estimate import PipelineRuns, estimate
 from fivefold.plan.flops import count_parameters
-from fivefold.plan.memory import zero_model_states
+from fivefold.plan.memory import nvme_host_bytes, zero_model_states
 from fivefold.plan.parameters import rank_parameters
 from fivefold.plan.search import search
 
@@ -129,6 +129,21 @@ def test_estimate_components():
     offload = estimate(_config("--tensor_parallel.degree", "4", "--data_parallel.zero_stage", "1", "--data_parallel.shard",
                                "4", "--data_parallel.offload", "true"), 16, CLUSTERS["h100-sxm"])
     assert offload.memory.optimizer == 0 and offload.memory.host > 0 and offload.time.offload > 0
+    nvme = estimate(_config("--tensor_parallel.degree", "4", "--data_parallel.zero_stage", "1", "--data_parallel.shard",
+                            "4", "--data_parallel.offload", "true", "--data_parallel.nvme_path", "/tmp"), 16,
+                    CLUSTERS["h100-sxm"])
+    # NVMe: the states move to the drive (as much as the host held), the host keeps three slots of the largest group
+    assert nvme.memory.optimizer == 0 and nvme.memory.nvme == offload.memory.host
+    # the largest flat group: embedding + head over tp 4, over 4 shards (+ the final norm, kept in an upper bound)
+    largest = -(-(get_preset("llama3-8b").vocab_size * 4096 * 2 // 4 + 4096) // 4)
+    assert nvme.memory.host == 3 * 3 * 4 * (1 << 24)  # the default sub-group, 16 Mi elements, bounds it
+    whole = estimate(_config("--tensor_parallel.degree", "4", "--data_parallel.zero_stage", "1", "--data_parallel.shard",
+                             "4", "--data_parallel.offload", "true", "--data_parallel.nvme_path", "/tmp",
+                             "--data_parallel.nvme_sub_group", str(1 << 30)), 16, CLUSTERS["h100-sxm"])
+    assert whole.memory.host == nvme_host_bytes([largest], 1 << 30) == 3 * 3 * 4096 * -(-largest * 4 // 4096)
+    shard = psi / 4
+    drives = 2 * 12 * shard * 8 / (CLUSTERS["h100-sxm"].nvme_bandwidth_gbs * 1e9)
+    assert nvme.time.offload == pytest.approx(offload.time.offload + drives)
 
 
 def test_memory_bound_terms():

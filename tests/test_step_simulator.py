@@ -295,3 +295,20 @@ def test_breakdown_without_spans_is_the_breakdown_with_them():
     assert light.time == whole.time
     assert light.breakdown() == pytest.approx(whole.breakdown(), rel=1e-12, abs=1e-15)
     assert light.breakdown()["pipeline"] > 0 and light.breakdown()["tp"] > 0
+
+
+def test_offload_to_host_and_nvme_is_a_span_of_the_step_priced_as_the_planner_prices_it():
+    from fivefold.plan.estimate import estimate
+
+    zero = ["--data_parallel.zero_stage", "2", "--data_parallel.shard", "2", "--data_parallel.param_dtype", "bf16"]
+    runs = {}
+    for name, extra in (("none", []), ("host", ["--data_parallel.offload", "true"]),
+                        ("nvme", ["--data_parallel.offload", "true", "--data_parallel.nvme_path", "/tmp"])):
+        config = _config(*zero, *extra)
+        runs[name] = (simulate_step(config, 2, H100, vocab_size=257).breakdown(),
+                      estimate(config, 2, H100, vocab_size=257).time.offload)
+    assert runs["none"][0]["offload"] == 0 and runs["none"][0]["optimizer"] > 0
+    for name in ("host", "nvme"):
+        phases, planned = runs[name]
+        assert phases["offload"] == pytest.approx(planned) and phases["optimizer"] == 0  # the step runs on the host
+    assert runs["nvme"][0]["offload"] > 10 * runs["host"][0]["offload"]  # 24 B/param through the drives

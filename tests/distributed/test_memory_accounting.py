@@ -7,7 +7,9 @@ from fivefold.train.trainer import Trainer
 from distributed.spawn import run_distributed
 from parity.harness import with_changes
 
-VARIANTS = [(0, "fp32", False)] + [(s, d, False) for s in (1, 2, 3) for d in ("fp32", "bf16")] + [(3, "bf16", True)]
+# (stage, weights, offload: False, True (host memory) or "nvme" (the host keeps the slot ring, parallel/nvme_offload.py))
+VARIANTS = ([(0, "fp32", False)] + [(s, d, False) for s in (1, 2, 3) for d in ("fp32", "bf16")]
+            + [(3, "bf16", True), (3, "fp32", True), (2, "bf16", "nvme")])
 
 
 def _measure(rank, world_size, configs):
@@ -25,7 +27,8 @@ def _measure(rank, world_size, configs):
 def _configs(job, tmp_path, world_size):
     configs = []
     for stage, dtype, offload in VARIANTS:
-        data_parallel = {"zero_stage": stage, "shard": world_size if stage else 1, "param_dtype": dtype, "offload": offload}
+        data_parallel = {"zero_stage": stage, "shard": world_size if stage else 1, "param_dtype": dtype,
+                         "offload": bool(offload), "nvme_path": str(tmp_path) if offload == "nvme" else ""}
         configs.append(with_changes(job, data_parallel=data_parallel, checkpoint={"enabled": False},
                                     train={"eval_every": 0, "output_dir": str(tmp_path / f"{stage}{dtype}{offload}")}))
     return configs

@@ -233,6 +233,10 @@ class DataParallelConfig:
     """Compute weights with ZeRO: `fp32`, or `bf16` with fp32 master shards (mixed precision)."""
     offload: bool = False
     """ZeRO-Offload: keep fp32 masters and optimizer states on the CPU and run the step there."""
+    nvme_path: str = ""
+    """ZeRO-Infinity (with offload): keep the fp32 masters and AdamW moments in a file under this directory on a local drive (NVMe), streamed through host memory group by group during the step; empty = host memory."""
+    nvme_sub_group: int = 16_777_216
+    """NVMe offload: elements of a flat group's shard swapped and stepped at once (DeepSpeed's sub_group_size); host memory holds 3 x 3 x 4 bytes x this at most."""
     mode: str = "ddp"
     """Data parallelism by all-reduce (`ddp`, with ZeRO when zero_stage > 0) or by parameter servers (`ps`: see [parameter_server])."""
     quantized_weights: bool = False
@@ -256,6 +260,10 @@ class DataParallelConfig:
             raise ConfigError(f"data_parallel.shard = {self.shard} shards model states with ZeRO: set data_parallel.zero_stage to 1, 2 or 3")
         if self.zero_stage == 0 and (self.param_dtype != "fp32" or self.offload):
             raise ConfigError("data_parallel.param_dtype = bf16 and data_parallel.offload need ZeRO: set data_parallel.zero_stage >= 1")
+        if self.nvme_path and not self.offload:
+            raise ConfigError(f"data_parallel.nvme_path = {self.nvme_path!r} moves offloaded optimizer states to a drive: "
+                              "set data_parallel.offload = true (with zero_stage >= 1), or unset nvme_path")
+        _positive("data_parallel", self, "nvme_sub_group")
         _positive("data_parallel", self, "hpz_partition")
         check_choice("data_parallel.quantized_gradients", self.quantized_gradients, QUANTIZED_GRADIENTS)
         if self.quantization_block < 8 or self.quantization_block % 8:

@@ -156,6 +156,9 @@ class GradientSync(abc.ABC):
     def flush(self) -> None:
         """Apply any deferred update now (evaluation, checkpoints and the end of training call this)."""
 
+    def close(self) -> None:
+        """Release what the sync holds outside the process's memory (the end of training calls this)."""
+
     def describe(self) -> str:
         return self.kind
 

@@ -56,6 +56,7 @@ from fivefold.parallel.expert_parallel import (
 )
 from fivefold.parallel.gradient_sync import GradientSync, GradNorm
 from fivefold.parallel.mesh import Mesh
+from fivefold.parallel.nvme_offload import NvmeOptimizer
 from fivefold.parallel.parameter_server import ParameterServerSync, ServerClient, ServerLayout
 from fivefold.parallel.pipeline.executor import PipelineExecutor
 from fivefold.parallel.pipeline.schedules import PipelineShape
@@ -193,7 +194,8 @@ def apply_data_parallel(model: Transformer, mesh: Mesh, config: JobConfig, norm:
         zero_pp = build_zero_pp_groups(zero_pp_options(config), mesh.rank_table("dp_shard_cp").tolist(), mesh.subgroup)
         zero = ZeroDataParallel(model, mesh.group("dp_shard_cp"), mesh.group("dp_replicate"), dp.zero_stage,
                                 DTYPES[dp.param_dtype], reduce_dtype, dp.offload, norm=norm,
-                                select=(lambda key: not is_expert_group(key)) if moe else None, zero_pp=zero_pp)
+                                select=(lambda key: not is_expert_group(key)) if moe else None, zero_pp=zero_pp,
+                                swapped=bool(dp.nvme_path))
         parts = [zero]
         expert_part = None
         if moe:
@@ -203,12 +205,17 @@ def apply_data_parallel(model: Transformer, mesh: Mesh, config: JobConfig, norm:
                     f"but expert_parallel.degree x tensor = {config.expert_parallel.degree} x {config.expert_parallel.tensor} "
                     "leaves each expert piece on one rank: lower the expert degrees or raise the data-parallel degree")
             expert_zero = ZeroDataParallel(model, experts.edp_group, None, dp.zero_stage, DTYPES[dp.param_dtype],
-                                           reduce_dtype, dp.offload, select=is_expert_group)
+                                           reduce_dtype, dp.offload, select=is_expert_group, swapped=bool(dp.nvme_path))
             parts.append(expert_zero)
             expert_part = (expert_zero, DeviceMesh.from_group(experts.edp_group, mesh.device_mesh.device_type))
-        decay = [p for z in parts for p in z.master_parameters(True)]
-        no_decay = [p for z in parts for p in z.master_parameters(False)]
-        optimizer = build_adamw(decay, no_decay, config.optim)
+        if dp.nvme_path:
+            optimizer = NvmeOptimizer([(z, g) for z in parts for g in z.groups], dp.nvme_path,
+                                      lambda decay, no_decay: build_adamw(decay, no_decay, config.optim), dist.get_rank(),
+                                      dp.nvme_sub_group)
+        else:
+            decay = [p for z in parts for p in z.master_parameters(True)]
+            no_decay = [p for z in parts for p in z.master_parameters(False)]
+            optimizer = build_adamw(decay, no_decay, config.optim)
         device_mesh = mesh.device_mesh["dp_replicate", "dp_shard_cp"]
         return ZeroSync(zero, optimizer, norm, device_mesh, tied_group, loss_group, expert_part)
     ddp = expert_ddp = None

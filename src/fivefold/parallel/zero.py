@@ -52,7 +52,8 @@ from fivefold.parallel.flat_groups import GroupLayout, flat_group_layout, units
 from fivefold.parallel.gradient_sync import GradientSync, GradNorm, clip_, step_tensor
 from fivefold.parallel.zero_pp import (ZeroPPGroups, ZeroPPOptions, ZeroTraffic, quantized_all_gather,
                                        quantized_reduce_scatter)
-from fivefold.plan.memory import ModelStateBytes, zero_model_states
+from fivefold.parallel.nvme_offload import NvmeOptimizer
+from fivefold.plan.memory import ModelStateBytes, nvme_host_bytes, zero_model_states
 from fivefold.reliability.activity import phase
 
 
@@ -107,6 +108,7 @@ class ZeroDataParallel(SkipOnAccumulation):
         norm: GradNorm = GradNorm(),
         select: Callable[[str], bool] | None = None,
         zero_pp: ZeroPPGroups | None = None,
+        swapped: bool = False,
     ):
         if stage not in (1, 2, 3):
             raise ConfigError(f"data_parallel.zero_stage = {stage}: ZeRO stages are 1, 2 or 3")
@@ -119,7 +121,9 @@ class ZeroDataParallel(SkipOnAccumulation):
         self.device = next(model.parameters()).device
         self.offload_device = torch.device("cpu") if offload else self.device
         self.offload = offload
-        self.pinned = offload and self.device.type == "cuda"
+        # NVMe offload: the masters and moments live in a file, stepped by parallel/nvme_offload.py
+        self.swapped = swapped
+        self.pinned = offload and not swapped and self.device.type == "cuda"
         # Other ranks holding other parts of the model (tensor-parallel pieces, pipeline stages) and
         # the weight each parameter's squares get (1 / copies), for the global gradient norm.
         self.norm = norm
@@ -179,7 +183,9 @@ class ZeroDataParallel(SkipOnAccumulation):
                 param.data = view
             own = flat[lo:hi]
         aliased = self.param_dtype == torch.float32 and not self.offload
-        if self.pinned:  # page-locked host memory: copies to and from the GPU run asynchronously, at full speed
+        if self.swapped:
+            pass  # the NvmeOptimizer takes the initial masters from compute_shard(g)
+        elif self.pinned:  # page-locked host memory: copies to and from the GPU run asynchronously, at full speed
             g.master = nn.Parameter(torch.empty(own.shape, dtype=torch.float32, pin_memory=True).copy_(own))
             g.host_grad = torch.empty(own.shape, dtype=torch.float32, pin_memory=True)
         else:
@@ -199,7 +205,13 @@ class ZeroDataParallel(SkipOnAccumulation):
         return full[self.rank * g.shard_numel : (self.rank + 1) * g.shard_numel].clone()
 
     def master_parameters(self, decay: bool) -> list[nn.Parameter]:
-        return [g.master for g in self.groups if g.decay == decay]
+        return [g.master for g in self.groups if g.decay == decay and g.master is not None]
+
+    def compute_shard(self, g: FlatGroup) -> torch.Tensor:
+        """This rank's shard of the group's compute weights (padded; the weights the next forward uses)."""
+        if self.stage == 3:
+            return g.local
+        return g.flat[self.rank * g.shard_numel : (self.rank + 1) * g.shard_numel]
 
     # ------------------------------------------------------ stage 3 gathering
     def _install_stage3_hooks(self) -> None:
@@ -367,7 +379,10 @@ class ZeroDataParallel(SkipOnAccumulation):
         return norm
 
     def prepare_step(self) -> None:
-        """Hand the gradient shards to the fp32 masters (on the offload device)."""
+        """Hand the gradient shards to the fp32 masters (on the offload device). (NVMe offload takes each
+        shard during its pipelined step instead.)"""
+        if self.swapped:
+            return
         for g in self.groups:
             if self.pinned:
                 g.master.grad = g.host_grad.copy_(g.grad_shard, non_blocking=True)
@@ -380,7 +395,8 @@ class ZeroDataParallel(SkipOnAccumulation):
     def after_step(self) -> None:
         """Bring updated masters back to the compute weights; drop gradients."""
         for g in self.groups:
-            g.master.grad = None
+            if g.master is not None:
+                g.master.grad = None
             if self.stage == 1:
                 g.flat_grad.zero_()
             g.grad_shard = None
@@ -388,7 +404,8 @@ class ZeroDataParallel(SkipOnAccumulation):
 
     @torch.no_grad()
     def publish_masters(self) -> None:
-        """Copy each fp32 master shard into the compute weights (stages 1-2: and all-gather them)."""
+        """Copy each fp32 master shard into the compute weights (stages 1-2: and all-gather them). Under NVMe
+        offload the step has already written the compute shard."""
         if self.stage == 3:
             for unit in range(len(self.units) + 1):
                 self._free(unit)  # gathered copies (e.g. kept by evaluation) are stale now
@@ -396,10 +413,10 @@ class ZeroDataParallel(SkipOnAccumulation):
             g.secondary = None
             lo, hi = self.rank * g.shard_numel, (self.rank + 1) * g.shard_numel
             if self.stage == 3:
-                if g.local.data_ptr() != g.master.data_ptr():
+                if g.master is not None and g.local.data_ptr() != g.master.data_ptr():
                     g.local.copy_(g.master, non_blocking=self.pinned)
             else:
-                if g.flat[lo:hi].data_ptr() != g.master.data_ptr():
+                if g.master is not None and g.flat[lo:hi].data_ptr() != g.master.data_ptr():
                     g.flat[lo:hi].copy_(g.master, non_blocking=self.pinned)
                 all_gather_flat(g.flat, g.flat[lo:hi].clone(), group=self.shard_group)
                 self.traffic.add("parameter all-gather", self._cross, self.shard_group, g.flat.numel() * g.flat.element_size())
@@ -432,6 +449,8 @@ class ZeroSync(GradientSync):
                  experts: tuple[ZeroDataParallel, object] | None = None):
         super().__init__(zero.model, norm, tied_group, loss_group)
         self.zero, self.optimizer, self.device_mesh = zero, optimizer, device_mesh
+        self.nvme = optimizer if isinstance(optimizer, NvmeOptimizer) else None
+        self._swapped = {id(g): index for index, (_, g) in enumerate(self.nvme.pairs)} if self.nvme else {}
         self.gathers_in_forward = zero.stage == 3
         self.parts = [(zero, device_mesh, [Replicate(), Shard(0)])]
         if experts is not None:
@@ -472,6 +491,11 @@ class ZeroSync(GradientSync):
             z.after_step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def close(self) -> None:
+        """NVMe offload: remove this rank's swap file (its states are in the last checkpoint)."""
+        if self.nvme:
+            self.nvme.close()
+
     def traffic_metrics(self) -> dict[str, int]:
         """zero_bytes: what this rank sent in ZeRO's collectives since the last call (ring volume, see ZeroTraffic);
         zero_cross_node_bytes: the part sent in groups that span nodes (gradient_comm.node_size)."""
@@ -486,23 +510,32 @@ class ZeroSync(GradientSync):
         z = self.zero
         experts = "" if len(self.parts) == 1 else f" (experts over {self.zeros[1].shards} ranks of their EDP group)"
         return (f"ZeRO-{z.stage} over {z.shards} ranks{experts}, {sum(len(x.groups) for x in self.zeros)} flat groups"
-                f"{', bf16 weights + fp32 masters' if self.mixed_precision else ''}{', offloaded to CPU' if z.offload else ''}")
+                f"{', bf16 weights + fp32 masters' if self.mixed_precision else ''}"
+                f"{f', optimizer states on NVMe ({self.nvme.path})' if self.nvme else ', offloaded to CPU' if z.offload else ''}")
 
     def expected_model_states(self, parameters: int) -> ModelStateBytes:
         """The ZeRO formula for the dense parameters over the data-parallel shards, plus (MoE) the routed
         experts' over their expert-data-parallel shards."""
         experts = sum(g.numel for z in self.zeros[1:] for g in z.groups)
-        dense = zero_model_states(parameters - experts, self.zero.stage, self.zero.shards, self.mixed_precision)
-        if not experts:
-            return dense
-        routed = zero_model_states(experts, self.zero.stage, self.zeros[1].shards, self.mixed_precision)
-        return ModelStateBytes(dense.parameters + routed.parameters, dense.gradients + routed.gradients,
-                               dense.optimizer + routed.optimizer)
+        dense = zero_model_states(parameters - experts, self.zero.stage, self.zero.shards, self.mixed_precision,
+                                  self.zero.offload)
+        if experts:
+            routed = zero_model_states(experts, self.zero.stage, self.zeros[1].shards, self.mixed_precision,
+                                       self.zero.offload)
+            dense = ModelStateBytes(dense.parameters + routed.parameters, dense.gradients + routed.gradients,
+                                    dense.optimizer + routed.optimizer)
+        if self.nvme:  # host memory keeps the slot ring; the states themselves are in the file
+            return ModelStateBytes(dense.parameters, dense.gradients,
+                                   nvme_host_bytes([g.shard_numel for z in self.zeros for g in z.groups],
+                                                   self.nvme.piece_numel))
+        return dense
 
     def model_state_tensors(self) -> tuple[list, list, list]:
         groups = [g for z in self.zeros for g in z.groups]
         params = [g.flat for g in groups] + [g.local for g in groups] + list(self.model.parameters())
         grads = [g.flat_grad for g in groups] + [g.grad_shard for g in groups]
+        if self.nvme:  # in host memory: the slot ring only (the states are in the swap file)
+            return params, grads, self.nvme.host_tensors()
         masters = [p for group in self.optimizer.param_groups for p in group["params"]]
         transient = {id(p.grad) for p in masters}  # the fp32 gradient copy handed to the optimizer
         states = [t for state in self.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
@@ -515,9 +548,14 @@ class ZeroSync(GradientSync):
             for g in z.groups:
                 lo, hi = z.owned_range(g)
                 n = hi - lo
-                state = self.optimizer.state.get(g.master, {})
                 key = ranks.key(g.layout.key)
-                locals_ = {"model": g.master.detach()[:n]}
+                if self.nvme:
+                    swapped, step = ({}, 0.0) if fresh else self.nvme.load(self._swapped[id(g)])
+                    state = {**swapped, "step": step}
+                    master = swapped.get("master")
+                else:
+                    state, master = self.optimizer.state.get(g.master, {}), g.master.detach()
+                locals_ = {"model": None if fresh else master[:n]}
                 for moment in MOMENTS:
                     locals_[moment] = state[moment][:n] if moment in state else torch.zeros(n)
                 for kind, local in locals_.items():
@@ -549,10 +587,14 @@ class ZeroSync(GradientSync):
         n = values["model"].numel()
 
         def padded(value: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros_like(g.master)
+            out = torch.zeros(g.shard_numel, dtype=torch.float32) if g.master is None else torch.zeros_like(g.master)
             out[:n] = value.to(out.device)
             return out
 
+        if self.nvme:
+            self.nvme.store(self._swapped[id(g)], {"master": padded(values["model"]),
+                                                   **{m: padded(values[m]) for m in MOMENTS}}, float(step))
+            return
         g.master.copy_(padded(values["model"]))
         self.optimizer.state[g.master] = {"step": step_tensor(step, self.optimizer, g.master),
                                           **{m: padded(values[m]) for m in MOMENTS}}

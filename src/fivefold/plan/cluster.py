@@ -18,6 +18,7 @@ A cluster file is TOML, read without running anything:
     accelerators_per_node = 8
     nodes = 128                      # optional: 0 = as many as a job asks for
     host_bandwidth_gbs = 64          # optional (default 32): accelerator <-> host, for ZeRO-Offload
+    nvme_bandwidth_gbs = 25          # optional (default 25): a node's local drives, for NVMe offload
     [accelerator]
     name = "H100-SXM"
     memory_gib = 80
@@ -150,6 +151,7 @@ class ClusterSpec:
     nodes: int = 0  # 0: as many as the job needs
     source: str = ""  # where the figures come from
     host_bandwidth_gbs: float = 32.0  # accelerator <-> host memory per direction (PCIe), for offload
+    nvme_bandwidth_gbs: float = 25.0  # a node's local drives (read or write), shared by its ranks, for NVMe offload
     collectives: dict[str, LinkSpec] = field(default_factory=dict)  # fitted native collectives inside a node
     topology: TopologySpec = field(default_factory=TopologySpec)  # the fabric, for the simulator
 
@@ -225,7 +227,7 @@ def _number(table: dict, key: str, where: str, positive: bool = True) -> float:
 def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSpec:
     """A ClusterSpec from a parsed cluster file, every field validated with a message naming it."""
     known = {"name", "accelerators_per_node", "nodes", "accelerator", "intra", "inter", "source", "host_bandwidth_gbs",
-             "collectives", "topology"}
+             "nvme_bandwidth_gbs", "collectives", "topology"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"cluster file {source}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -257,6 +259,7 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
                                    bandwidth),
                        per_node, links["intra"], links["inter"], nodes, str(data.get("source", source)),
                        _number(data, "host_bandwidth_gbs", "(top level)") if "host_bandwidth_gbs" in data else 32.0,
+                       _number(data, "nvme_bandwidth_gbs", "(top level)") if "nvme_bandwidth_gbs" in data else 25.0,
                        fitted, topology_from_dict(data.get("topology", {}), source))
 
 
@@ -285,6 +288,7 @@ def cluster_toml(spec: ClusterSpec) -> str:
         f"nodes = {spec.nodes}",
         f"source = {json.dumps(spec.source)}",
         f"host_bandwidth_gbs = {spec.host_bandwidth_gbs!r}",
+        f"nvme_bandwidth_gbs = {spec.nvme_bandwidth_gbs!r}",
         "", "[accelerator]", f"name = {json.dumps(acc.name)}", f"memory_gib = {acc.memory_gib!r}", f"tflops = {{{rates}}}",
         f"memory_bandwidth_gbs = {acc.memory_bandwidth_gbs!r}",
         "", "[intra]", f"bandwidth_gbs = {intra.bandwidth_gbs!r}", f"latency_us = {intra.latency_us!r}",

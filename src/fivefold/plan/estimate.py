@@ -64,7 +64,7 @@ from fivefold.plan.activations import ActivationShape, block_activation_elements
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.flops import flops_per_token
-from fivefold.plan.memory import zero_model_states
+from fivefold.plan.memory import nvme_host_bytes, zero_model_states
 from fivefold.plan.parameters import RankParameters, first_block, block_parameters, padded_vocab, rank_parameters
 
 
@@ -105,6 +105,7 @@ class RankMemory:
     host: int = 0
     parameter_count: int = 0  # Ψ on this rank (its tensor / pipeline / expert part, before ZeRO)
     buckets: int = 0  # DDP's flat gradient buckets (a second copy of the gradients, in gradient_comm.reduce_dtype)
+    nvme: int = 0  # NVMe offload: the optimizer states in this rank's swap file (host keeps the slot ring)
 
     @property
     def model_states(self) -> int:
@@ -214,9 +215,9 @@ def _model_states(params: RankParameters, config: JobConfig, d: Degrees) -> tupl
         return 4 * params.total, 4 * params.total, 0
     mixed = z.zero_stage > 0 and z.param_dtype == "bf16"
     shards = d.dp_shard * d.cp
-    dense = zero_model_states(params.dense, z.zero_stage, shards, mixed)
+    dense = zero_model_states(params.dense, z.zero_stage, shards, mixed, z.offload)
     edp = max(d.dp * d.cp * (d.tp if config.tensor_parallel.sequence_parallel and d.tp > 1 else 1) // (d.ep * d.etp), 1)
-    routed = zero_model_states(params.experts, z.zero_stage, edp if z.zero_stage else 1, mixed)
+    routed = zero_model_states(params.experts, z.zero_stage, edp if z.zero_stage else 1, mixed, z.offload)
     return (dense.parameters + routed.parameters, dense.gradients + routed.gradients, dense.optimizer + routed.optimizer)
 
 
@@ -330,6 +331,10 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
                            ddp_bucket_bytes(config, params, d))
         p, g, o, buffers, count, buckets = states[key]
         host = o if config.data_parallel.offload else 0
+        nvme = 0
+        if config.data_parallel.nvme_path:
+            nvme, host = o, nvme_host_bytes([-(-_largest_group(model, layers, count, d) // (d.dp_shard * d.cp))],
+                                            config.data_parallel.nvme_sub_group)
         if model.n_experts:
             per_stage = max(sum(kinds[model.is_moe_layer(layer)] for layer in split[s]) for s in stages)
         else:
@@ -338,8 +343,16 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
         activations = element * per_stage * in_flight[rank]
         logits = logits_bytes(t.micro_batch_size * (t.seq_len // d.cp), padded_vocab(model.vocab_size, d.tp) // d.tp,
                               held, t.loss_chunk_tokens) if last else 0
-        out.append(RankMemory(p, g, o - host, activations, logits, buffers, host, count, buckets))
+        out.append(RankMemory(p, g, 0 if config.data_parallel.offload else o, activations, logits, buffers, host, count,
+                              buckets, nvme))
     return out
+
+
+def _largest_group(model: ModelConfig, layers: list[int], total: int, d: Degrees) -> int:
+    """Parameters of the largest ZeRO flat group on a rank (at most): its largest block, or what is not in a
+    block (embedding, head, final norm)."""
+    blocks = [block_parameters(model, layer, d.tp, d.ep, d.etp).total for layer in layers]
+    return max([*blocks, total - sum(blocks)])
 
 
 def server_shards(model: ModelConfig, servers: int, workers: int) -> list[int]:
@@ -597,16 +610,25 @@ def _optimizer_time(config: JobConfig, model: ModelConfig, d: Degrees, split: li
 
 
 def _offload_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], cluster: ClusterSpec) -> float:
-    """ZeRO-Offload: this rank's shard of gradients goes to host memory and its updated weights come back,
-    over the host link (PCIe), not overlapped; the CPU optimizer step itself is not counted."""
+    layers = split[0]
+    params = rank_parameters(model, layers, True, len(split) == 1, d.tp, d.ep, d.etp, pipelined=d.pp > 1)
+    return offload_seconds(config, params.total / (d.dp_shard * d.cp), cluster)
+
+
+def offload_seconds(config: JobConfig, shard: float, cluster: ClusterSpec) -> float:
+    """ZeRO-Offload of a rank's shard of `shard` parameters: its gradients go to host memory and its updated
+    weights come back, over the host link (PCIe), not overlapped; the CPU optimizer step itself is not
+    counted. NVMe offload (ZeRO-Infinity) adds reading and writing the fp32 master and both moments (12 + 12
+    bytes per parameter) through the node's drives, shared by its accelerators; the CPU step hides behind
+    that I/O. (The simulator runs the same seconds as a span of the rank's step.)"""
     z = config.data_parallel
     if not z.offload:
         return 0.0
-    layers = split[0]
-    params = rank_parameters(model, layers, True, len(split) == 1, d.tp, d.ep, d.etp, pipelined=d.pp > 1)
     weight = 2 if z.param_dtype == "bf16" else 4
-    shard = params.total / (d.dp_shard * d.cp)
-    return 2 * weight * shard / (cluster.host_bandwidth_gbs * 1e9)
+    seconds = 2 * weight * shard / (cluster.host_bandwidth_gbs * 1e9)
+    if z.nvme_path:
+        seconds += 2 * 12 * shard * cluster.accelerators_per_node / (cluster.nvme_bandwidth_gbs * 1e9)
+    return seconds
 
 
 def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], cluster: ClusterSpec,

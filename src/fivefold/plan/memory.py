@@ -15,6 +15,11 @@ experts' Ψ_e over EP x ETP ranks, and ZeRO shards their states over the expert-
 group as before:
     Ψ per rank = Ψ - Ψ_e + Ψ_e / (EP x ETP)      (tp = pp = 1)
     states     = zero(Ψ - Ψ_e, stage, N) + zero(Ψ_e / (EP x ETP), stage, EDP)
+
+NVMe offload (ZeRO-Infinity, parallel/nvme_offload.py) moves the fp32 master and both moments of
+each flat group's shard into a file, cut in pieces of at most S elements (n_p each), three
+page-rounded regions per piece, and keeps a ring of three slots of the largest piece in host memory:
+    file  = sum_p 3 x page(4 n_p)        host = 3 x 3 x page(4 max_p n_p)      page(x) = x rounded up to 4 KiB
 """
 
 from __future__ import annotations
@@ -43,10 +48,12 @@ def adam_mixed_precision(num_params: int) -> ModelStateBytes:
     return ModelStateBytes(2 * num_params, 2 * num_params, 12 * num_params)
 
 
-def zero_model_states(num_params: int, stage: int, shards: int, mixed_precision: bool) -> ModelStateBytes:
-    """Bytes one rank holds under ZeRO `stage` (0 = plain data parallelism) over `shards` ranks."""
+def zero_model_states(num_params: int, stage: int, shards: int, mixed_precision: bool,
+                      separate_master: bool = False) -> ModelStateBytes:
+    """Bytes one rank holds under ZeRO `stage` (0 = plain data parallelism) over `shards` ranks. fp32 weights
+    are their own master unless `separate_master` (offload keeps an fp32 master on the host: 12 bytes, not 8)."""
     weight = 2 if mixed_precision else 4
-    optimizer = (12 if mixed_precision else 8) * num_params
+    optimizer = (12 if mixed_precision or separate_master else 8) * num_params
     params, grads = weight * num_params, weight * num_params
     if stage >= 1:
         optimizer //= shards
@@ -55,6 +62,29 @@ def zero_model_states(num_params: int, stage: int, shards: int, mixed_precision:
     if stage >= 3:
         params //= shards
     return ModelStateBytes(params, grads, optimizer)
+
+
+PAGE = 4096
+NVME_SLOTS = 3  # groups in flight: one being read, one stepped, one written
+
+
+def page_rounded(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
+
+
+def swap_pieces(numel: int, piece_numel: int) -> list[tuple[int, int]]:
+    """(start, numel) of the pieces NVMe offload cuts a shard of `numel` elements into."""
+    return [(start, min(piece_numel, numel - start)) for start in range(0, numel, piece_numel)] or [(0, 0)]
+
+
+def nvme_file_bytes(shard_numels: list[int], piece_numel: int) -> int:
+    """NVMe offload: bytes of one rank's swap file, three fp32 regions per piece, each page-rounded."""
+    return sum(3 * page_rounded(4 * n) for numel in shard_numels for _, n in swap_pieces(numel, piece_numel))
+
+
+def nvme_host_bytes(shard_numels: list[int], piece_numel: int) -> int:
+    """NVMe offload: host bytes of the slot ring, NVME_SLOTS slots of the largest piece's three regions."""
+    return NVME_SLOTS * 3 * page_rounded(4 * min(max(shard_numels, default=0), piece_numel))
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,8 @@ def format_estimate(found: Estimate, cluster: ClusterSpec, title: str) -> str:
                             f"({'fits' if found.fits else 'does NOT fit'}; pipeline rank {found.memory_rank})"),
         ("  parameters", f"{m.parameters / GIB:,.2f} GiB"),
         ("  gradients", f"{m.gradients / GIB:,.2f} GiB"),
-        ("  optimizer", f"{m.optimizer / GIB:,.2f} GiB" + (f" (+ {m.host / GIB:,.2f} GiB on the host)" if m.host else "")),
+        ("  optimizer", f"{m.optimizer / GIB:,.2f} GiB" + (f" (+ {m.host / GIB:,.2f} GiB on the host)" if m.host else "")
+                        + (f" (+ {m.nvme / GIB:,.2f} GiB in the NVMe swap file)" if m.nvme else "")),
         ("  activations", f"{m.activations / GIB:,.2f} GiB"),
         ("  logits", f"{m.logits / GIB:,.2f} GiB"),
         ("  buffers", f"{m.buffers / GIB:,.2f} GiB"),

@@ -151,7 +151,7 @@ def plot_timeline(run_, path: str, ranks: int = 16) -> Path:
 
     plt = pyplot()
     colours = {"forward": "tab:blue", "backward": "tab:green", "recompute": "tab:olive", "optimizer": "tab:purple",
-               "tp": "tab:orange", "cp": "tab:brown", "dp": "tab:red", "pp": "tab:gray"}
+               "offload": "tab:pink", "tp": "tab:orange", "cp": "tab:brown", "dp": "tab:red", "pp": "tab:gray"}
     shown = list(run_.workload.simulated[:ranks])
     row = {rank: i for i, rank in enumerate(shown)}
     fig, ax = plt.subplots(figsize=(11, 0.45 * len(shown) + 1.6))

@@ -28,8 +28,9 @@ from fivefold.sim.routing import cluster_router
 from fivefold.sim.topology import Topology
 from fivefold.sim.workload import COMPUTE, Workload, build_workload
 
-PHASES = ("compute", "recompute", "optimizer", "tp", "cp", "dp", "pipeline")
-_COMPUTE_LABELS = {"forward": "compute", "backward": "compute", "recompute": "recompute", "optimizer": "optimizer"}
+PHASES = ("compute", "recompute", "optimizer", "offload", "tp", "cp", "dp", "pipeline")
+_COMPUTE_LABELS = {"forward": "compute", "backward": "compute", "recompute": "recompute", "optimizer": "optimizer",
+                   "offload": "offload"}
 
 
 @dataclass

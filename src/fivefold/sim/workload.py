@@ -62,7 +62,8 @@ from fivefold.model.config import ModelConfig
 from fivefold.parallel.mesh import MESH_DIMS
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
-from fivefold.plan.estimate import Degrees, PassCosts, compute_dtype, degrees_of, model_for, pass_costs
+from fivefold.plan.estimate import (Degrees, PassCosts, compute_dtype, degrees_of, model_for, offload_seconds,
+                                    pass_costs)
 from fivefold.plan.parameters import padded_vocab
 from fivefold.plan.zero_traffic import quantized_parts
 from fivefold.sim.names import FIDELITIES
@@ -726,7 +727,8 @@ class _Builder:
                                             n // len(self.shard_group) * self.reduce_element, "dp")
 
     def optimizer(self, rank: int) -> None:
-        """AdamW over this rank's (ZeRO: sharded) parameters, memory-bound; ZeRO-1/2 gather the new weights."""
+        """AdamW over this rank's (ZeRO: sharded) parameters, memory-bound (offload: the shard's trips to the host
+        and, with NVMe, the drives, as the planner prices them); ZeRO-1/2 gather the new weights."""
         z = self.config.data_parallel
         stages = list(range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp))
         params = sum(e for s in stages for unit in self.units[s] for _, e in unit.params)
@@ -734,6 +736,7 @@ class _Builder:
         bandwidth = self.cluster.accelerator.memory_bandwidth_gbs * 1e9
         if bandwidth and not z.offload:
             self.compute(rank, 28 * params / shards / bandwidth, "optimizer")
+        self.compute(rank, offload_seconds(self.config, params / shards, self.cluster), "offload")
         if z.zero_stage in (1, 2) and shards > 1:
             for s in stages:
                 for unit in self.units[s]:
@@ -807,8 +810,6 @@ def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:
         reasons.append("expert_parallel.degree > 1 (the all-to-all dispatch)")
     if config.model.n_experts:
         reasons.append("model.n_experts > 0 (routed experts' own gradient groups and routing)")
-    if z.offload:
-        reasons.append("data_parallel.offload = true")
     if g.compression != "none":
         reasons.append(f"gradient_comm.compression = {g.compression}")
     if g.schedule != "fifo":

@@ -250,9 +250,9 @@ class Trainer:
         bar.close()
         self.sync.flush()
         last_checkpoint = self.checkpoints.wait() or last_checkpoint
-        self.checkpoints.close()
-        if metrics:
-            metrics.close()
+        for owner in (self.checkpoints, self.sync, metrics):  # writer thread, NVMe offload's swap file, metrics
+            if owner is not None:
+                owner.close()
         return self._finish(losses, val_loss, last_checkpoint)
 
     def _after_step(self, step: int, values: dict) -> bool:
