@@ -4,6 +4,9 @@
     ring      parallel/context_parallel.py ring attention over all cp ranks (zigzag chunks)
     ulysses   all-to-all to head shards over all cp ranks, fused local attention
     2d        Ulysses over cp_heads ranks x ring over cp / cp_heads (LoongTrain's head x context)
+    double    ring attention as a double ring (LoongTrain): rounds of an inner ring of cp / 2 ranks (one
+              pretend node), each round's first block one hop on the outer ring across the 2 "nodes"
+    2d-cf     2d placed context-first: the ring on adjacent ranks, the head groups strided
 
 Same model, seed and batch on every rank; each context-parallel rank feeds its shard of the
 sequence. One step is forward + backward (the gradient all-reduce over cp ranks is the same for
@@ -21,7 +24,7 @@ import json
 
 from ranks import benchmark_arguments, benchmark_model, loss_rel_diff, run_variants, spawn
 
-METHODS = ("none", "ring", "ulysses", "2d")
+METHODS = ("none", "ring", "ulysses", "2d", "double", "2d-cf")
 PEER = "ring"
 
 
@@ -37,7 +40,9 @@ def _build(method: str, config, world_size: int, cp_heads: int):
         plan = apply_model_parallel(model, Mesh.single())
     else:
         mesh = build_mesh(ParallelDims(cp=world_size, world_size=world_size), "cpu")
-        plan = apply_model_parallel(model, mesh, context=ContextParallelConfig(world_size, method, cp_heads))
+        options = {"double": dict(method="ring", inner_ring=world_size // 2),
+                   "2d-cf": dict(method="2d", placement="context-first")}.get(method, dict(method=method))
+        plan = apply_model_parallel(model, mesh, context=ContextParallelConfig(world_size, heads=cp_heads, **options))
     params = list(model.parameters())
 
     def step(inputs, labels):

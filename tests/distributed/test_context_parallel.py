@@ -38,12 +38,13 @@ def _reference():
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _rank(rank: int, world: int, ring: int, heads: int, dtype, fused: bool = True) -> float:
+def _rank(rank: int, world: int, ring: int, heads: int, dtype, fused: bool = True, inner: int = 0,
+          head_first: bool = True) -> float:
     if not fused:  # the portable einsum block kernel instead of the CPU flash kernel
         from fivefold.parallel import context_parallel
 
         context_parallel._FUSED_FORWARD = None
-    layout = ContextParallelLayout(ring=ring, heads=heads)
+    layout = ContextParallelLayout(ring=ring, heads=heads, inner=inner, head_first=head_first)
     from fivefold.parallel.mesh import ParallelDims, build_mesh
 
     mesh = build_mesh(ParallelDims(cp=world, world_size=world), "cpu")
@@ -61,6 +62,14 @@ def _rank(rank: int, world: int, ring: int, heads: int, dtype, fused: bool = Tru
                          ids=["ring2", "ring4", "ulysses2", "ulysses4", "2d-2x2"])
 def test_context_parallel_attention_matches_whole_sequence(ring, heads):
     errors = run_distributed(_rank, ring * heads, ring, heads, torch.float64, timeout=60)
+    assert max(errors) < 1e-12, errors
+
+
+@pytest.mark.parametrize("ring,heads,inner,head_first,fused", [(4, 1, 2, True, True), (4, 1, 1, True, False),
+                                                              (2, 2, 1, False, True)],
+                         ids=["double-ring-2x2", "ring4-as-4-rounds-portable", "2d-2x2-context-first-2-rounds"])
+def test_double_ring_and_placements_match_whole_sequence(ring, heads, inner, head_first, fused):
+    errors = run_distributed(_rank, ring * heads, ring, heads, torch.float64, fused, inner, head_first, timeout=60)
     assert max(errors) < 1e-12, errors
 
 

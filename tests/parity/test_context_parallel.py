@@ -17,6 +17,11 @@ CASES = {
     "ulysses-cp2-full": ({"degree": 2, "method": "ulysses"}, "full"),
     "ulysses-cp4": ({"degree": 4, "method": "ulysses"}, "none"),
     "2d-2x2": ({"degree": 4, "method": "2d", "heads": 2}, "none"),
+    # double-ring attention: 2 rounds of an inner ring of 2; and 2d placed context-first with a ring of
+    # 2 rounds of 1 (every K/V hop on the outer ring), in backward with recomputation
+    "double-ring-2x2": ({"degree": 4, "method": "ring", "inner_ring": 2}, "none"),
+    "2d-2x2-context-first-outer": ({"degree": 4, "method": "2d", "heads": 2, "placement": "context-first",
+                                    "inner_ring": 1}, "selective"),
 }
 
 

@@ -332,9 +332,17 @@ class ContextParallelConfig:
     """Context-parallel attention: `ring` (K/V blocks passed around a ring), `ulysses` (all-to-all to heads) or `2d` (both)."""
     heads: int = 2
     """With method = 2d: the head-parallel (Ulysses) degree; the ring takes degree / heads ranks."""
+    inner_ring: int = 0
+    """Double-ring attention (LoongTrain), methods ring and 2d: the ring runs as rounds of an inner ring of this many ring ranks (e.g. those in one node), each round's first block moving one step on the outer ring meanwhile; must divide the ring's size; 0 = one ring."""
+    placement: str = "head-first"
+    """With method = 2d: `head-first` gives the head-parallel (Ulysses) group adjacent ranks (ring neighbours `heads` ranks apart), `context-first` gives them to the ring (head groups strided)."""
 
     def validate(self) -> None:
         _positive("context_parallel", self, "degree", "heads")
+        check_choice("context_parallel.placement", self.placement, ("head-first", "context-first"))
+        if self.inner_ring < 0:
+            raise ConfigError(f"context_parallel.inner_ring = {self.inner_ring}: use 0 (one ring) or a positive divisor "
+                              "of the ring's size")
 
 
 @dataclass

@@ -57,26 +57,64 @@ CP_METHODS = ("ring", "ulysses", "2d")
 # ----------------------------------------------------------------------------- layout
 @dataclass(frozen=True)
 class ContextParallelLayout:
-    """cp = ring x heads ranks; cp rank p is ring rank p // heads, head-parallel rank p % heads."""
+    """cp = ring x heads ranks. Head-first placement: cp rank p is ring rank p // heads, head-parallel rank
+    p % heads (the head group's ranks adjacent); context-first: ring rank p % ring, head rank p // ring.
+    The ring is `outer` rounds of an `inner` ring (double-ring attention; inner = ring: one ring); ring
+    rank r is inner rank r % inner of outer rank r // inner."""
 
     ring: int = 1
     heads: int = 1
+    inner: int = 0  # 0: the whole ring
+    head_first: bool = True
 
     @property
     def cp(self) -> int:
         return self.ring * self.heads
 
+    @property
+    def inner_size(self) -> int:
+        return self.inner or self.ring
+
+    @property
+    def outer(self) -> int:
+        return self.ring // self.inner_size
+
     @classmethod
-    def for_method(cls, method: str, cp: int, cp_heads: int) -> "ContextParallelLayout":
+    def for_method(cls, method: str, cp: int, cp_heads: int, inner_ring: int = 0,
+                   placement: str = "head-first") -> "ContextParallelLayout":
         if method == "ring":
-            return cls(ring=cp, heads=1)
+            return cls(ring=cp, heads=1, inner=inner_ring)
         if method == "ulysses":
             return cls(ring=1, heads=cp)
-        return cls(ring=cp // cp_heads, heads=cp_heads)
+        return cls(ring=cp // cp_heads, heads=cp_heads, inner=inner_ring, head_first=placement == "head-first")
+
+    def coords(self, cp_rank: int) -> tuple[int, int]:
+        """(ring rank, head-parallel rank) of a cp rank."""
+        if self.head_first:
+            return divmod(cp_rank, self.heads)
+        head_rank, ring_rank = divmod(cp_rank, self.ring)
+        return ring_rank, head_rank
+
+    def cp_rank(self, ring_rank: int, head_rank: int) -> int:
+        return ring_rank * self.heads + head_rank if self.head_first else head_rank * self.ring + ring_rank
+
+    def ring_peers(self, ring_rank: int) -> dict[str, tuple[int, int]]:
+        """(next, previous) ring ranks on the inner ring and on the outer ring."""
+        w, o = self.inner_size, self.outer
+        a, b = divmod(ring_rank, w)
+        return {"inner": (a * w + (b + 1) % w, a * w + (b - 1) % w),
+                "outer": (((a + 1) % o) * w + b, ((a - 1) % o) * w + b)}
+
+    def source(self, ring_rank: int, round_: int, step: int) -> int:
+        """The ring rank whose K/V block `ring_rank` holds at inner step `step` of outer round `round_`: each
+        round starts from the block the outer ring brought, then the inner ring passes blocks on."""
+        w, o = self.inner_size, self.outer
+        a, b = divmod(ring_rank, w)
+        return ((a - round_) % o) * w + (b - step) % w
 
     def shard_positions(self, seq_len: int, cp_rank: int) -> torch.Tensor:
         """Positions (token indices) of the sequence that cp rank `cp_rank` holds, in local order."""
-        ring_rank, head_rank = divmod(cp_rank, self.heads)
+        ring_rank, head_rank = self.coords(cp_rank)
         if self.ring == 1:
             ring_local = torch.arange(seq_len)
         else:
@@ -88,7 +126,8 @@ class ContextParallelLayout:
         return ring_local[head_rank * piece:(head_rank + 1) * piece]
 
 
-def check_context_parallel(config: ModelConfig, cp: int, method: str, cp_heads: int, tp: int, seq_len: int) -> None:
+def check_context_parallel(config: ModelConfig, cp: int, method: str, cp_heads: int, tp: int, seq_len: int,
+                           inner_ring: int = 0) -> None:
     """Raise ConfigError, naming the setting, when the sequence or heads cannot be split this way."""
     if method not in CP_METHODS:
         raise ConfigError(f"context_parallel.method = {method!r} is not one of {', '.join(CP_METHODS)}")
@@ -103,6 +142,10 @@ def check_context_parallel(config: ModelConfig, cp: int, method: str, cp_heads: 
         raise ConfigError(f"context_parallel.heads = {cp_heads} must divide context_parallel.degree = {cp} "
                           "(2d attention runs cp_heads-way Ulysses inside cp / cp_heads-way ring)")
     layout = ContextParallelLayout.for_method(method, cp, cp_heads)
+    if inner_ring and (layout.ring == 1 or layout.ring % inner_ring):
+        raise ConfigError(f"context_parallel.inner_ring = {inner_ring} must divide the ring's {layout.ring} ranks "
+                          f"({method} at context_parallel.degree = {cp}): the double ring runs ring / inner_ring rounds "
+                          "of an inner ring; use a divisor, or 0 for one ring")
     if layout.ring > 1 and seq_len % (2 * cp):
         raise ConfigError(f"context_parallel.degree = {cp} ({method}) cuts train.seq_len = {seq_len} into 2 x cp = {2 * cp} "
                           "load-balanced chunks: make seq_len a multiple of 2 x cp")
@@ -128,7 +171,7 @@ class ContextParallelGroups:
 
     @property
     def ring_rank(self) -> int:
-        return self.cp_rank // self.layout.heads
+        return self.layout.coords(self.cp_rank)[0]
 
 
 def build_context_parallel_groups(mesh, layout: ContextParallelLayout) -> ContextParallelGroups:
@@ -136,7 +179,7 @@ def build_context_parallel_groups(mesh, layout: ContextParallelLayout) -> Contex
     me = dist.get_rank()
     mine: dict = {}
     for row in mesh.rank_table("cp").tolist():
-        grid = [row[i * layout.heads:(i + 1) * layout.heads] for i in range(layout.ring)]  # [ring][head]
+        grid = [[row[layout.cp_rank(i, head)] for head in range(layout.heads)] for i in range(layout.ring)]  # [ring][head]
         rings = [[grid[i][head] for i in range(layout.ring)] for head in range(layout.heads)]
         head_group = mesh.subgroup(grid)
         ring_group = mesh.subgroup(rings)
@@ -220,10 +263,10 @@ def _zigzag_positions(ring_rank: int, ring: int, chunk: int, device) -> torch.Te
                       torch.arange(second * chunk, (second + 1) * chunk, device=device)))
 
 
-def _window_visible(step: int, ring_rank: int, ring: int, chunk: int, window: int, device) -> torch.Tensor:
-    """(local queries, visiting keys) pairs a sliding window of `window` positions leaves visible."""
+def _window_visible(source: int, ring_rank: int, ring: int, chunk: int, window: int, device) -> torch.Tensor:
+    """(local queries, keys of ring rank `source`) pairs a sliding window of `window` positions leaves visible."""
     q_pos = _zigzag_positions(ring_rank, ring, chunk, device)
-    k_pos = _zigzag_positions((ring_rank - step) % ring, ring, chunk, device)
+    k_pos = _zigzag_positions(source, ring, chunk, device)
     distance = q_pos[:, None] - k_pos[None, :]
     return (distance >= 0) & (distance < window)
 
@@ -272,15 +315,19 @@ def _merge(out, lse, block_out, block_lse):
 
 
 class _Ring:
-    """Point-to-point exchange with the ring neighbours: send to next, receive from previous."""
+    """Point-to-point exchange on one of a rank's rings (inner or outer): send to next, receive from previous.
+    A ring of one rank exchanges nothing: what is sent is what arrives."""
 
-    def __init__(self, groups: ContextParallelGroups):
+    def __init__(self, groups: ContextParallelGroups, which: str):
+        layout, me = groups.layout, groups.ring_rank
         self.group = groups.ring_group
-        ranks, me = groups.ring_ranks, groups.ring_rank
-        self.size = len(ranks)
-        self.next, self.prev = ranks[(me + 1) % self.size], ranks[(me - 1) % self.size]
+        self.size = layout.inner_size if which == "inner" else layout.outer
+        nxt, prev = layout.ring_peers(me)[which]
+        self.next, self.prev = groups.ring_ranks[nxt], groups.ring_ranks[prev]
 
     def start(self, send: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:
+        if self.size == 1:
+            return send, []
         recv = torch.empty_like(send)
         ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
                dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
@@ -293,21 +340,32 @@ def _wait(works) -> None:
             work.wait()
 
 
-_KV_TAG, _DKV_TAG = 11, 12
+_KV_TAG, _DKV_TAG, _OUTER_KV_TAG, _OUTER_DKV_TAG = 11, 12, 13, 14
 
 
-def _visible(step: int, ring_rank: int, ring: int, half: int):
-    """Which (query rows, key columns) of the zigzag block visiting at `step` are unmasked, and causal?"""
-    source = (ring_rank - step) % ring
-    if step == 0:
+def _visible(source: int, ring_rank: int, half: int):
+    """Which (query rows, key columns) of the zigzag block of ring rank `source` are unmasked, and causal?"""
+    if source == ring_rank:
         return slice(None), slice(None), True
     if source < ring_rank:  # the block's first chunk precedes both of ours; its second follows both
         return slice(None), slice(0, half), False
     return slice(half, None), slice(None), False  # only our second chunk follows the whole block
 
 
+def _rounds(layout: ContextParallelLayout):
+    """(round, step) in visiting order: `outer` rounds of `inner` steps."""
+    return [(j, i) for j in range(layout.outer) for i in range(layout.inner_size)]
+
+
 class _RingAttention(torch.autograd.Function):
     """Causal attention over the zigzag-sharded sequence of a ring of ranks (GQA kept unexpanded).
+
+    The ring runs as `outer` rounds of an `inner` ring (double-ring attention, LoongTrain): in each round the
+    K/V blocks circulate the inner ring, one hop per block computed, while the block this rank started the
+    round with travels one hop on the outer ring, overlapped with the whole round; the block that arrives
+    starts the next round. One ring is the case outer = 1. In backward each block's K/V gradient follows
+    its block: around the inner ring within a round, back to the rank that started the round with it,
+    then one outer hop per round, arriving home after the last.
 
     With a sliding window (window > 0) each (queries, visiting block) pair gets the mask of its
     token positions, a block no query of this rank may see is skipped (it still travels on), and
@@ -316,16 +374,20 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, groups: ContextParallelGroups, window: int = 0):
-        ring = _Ring(groups)
+        layout, me = groups.layout, groups.ring_rank
+        inner, outer = _Ring(groups, "inner"), _Ring(groups, "outer")
         scale = 1.0 / math.sqrt(q.shape[-1])
         half = q.shape[2] // 2
         block = torch.stack((k, v))
         out = lse = None
-        for step in range(ring.size):
-            if step < ring.size - 1:
-                incoming, works = ring.start(block, _KV_TAG)
+        for round_, step in _rounds(layout):
+            if step == 0 and round_ < outer.size - 1:  # this round's first block moves on to the next node
+                arriving, outer_works = outer.start(block, _OUTER_KV_TAG)
+            if step < inner.size - 1:
+                incoming, works = inner.start(block, _KV_TAG)
+            source = layout.source(me, round_, step)
             if window:
-                visible = _window_visible(step, groups.ring_rank, ring.size, half, window, q.device)
+                visible = _window_visible(source, me, layout.ring, half, window, q.device)
                 if visible.any():
                     block_out, block_lse = _block_forward(q, block[0], block[1], scale, False, visible)
                     if out is None:
@@ -333,16 +395,19 @@ class _RingAttention(torch.autograd.Function):
                     else:
                         _merge(out, lse, block_out, block_lse)
             else:
-                rows, cols, causal = _visible(step, groups.ring_rank, ring.size, half)
+                rows, cols, causal = _visible(source, me, half)
                 block_out, block_lse = _block_forward(q[..., rows, :], block[0][..., cols, :], block[1][..., cols, :],
                                                       scale, causal)
                 if out is None:
                     out, lse = block_out, block_lse
                 else:
                     _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
-            if step < ring.size - 1:
+            if step < inner.size - 1:
                 _wait(works)
                 block = incoming
+            elif round_ < outer.size - 1:
+                _wait(outer_works)
+                block = arriving
         ctx.groups, ctx.scale, ctx.window = groups, scale, window
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -352,37 +417,51 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         groups, scale = ctx.groups, ctx.scale
-        ring = _Ring(groups)
+        layout, me = groups.layout, groups.ring_rank
+        inner, outer = _Ring(groups, "inner"), _Ring(groups, "outer")
         half = q.shape[2] // 2
         dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
         block = torch.stack((k, v))
-        pending = None  # (gradient arriving from the previous rank, its transfer)
-        for step in range(ring.size):
-            if step < ring.size - 1:
-                incoming, works = ring.start(block, _KV_TAG)
+        pending = outer_pending = None  # (gradient arriving from the previous rank, its transfer)
+        for round_, step in _rounds(layout):
+            if step == 0 and round_ < outer.size - 1:
+                arriving, outer_works = outer.start(block, _OUTER_KV_TAG)
+            if step < inner.size - 1:
+                incoming, works = inner.start(block, _KV_TAG)
+            source = layout.source(me, round_, step)
             grads = torch.zeros(block.shape, dtype=lse.dtype, device=q.device)  # this block's, accumulated on the way
             if ctx.window:
-                visible = _window_visible(step, groups.ring_rank, ring.size, half, ctx.window, q.device)
+                visible = _window_visible(source, me, layout.ring, half, ctx.window, q.device)
                 if visible.any():
                     dq_part, grads[0], grads[1] = _block_backward(q, block[0], block[1], out, dout, lse, scale, False,
                                                                   visible)
                     dq += dq_part
             else:
-                rows, cols, causal = _visible(step, groups.ring_rank, ring.size, half)
+                rows, cols, causal = _visible(source, me, half)
                 dq_part, dk, dv = _block_backward(q[..., rows, :], block[0][..., cols, :], block[1][..., cols, :],
                                                   out[..., rows, :], dout[..., rows, :], lse[..., rows], scale, causal)
                 dq[..., rows, :] += dq_part
                 grads[0][..., cols, :] = dk
                 grads[1][..., cols, :] = dv
-            if pending is not None:  # the earlier ranks' share of this block's gradient
+            if pending is not None:  # the inner ring's earlier ranks' share of this block's gradient
                 _wait(pending[1])
                 grads += pending[0]
-            pending = ring.start(grads, _DKV_TAG)  # after the last step the gradient goes home
-            if step < ring.size - 1:
+            pending = inner.start(grads, _DKV_TAG)  # after the round's last step: back to the round's first holder
+            if step < inner.size - 1:
                 _wait(works)
                 block = incoming
-        _wait(pending[1])
-        own = pending[0]
+                continue
+            _wait(pending[1])
+            round_grads, pending = pending[0], None  # this round's gradient of the block this rank started it with
+            if outer_pending is not None:  # the earlier rounds' share, from the previous node
+                _wait(outer_pending[1])
+                round_grads = round_grads + outer_pending[0]
+            outer_pending = outer.start(round_grads, _OUTER_DKV_TAG)  # after the last round: home
+            if round_ < outer.size - 1:
+                _wait(outer_works)
+                block = arriving
+        _wait(outer_pending[1])
+        own = outer_pending[0]
         return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
 
 

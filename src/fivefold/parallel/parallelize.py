@@ -158,7 +158,8 @@ def apply_model_parallel(model: Transformer, mesh: Mesh, tensor: TensorParallelC
         apply_tensor_parallel(model, tp_group, tensor.sequence_parallel, tensor.comm_overlap)
         folds.update(tp_group=tp_group, tp_rank=dist.get_rank(tp_group), tp=tensor.degree)
     if context.degree > 1:
-        layout = ContextParallelLayout.for_method(context.method, context.degree, context.heads)
+        layout = ContextParallelLayout.for_method(context.method, context.degree, context.heads, context.inner_ring,
+                                                  context.placement)
         groups = build_context_parallel_groups(mesh, layout)
         apply_context_parallel(model, groups)
         folds.update(cp_layout=layout, cp_rank=groups.cp_rank)

@@ -42,7 +42,7 @@ def check_config(config: JobConfig) -> JobConfig:
     if tokenizer not in ("byte", "bpe") and not Path(tokenizer).is_file() and not (Path(tokenizer) / "tokenizer.json").is_file():
         raise ConfigError(f"data.tokenizer = {tokenizer!r} is neither byte nor bpe, nor a tokenizer.json file or a "
                           "Hugging Face tokenizer folder (holding tokenizer.json) that exists")
-    check_context_parallel(config.model, cp.degree, cp.method, cp.heads, tp.degree, t.seq_len)
+    check_context_parallel(config.model, cp.degree, cp.method, cp.heads, tp.degree, t.seq_len, cp.inner_ring)
     # Tensor (and sequence) parallelism sees each context-parallel rank's part of the sequence.
     check_tensor_parallel(config.model, tp.degree, tp.sequence_parallel, t.seq_len // cp.degree, tp.comm_overlap)
     check_choice("pipeline_parallel.schedule", config.pipeline_parallel.schedule, PIPELINE_SCHEDULES)

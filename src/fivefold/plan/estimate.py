@@ -562,7 +562,9 @@ def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, c
                             cluster: ClusterSpec) -> float:
     """Exposed context-parallel seconds of one block's attention forward. Ring: r - 1 K/V blocks pass
     around a ring of r ranks, point to point, overlapped with the attention core (Liu et al.'s ring
-    attention); Ulysses: all-to-alls of q, k, v to heads and of the output back (Jacobs et al.), not
+    attention); as a double ring (inner_ring w, LoongTrain), r / w rounds each expose
+    max((w - 1) inner hops, 1 outer hop) - w / r of the core, the inner hops on the link their span
+    crosses; Ulysses: all-to-alls of q, k, v to heads and of the output back (Jacobs et al.), not
     overlapped; 2d: Ulysses over `heads` ranks, then a ring over the rest on 1/heads of the heads."""
     cp = config.context_parallel
     if d.cp == 1:
@@ -579,8 +581,15 @@ def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, c
     ring_ranks = d.cp // heads
     if ring_ranks > 1:
         kv = 2 * local * heads * model.kv_dim // (d.tp * heads) * element
-        send = cluster.link_for(d.cp * d.tp)
-        exposed += max(0.0, (ring_ranks - 1) * send.message(kv) - core)
+        inner = cp.inner_ring or ring_ranks
+        rounds = ring_ranks // inner
+        # the inner ring spans `inner` ring neighbours, `heads` ranks apart when head-first; the outer ring, all of cp
+        inner_span = inner * (heads if cp.placement == "head-first" or cp.method == "ring" else 1) * d.tp
+        inner_msg = cluster.link_for(inner_span).message(kv)
+        outer_msg = cluster.link_for(d.cp * d.tp).message(kv)
+        for round_ in range(rounds):  # a round: inner - 1 hops in turn, one outer hop beside them, inner blocks' core
+            comm = max((inner - 1) * inner_msg, outer_msg if round_ < rounds - 1 else 0.0)
+            exposed += max(0.0, comm - core * inner / ring_ranks)
     return exposed
 
 

@@ -457,7 +457,7 @@ class _Builder:
         if self.d.cp == 1:
             self.compute(rank, core, label)
             return
-        from fivefold.parallel.context_parallel import _kv_repeats
+        from fivefold.parallel.context_parallel import ContextParallelLayout, _kv_repeats
 
         cp, t, m, tp = self.config.context_parallel, self.config.train, self.model, self.d.tp
         local = t.micro_batch_size * (t.seq_len // self.d.cp)  # tokens this rank holds
@@ -466,32 +466,47 @@ class _Builder:
         repeats = _kv_repeats(q_heads, kv_heads, heads) if heads > 1 else 1
         q_bytes = local * q_heads * m.head_size * self.element
         kv_bytes = local * kv_heads * repeats * m.head_size * self.element  # one of k, v
-        position = self.grid.coords(rank)["cp"]
-        members = self.grid.group(rank, ("cp",))
-        head_group = tuple(r for r in members if self.grid.coords(r)["cp"] // heads == position // heads)
-        ring = [r for r in members if self.grid.coords(r)["cp"] % heads == position % heads]
+        layout = ContextParallelLayout.for_method(cp.method, self.d.cp, cp.heads, cp.inner_ring, cp.placement)
+        members = self.grid.group(rank, ("cp",))  # in cp-rank order
+        ring_rank, head_rank = layout.coords(self.grid.coords(rank)["cp"])
+        head_group = tuple(members[layout.cp_rank(ring_rank, h)] for h in range(layout.heads))
+        ring = [members[layout.cp_rank(i, head_rank)] for i in range(layout.ring)]
         to_heads = (q_bytes, kv_bytes, kv_bytes) if not backward else (q_bytes,)
         if heads > 1:  # forward: q, k, v to heads; backward: the output's gradient to heads
             for nbytes in to_heads:
                 self.collective(rank, COMPUTE, "all_to_all", head_group, nbytes, "cp")
-        r = len(ring)
-        if r > 1:
-            here = ring.index(rank)
-            peers = (ring[(here + 1) % r], ring[(here - 1) % r])
-            pending: list[int] = []
-            for step in range(r):
-                moving = self.exchange(rank, peers, 2 * kv_bytes, "cp") if step < r - 1 else []
-                self.compute(rank, core / r, label)
-                if backward:  # this block's K/V gradient travels on with it, and finally home
-                    self.wait(rank, pending, "cp")
-                    pending = self.exchange(rank, peers, 2 * kv_bytes, "cp")
-                self.wait(rank, moving, "cp")
-            self.wait(rank, pending, "cp")
+        if layout.ring > 1:
+            self.ring_attention(rank, layout, ring, ring_rank, 2 * kv_bytes, core, label, backward)
         else:
             self.compute(rank, core, label)
         if heads > 1:  # forward: the output back to the sequence; backward: q, k, v's gradients
             for nbytes in ((q_bytes,) if not backward else (q_bytes, kv_bytes, kv_bytes)):
                 self.collective(rank, COMPUTE, "all_to_all", head_group, nbytes, "cp")
+
+    def ring_attention(self, rank: int, layout, ring: list[int], me: int, nbytes: int, core: float, label: str,
+                       backward: bool) -> None:
+        """Ring attention as parallel/context_parallel.py runs it: `outer` rounds of an `inner` ring, a K/V block
+        per inner step beside 1/ring of the core, each round's first block one outer hop meanwhile; in backward
+        each block's gradient follows it, back to the round's first holder, then one outer hop per round."""
+        peers = {which: (ring[nxt], ring[prev]) for which, (nxt, prev) in layout.ring_peers(me).items()}
+        w, o = layout.inner_size, layout.outer
+        pending: list = []
+        outer_pending: list = []
+        for round_ in range(o):
+            arriving = self.exchange(rank, peers["outer"], nbytes, "cp") if round_ < o - 1 else []
+            for step in range(w):
+                moving = self.exchange(rank, peers["inner"], nbytes, "cp") if step < w - 1 else []
+                self.compute(rank, core / layout.ring, label)
+                if backward:
+                    self.wait(rank, pending, "cp")
+                    pending = self.exchange(rank, peers["inner"], nbytes, "cp") if w > 1 else []
+                self.wait(rank, moving, "cp")
+            if backward:
+                self.wait(rank, pending, "cp")
+                self.wait(rank, outer_pending, "cp")
+                pending, outer_pending = [], self.exchange(rank, peers["outer"], nbytes, "cp") if o > 1 else []
+            self.wait(rank, arriving, "cp")
+        self.wait(rank, outer_pending, "cp")
 
     # ------------------------------------------------------------------ data parallelism
     def data_parallel_setup(self, rank: int) -> None:
