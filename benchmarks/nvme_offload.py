@@ -20,6 +20,7 @@ rotating order; times are the slowest rank's, medians after the warm-up. `nvme` 
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import tempfile
@@ -27,7 +28,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from ranks import benchmark_arguments, spawn
+from ranks import benchmark_arguments, spawn, trainer_config, trainers_taking_turns
 
 from fivefold.parallel.nvme_offload import IO_THREADS
 
@@ -35,37 +36,17 @@ VARIANTS = {"zero2": {}, "cpu": {"offload": True}, "nvme": {"offload": True, "nv
 
 
 def _config(args, options: dict, output: str):
-    import dataclasses
-
-    from fivefold.config import JobConfig
-    from fivefold.model import get_preset
-
-    config = JobConfig()
-    config.model = get_preset(args.preset)
-    if args.layers:
-        config.model.n_layers = args.layers
-    config.train = dataclasses.replace(config.train, steps=args.warmup + args.rounds, seq_len=args.seq_len,
-                                       micro_batch_size=args.batch, eval_every=0, output_dir=output)
     if "nvme_path" in options:
         options = {**options, "nvme_path": args.nvme_path, "nvme_sub_group": args.sub_group}
-    config.data_parallel = dataclasses.replace(config.data_parallel, zero_stage=2, shard=2, replicate=1, **options)
-    config.checkpoint = dataclasses.replace(config.checkpoint, enabled=False)
-    config.logging = dataclasses.replace(config.logging, progress=False, tensorboard=False, plot=False, sample_prompt="")
-    config.watchdog = dataclasses.replace(config.watchdog, enabled=False)  # trainers take turns: waiting is not hanging
-    return config.validate()
+    return trainer_config(args, output, data_parallel=dict(zero_stage=2, shard=2, replicate=1, **options))
 
 
 def _rank(rank: int, world_size: int, args) -> dict:
     import contextlib
     import io
-    import os
 
-    from fivefold.train.trainer import Trainer
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    output = tempfile.mkdtemp()
-    with contextlib.redirect_stdout(io.StringIO()):
-        trainers = {name: Trainer(_config(args, options, f"{output}/{name}")) for name, options in VARIANTS.items()}
+    trainers = trainers_taking_turns(rank, world_size, {name: functools.partial(_config, args, options)
+                                                        for name, options in VARIANTS.items()})
     names = list(VARIANTS)
     steps = {name: [] for name in names}
     optimizer = {name: [] for name in names}

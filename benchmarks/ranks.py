@@ -96,6 +96,44 @@ def benchmark_model(args: Any):
     return config
 
 
+def trainer_config(args: Any, output: str, **sections: dict):
+    """A JobConfig of real Trainers that take turns in one process: the --preset model (--layers deep), the
+    benchmark's batch and rounds, no evaluation, checkpoints, logs or watchdog (a rank waiting for its turn
+    is not hung); `sections` overrides fields per config section, e.g. data_parallel={"zero_stage": 3}."""
+    import dataclasses
+
+    from fivefold.config import JobConfig
+    from fivefold.model import get_preset
+
+    config = JobConfig()
+    config.model = get_preset(args.preset)
+    if args.layers:
+        config.model.n_layers = args.layers
+    config.train = dataclasses.replace(config.train, steps=args.warmup + args.rounds, seq_len=args.seq_len,
+                                       micro_batch_size=args.batch, eval_every=0, output_dir=output)
+    config.checkpoint = dataclasses.replace(config.checkpoint, enabled=False)
+    config.logging = dataclasses.replace(config.logging, progress=False, tensorboard=False, plot=False, sample_prompt="")
+    config.watchdog = dataclasses.replace(config.watchdog, enabled=False)
+    for name, fields in sections.items():
+        setattr(config, name, dataclasses.replace(getattr(config, name), **fields))
+    return config.validate()
+
+
+def trainers_taking_turns(rank: int, world_size: int, configs: dict[str, Callable[[str], Any]]) -> dict:
+    """One Trainer per named config (built by configs[name](output_dir)) on this rank, quietly, with the
+    environment torchrun would give it."""
+    import contextlib
+    import io
+    import tempfile
+
+    from fivefold.train.trainer import Trainer
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    output = tempfile.mkdtemp()
+    with contextlib.redirect_stdout(io.StringIO()):
+        return {name: Trainer(make(f"{output}/{name}")) for name, make in configs.items()}
+
+
 def run_variants(steps: dict[str, Callable], vocab_size: int, args: Any, seed: int):
     """Time step(inputs, labels) of each variant on random (batch, seq_len) token batches drawn from `seed`."""
     generator = torch.Generator().manual_seed(seed)

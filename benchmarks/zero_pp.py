@@ -20,14 +20,14 @@ plain ZeRO-3 (quantisation is lossy; hpZ is exact).
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-from ranks import benchmark_arguments, spawn
+from ranks import benchmark_arguments, spawn, trainer_config, trainers_taking_turns
 
 VARIANTS = {
     "zero3": {},
@@ -40,38 +40,17 @@ VARIANTS = {
 
 
 def _config(args, options: dict, output: str):
-    import dataclasses
-
-    from fivefold.config import JobConfig
-    from fivefold.model import get_preset
-
-    config = JobConfig()
-    config.model = get_preset(args.preset)
-    if args.layers:
-        config.model.n_layers = args.layers
-    config.train = dataclasses.replace(config.train, steps=args.warmup + args.rounds, seq_len=args.seq_len,
-                                       micro_batch_size=args.batch, eval_every=0, output_dir=output)
-    config.data_parallel = dataclasses.replace(config.data_parallel, zero_stage=3, shard=4, replicate=1,
-                                               param_dtype=args.param_dtype, **options)
-    config.gradient_comm = dataclasses.replace(config.gradient_comm, node_size=2, reduce_dtype=args.param_dtype)
-    config.checkpoint = dataclasses.replace(config.checkpoint, enabled=False)
-    config.logging = dataclasses.replace(config.logging, progress=False, tensorboard=False, plot=False, sample_prompt="")
-    # six trainers take turns in one process: one waiting for its turn is not a hung rank
-    config.watchdog = dataclasses.replace(config.watchdog, enabled=False)
-    return config.validate()
+    return trainer_config(args, output,
+                          data_parallel=dict(zero_stage=3, shard=4, replicate=1, param_dtype=args.param_dtype, **options),
+                          gradient_comm=dict(node_size=2, reduce_dtype=args.param_dtype))
 
 
 def _rank(rank: int, world_size: int, args) -> dict:
     import contextlib
     import io
-    import os
 
-    from fivefold.train.trainer import Trainer
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    output = tempfile.mkdtemp()
-    with contextlib.redirect_stdout(io.StringIO()):
-        trainers = {name: Trainer(_config(args, options, f"{output}/{name}")) for name, options in VARIANTS.items()}
+    trainers = trainers_taking_turns(rank, world_size, {name: functools.partial(_config, args, options)
+                                                        for name, options in VARIANTS.items()})
     for trainer in trainers.values():
         trainer.sync.traffic_metrics = lambda: {}  # the benchmark reads the counts itself
     names = list(VARIANTS)

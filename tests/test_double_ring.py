@@ -40,6 +40,9 @@ def test_placements_map_ranks_both_ways_and_shard_the_whole_sequence(placement):
     assert adjacent == (0, 1)  # head-first: cp ranks 0 and 1 share a ring rank; context-first: a head rank
     positions = sorted(int(x) for p in range(8) for x in layout.shard_positions(64, p))
     assert positions == list(range(64))
+    double = ContextParallelLayout.for_method("2d", 8, 2, inner_ring=2, placement=placement)
+    # the inner ring's 2 ring ranks: cp ranks 0 and 2 head-first (span 3), 0 and 1 context-first (span 2)
+    assert double.inner_span() == (3 if placement == "head-first" else 2)
 
 
 @pytest.mark.parametrize("overrides,message", [

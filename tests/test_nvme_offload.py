@@ -116,3 +116,16 @@ def test_config_needs_offload(job):
         job.validate()
     job.data_parallel.offload = True
     job.validate()
+
+
+def test_the_launcher_refuses_a_missing_nvme_path_before_any_rank_starts(job, tmp_path):
+    import dataclasses
+
+    from fivefold.train.launch import check_before_launch
+
+    job.data_parallel = dataclasses.replace(job.data_parallel, shard=2, zero_stage=2, offload=True,
+                                            nvme_path=str(tmp_path / "absent"))
+    with pytest.raises(ConfigError, match="data_parallel.nvme_path .* is not a writable directory"):
+        check_before_launch(job.validate(), 2)
+    job.data_parallel.nvme_path = str(tmp_path)
+    check_before_launch(job.validate(), 2)

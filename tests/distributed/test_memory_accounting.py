@@ -8,6 +8,7 @@ from distributed.spawn import run_distributed
 from parity.harness import with_changes
 
 # (stage, weights, offload: False, True (host memory) or "nvme" (the host keeps the slot ring, parallel/nvme_offload.py))
+NVME_SUB_GROUP = 256
 VARIANTS = ([(0, "fp32", False)] + [(s, d, False) for s in (1, 2, 3) for d in ("fp32", "bf16")]
             + [(3, "bf16", True), (3, "fp32", True), (2, "bf16", "nvme")])
 
@@ -28,7 +29,8 @@ def _configs(job, tmp_path, world_size):
     configs = []
     for stage, dtype, offload in VARIANTS:
         data_parallel = {"zero_stage": stage, "shard": world_size if stage else 1, "param_dtype": dtype,
-                         "offload": bool(offload), "nvme_path": str(tmp_path) if offload == "nvme" else ""}
+                         "offload": bool(offload), "nvme_path": str(tmp_path) if offload == "nvme" else "",
+                         "nvme_sub_group": NVME_SUB_GROUP}
         configs.append(with_changes(job, data_parallel=data_parallel, checkpoint={"enabled": False},
                                     train={"eval_every": 0, "output_dir": str(tmp_path / f"{stage}{dtype}{offload}")}))
     return configs
@@ -45,6 +47,8 @@ def test_measured_equals_formula_up_to_padding(job, tmp_path, world_size):
                 assert e <= m <= e + slack, f"ZeRO-{stage} {dtype} offload={offload} {name}: measured {m}, formula {e}"
             if stage == 0:
                 assert measured == expected
+            if offload == "nvme":  # pieces of 256 elements: 3 slots x 3 states x one page each, not the largest group's
+                assert measured[2] == 3 * 3 * 4096
 
 
 MOE = dict(n_experts=4, moe_top_k=2, moe_ffn_dim=32, moe_shared_experts=1)

@@ -105,6 +105,12 @@ class ContextParallelLayout:
         return {"inner": (a * w + (b + 1) % w, a * w + (b - 1) % w),
                 "outer": (((a + 1) % o) * w + b, ((a - 1) % o) * w + b)}
 
+    def inner_span(self) -> int:
+        """Consecutive cp ranks an inner ring spans (the links its hops cross): W ring ranks, `heads` apart
+        when head-first."""
+        members = [self.cp_rank(ring_rank, 0) for ring_rank in range(self.inner_size)]
+        return max(members) - min(members) + 1
+
     def source(self, ring_rank: int, round_: int, step: int) -> int:
         """The ring rank whose K/V block `ring_rank` holds at inner step `step` of outer round `round_`: each
         round starts from the block the outer ring brought, then the inner ring passes blocks on."""

@@ -43,12 +43,20 @@ import xxhash
 from torch import nn
 
 from fivefold.errors import ConfigError, FivefoldError
+from fivefold.parallel.gradient_sync import step_tensor
 from fivefold.plan.memory import NVME_SLOTS, PAGE, page_rounded, swap_pieces
 
 STATES = ("master", "exp_avg", "exp_avg_sq")  # the order of one group's regions in the file and in a slot
 CHUNK_BYTES = 8 << 20  # one I/O request
 SLOTS = NVME_SLOTS
 IO_THREADS = 4  # requests in flight per rank
+
+
+def check_nvme_path(directory: str) -> None:
+    """Refuse an nvme_path that is not a writable directory (the launcher checks it before any rank starts)."""
+    if not directory or not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"data_parallel.nvme_path = {directory!r} is not a writable directory: create it on a local "
+                          "drive (NVMe) with room for the optimizer states, or unset it to keep them in host memory")
 
 
 class OffloadCorruptError(FivefoldError):
@@ -103,9 +111,7 @@ class NvmeOptimizer:
     def __init__(self, pairs: list, directory: str, optimizer_factory, rank: int, piece_numel: int = 1 << 24,
                  threads: int = IO_THREADS):
         self.pairs, self.piece_numel = pairs, piece_numel
-        if not directory or not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
-            raise ConfigError(f"data_parallel.nvme_path = {directory!r} is not a writable directory: create it on a local "
-                              "drive (NVMe) with room for the optimizer states, or unset it to keep them in host memory")
+        check_nvme_path(directory)
         self.directory = tempfile.mkdtemp(prefix=f"fivefold-optimizer-rank{rank}-", dir=directory)
         self.path = os.path.join(self.directory, "states.bin")
         offset, self.pieces, self.pieces_of = 0, [], []
@@ -113,7 +119,7 @@ class NvmeOptimizer:
             self.pieces_of.append([])
             for start, numel in swap_pieces(g.shard_numel, piece_numel):
                 self.pieces_of[-1].append(len(self.pieces))
-                self.pieces.append(Piece(index, start, numel, offset, g.decay, torch.tensor(0.0), []))
+                self.pieces.append(Piece(index, start, numel, offset, g.decay, step_tensor(0.0), []))
                 offset += self.pieces[-1].nbytes
         self.file_bytes = offset
         self.fd, self.direct = self._open()
@@ -255,7 +261,7 @@ class NvmeOptimizer:
             for name, t in zip(STATES, slot.states(piece)):
                 t.copy_(values[name][piece.start : piece.start + piece.numel])
             self._wait(self._write(index, slot))
-            piece.step = torch.tensor(float(step))
+            piece.step = step_tensor(step)
 
     def store(self, group: int, values: dict[str, torch.Tensor], step: float) -> None:
         """Replace group `group`'s states (a checkpoint load) and set its compute shard to the master."""

@@ -569,7 +569,10 @@ def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, c
     cp = config.context_parallel
     if d.cp == 1:
         return 0.0
-    heads = {"ring": 1, "ulysses": d.cp, "2d": cp.heads}[cp.method]
+    from fivefold.parallel.context_parallel import ContextParallelLayout
+
+    layout = ContextParallelLayout.for_method(cp.method, d.cp, cp.heads, cp.inner_ring, cp.placement)
+    heads = layout.heads
     t = config.train
     local = t.micro_batch_size * (t.seq_len // d.cp)  # tokens a rank holds
     exposed = 0.0
@@ -578,14 +581,11 @@ def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, c
         out = local * model.q_dim // d.tp * element
         link = cluster.collective_link("all_to_all", d.cp * d.tp)
         exposed += native_collective("all_to_all", qkv, heads, link) + native_collective("all_to_all", out, heads, link)
-    ring_ranks = d.cp // heads
+    ring_ranks = layout.ring
     if ring_ranks > 1:
         kv = 2 * local * heads * model.kv_dim // (d.tp * heads) * element
-        inner = cp.inner_ring or ring_ranks
-        rounds = ring_ranks // inner
-        # the inner ring spans `inner` ring neighbours, `heads` ranks apart when head-first; the outer ring, all of cp
-        inner_span = inner * (heads if cp.placement == "head-first" or cp.method == "ring" else 1) * d.tp
-        inner_msg = cluster.link_for(inner_span).message(kv)
+        inner, rounds = layout.inner_size, layout.outer
+        inner_msg = cluster.link_for(layout.inner_span() * d.tp).message(kv)  # the outer ring spans all of cp
         outer_msg = cluster.link_for(d.cp * d.tp).message(kv)
         for round_ in range(rounds):  # a round: inner - 1 hops in turn, one outer hop beside them, inner blocks' core
             comm = max((inner - 1) * inner_msg, outer_msg if round_ < rounds - 1 else 0.0)

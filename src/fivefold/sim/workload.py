@@ -461,12 +461,12 @@ class _Builder:
 
         cp, t, m, tp = self.config.context_parallel, self.config.train, self.model, self.d.tp
         local = t.micro_batch_size * (t.seq_len // self.d.cp)  # tokens this rank holds
-        heads = {"ring": 1, "ulysses": self.d.cp, "2d": cp.heads}[cp.method]
+        layout = ContextParallelLayout.for_method(cp.method, self.d.cp, cp.heads, cp.inner_ring, cp.placement)
+        heads = layout.heads
         q_heads, kv_heads = m.n_heads // tp, max(m.kv_heads // tp, 1)
         repeats = _kv_repeats(q_heads, kv_heads, heads) if heads > 1 else 1
         q_bytes = local * q_heads * m.head_size * self.element
         kv_bytes = local * kv_heads * repeats * m.head_size * self.element  # one of k, v
-        layout = ContextParallelLayout.for_method(cp.method, self.d.cp, cp.heads, cp.inner_ring, cp.placement)
         members = self.grid.group(rank, ("cp",))  # in cp-rank order
         ring_rank, head_rank = layout.coords(self.grid.coords(rank)["cp"])
         head_group = tuple(members[layout.cp_rank(ring_rank, h)] for h in range(layout.heads))

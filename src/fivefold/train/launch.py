@@ -39,10 +39,13 @@ def check_before_launch(config: JobConfig, nproc_per_node: int) -> None:
     from fivefold.data.corpus import list_source_files
     from fivefold.parallel.expert_parallel import check_expert_parallel, token_fiber_size
     from fivefold.parallel.mesh import dims_for
+    from fivefold.parallel.nvme_offload import check_nvme_path
     from fivefold.parallel.validate import check_config
     from fivefold.train.resume import plan_start
 
     check_config(config)
+    if config.data_parallel.nvme_path:
+        check_nvme_path(config.data_parallel.nvme_path)
     dims = dims_for(config, nproc_per_node)
     if config.data_parallel.mode != "ps":
         ep, tp = config.expert_parallel, config.tensor_parallel
