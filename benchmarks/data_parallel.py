@@ -50,6 +50,7 @@ def _build(variant: str, config, group, world_size: int):
     from fivefold.parallel.data_parallel import DataParallel, DDPSync
     from fivefold.parallel.gradient_sync import GradNorm
     from fivefold.parallel.zero import ZeroDataParallel, ZeroSync
+    from fivefold.parallel.zero_groups import ZeroGroups
     from fivefold.train.memory import measure_model_states
     from fivefold.optim import build_adamw, build_optimizer
 
@@ -63,7 +64,7 @@ def _build(variant: str, config, group, world_size: int):
         model = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
         optimizer = build_optimizer(model, optim)
     elif variant == "ours-zero3":
-        zero = sync = ZeroDataParallel(model, group, None, stage=3)
+        zero = sync = ZeroDataParallel(model, ZeroGroups.over(group, None, 3), stage=3)
         optimizer = build_adamw(zero.master_parameters(True), zero.master_parameters(False), optim)
     else:
         for block in model.layers.values():

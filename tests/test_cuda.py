@@ -145,6 +145,7 @@ def test_zero_offload_keeps_masters_in_pinned_memory_and_matches_plain_adamw():
     from fivefold.model import build_model, materialize
     from fivefold.optim import build_adamw
     from fivefold.parallel.zero import ZeroDataParallel
+    from fivefold.parallel.zero_groups import ZeroGroups
 
     if not dist.is_initialized():
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
@@ -153,7 +154,7 @@ def test_zero_offload_keeps_masters_in_pinned_memory_and_matches_plain_adamw():
     def train(offload: bool) -> torch.Tensor:
         model = materialize(build_model(micro_model(vocab_size=64)), "cuda")
         if offload:
-            zero = ZeroDataParallel(model, dist.group.WORLD, None, 2, torch.float32, torch.float32, True)
+            zero = ZeroDataParallel(model, ZeroGroups.over(dist.group.WORLD, None, 2), 2, torch.float32, torch.float32, True)
             assert zero.pinned and all(g.master.is_pinned() and g.host_grad.is_pinned() for g in zero.groups)
             optimizer = build_adamw(zero.master_parameters(True), zero.master_parameters(False), OptimConfig())
         else:

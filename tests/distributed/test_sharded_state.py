@@ -27,9 +27,10 @@ def _zero(world_size, stage):
     from fivefold.optim import build_adamw
     from fivefold.parallel.gradient_sync import GradNorm
     from fivefold.parallel.zero import ZeroDataParallel, ZeroSync
+    from fivefold.parallel.zero_groups import ZeroGroups
 
     mesh = build_mesh(ParallelDims(dp_shard=world_size, world_size=world_size), "cpu")
-    zero = ZeroDataParallel(Odd(), mesh.group("dp_shard"), None, stage)
+    zero = ZeroDataParallel(Odd(), ZeroGroups.over(mesh.group("dp_shard"), None, stage), stage)
     optimizer = build_adamw(zero.master_parameters(True), zero.master_parameters(False), OptimConfig())
     sync = ZeroSync(zero, optimizer, GradNorm(), mesh.device_mesh["dp_replicate", "dp_shard_cp"])
     return zero, optimizer, sync

@@ -229,6 +229,12 @@ class DataParallelConfig:
     """Ranks the model states are sharded over with ZeRO (needs zero_stage >= 1); dp = replicate x shard."""
     zero_stage: int = 0
     """0: DDP (nothing sharded); 1: optimizer states; 2: + gradients; 3: + parameters (ZeRO)."""
+    shard_params: int = 0
+    """Ranks each parameter is sharded over (AMSP/MiCS, needs zero_stage >= 1); 0 = the stage's (shard x cp under stage 3, else 1). Must divide shard_grads and the dp x cp ranks."""
+    shard_grads: int = 0
+    """Ranks each gradient is sharded over (AMSP/MiCS); 0 = the stage's (shard x cp under stages 2-3, else 1). Must divide shard_optim."""
+    shard_optim: int = 0
+    """Ranks the optimizer states are sharded over (AMSP/MiCS); 0 = the stage's (shard x cp). Must divide the dp x cp ranks; the states are replicated over the rest."""
     param_dtype: str = "fp32"
     """Compute weights with ZeRO: `fp32`, or `bf16` with fp32 master shards (mixed precision)."""
     offload: bool = False
@@ -264,6 +270,14 @@ class DataParallelConfig:
             raise ConfigError(f"data_parallel.nvme_path = {self.nvme_path!r} moves offloaded optimizer states to a drive: "
                               "set data_parallel.offload = true (with zero_stage >= 1), or unset nvme_path")
         _positive("data_parallel", self, "nvme_sub_group")
+        degrees = {n: getattr(self, n) for n in ("shard_params", "shard_grads", "shard_optim")}
+        for name, degree in degrees.items():
+            if degree < 0:
+                raise ConfigError(f"data_parallel.{name} = {degree}: use a positive degree, or 0 for the zero_stage's")
+        set_degrees = [n for n, d in degrees.items() if d]
+        if set_degrees and self.zero_stage == 0:
+            raise ConfigError(f"data_parallel.{set_degrees[0]} sets a ZeRO sharding degree: set data_parallel.zero_stage "
+                              "to 1, 2 or 3 (its pattern gives the degrees you leave at 0)")
         _positive("data_parallel", self, "hpz_partition")
         check_choice("data_parallel.quantized_gradients", self.quantized_gradients, QUANTIZED_GRADIENTS)
         if self.quantization_block < 8 or self.quantization_block % 8:
@@ -523,12 +537,19 @@ class JobConfig:
 
     def _validate_data_parallel(self) -> None:
         dp = self.data_parallel
-        if (dp.shard * self.context_parallel.degree) % dp.hpz_partition:
+        if not dp.shard_optim and (dp.shard * self.context_parallel.degree) % dp.hpz_partition:
             raise ConfigError(f"data_parallel.hpz_partition = {dp.hpz_partition} must divide the ZeRO shard degree "
                               f"data_parallel.shard x context_parallel.degree = {dp.shard * self.context_parallel.degree}")
-        if dp.zero_stage > 0 and dp.shard * self.context_parallel.degree < 2:
+        if dp.zero_stage > 0 and dp.shard * self.context_parallel.degree < 2 and dp.shard_optim < 2:
             raise ConfigError(f"data_parallel.zero_stage = {dp.zero_stage} needs data_parallel.shard x "
-                              "context_parallel.degree >= 2 ranks to shard over: raise data_parallel.shard")
+                              "context_parallel.degree >= 2 ranks to shard over: raise data_parallel.shard "
+                              "(or set data_parallel.shard_optim)")
+        if self.pipeline_parallel.degree > 1 and (dp.shard_params > 1 or dp.shard_grads > 1):
+            raise ConfigError(
+                f"data_parallel.shard_params / shard_grads = {dp.shard_params} / {dp.shard_grads} with "
+                f"pipeline_parallel.degree = {self.pipeline_parallel.degree}: sharded gradients and parameters are "
+                "reduce-scattered and regathered per micro-batch backward, which the pipeline interleaves; leave them "
+                "at 0 or 1 with pipelining (shard_optim may be set)")
         if self.pipeline_parallel.degree > 1 and dp.zero_stage > 1:
             raise ConfigError(
                 f"data_parallel.zero_stage = {dp.zero_stage} with pipeline_parallel.degree = {self.pipeline_parallel.degree}: "

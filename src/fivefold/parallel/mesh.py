@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fivefold.parallel.shard_layout import config_degrees
 from fivefold.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -224,7 +225,9 @@ def dims_for(config, world_size: int) -> ParallelDims:
     dp, tp, cp, pp = config.data_parallel, config.tensor_parallel.degree, config.context_parallel.degree, config.pipeline_parallel.degree
     others = pp * dp.shard * cp * tp
     replicate = trainers // others if dp.replicate == -1 else dp.replicate
-    return ParallelDims(dp_replicate=max(replicate, 1), dp_shard=dp.shard, cp=cp, tp=tp, pp=pp, world_size=trainers)
+    dims = ParallelDims(dp_replicate=max(replicate, 1), dp_shard=dp.shard, cp=cp, tp=tp, pp=pp, world_size=trainers)
+    config_degrees(config, dims)  # the ZeRO sharding degrees fit these ranks (raises ConfigError)
+    return dims
 
 
 def collective_timeout(config) -> timedelta:

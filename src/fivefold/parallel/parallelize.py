@@ -72,7 +72,9 @@ from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.step import PipelineStep, SingleStageStep
 from fivefold.parallel.output_loss import OutputLoss
 from fivefold.parallel.tensor_parallel import IGNORE_INDEX, apply_tensor_parallel, tp_spec, vocab_parallel_cross_entropy
+from fivefold.parallel.shard_layout import config_degrees
 from fivefold.parallel.zero import ZeroDataParallel, ZeroSync
+from fivefold.parallel.zero_groups import ZeroGroups, build_zero_groups, checkpoint_mesh
 from fivefold.parallel.zero_pp import ZeroPPOptions, build_zero_pp_groups
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -192,8 +194,10 @@ def apply_data_parallel(model: Transformer, mesh: Mesh, config: JobConfig, norm:
     reduce_dtype = DTYPES[comm.reduce_dtype]
     if dp.zero_stage > 0:
         moe = experts is not None
-        zero_pp = build_zero_pp_groups(zero_pp_options(config), mesh.rank_table("dp_shard_cp").tolist(), mesh.subgroup)
-        zero = ZeroDataParallel(model, mesh.group("dp_shard_cp"), mesh.group("dp_replicate"), dp.zero_stage,
+        degrees = config_degrees(config, mesh.dims)
+        sharding = build_zero_groups(mesh, degrees)
+        zero_pp = build_zero_pp_groups(zero_pp_options(config), sharding.block_rows, mesh.subgroup)
+        zero = ZeroDataParallel(model, sharding, dp.zero_stage,
                                 DTYPES[dp.param_dtype], reduce_dtype, dp.offload, norm=norm,
                                 select=(lambda key: not is_expert_group(key)) if moe else None, zero_pp=zero_pp,
                                 swapped=bool(dp.nvme_path))
@@ -205,7 +209,8 @@ def apply_data_parallel(model: Transformer, mesh: Mesh, config: JobConfig, norm:
                     f"data_parallel.zero_stage = {dp.zero_stage} shards the experts over their expert-data-parallel group, "
                     f"but expert_parallel.degree x tensor = {config.expert_parallel.degree} x {config.expert_parallel.tensor} "
                     "leaves each expert piece on one rank: lower the expert degrees or raise the data-parallel degree")
-            expert_zero = ZeroDataParallel(model, experts.edp_group, None, dp.zero_stage, DTYPES[dp.param_dtype],
+            expert_zero = ZeroDataParallel(model, ZeroGroups.over(experts.edp_group, None, dp.zero_stage), dp.zero_stage,
+                                           DTYPES[dp.param_dtype],
                                            reduce_dtype, dp.offload, select=is_expert_group, swapped=bool(dp.nvme_path))
             parts.append(expert_zero)
             expert_part = (expert_zero, DeviceMesh.from_group(experts.edp_group, mesh.device_mesh.device_type))
@@ -217,7 +222,7 @@ def apply_data_parallel(model: Transformer, mesh: Mesh, config: JobConfig, norm:
             decay = [p for z in parts for p in z.master_parameters(True)]
             no_decay = [p for z in parts for p in z.master_parameters(False)]
             optimizer = build_adamw(decay, no_decay, config.optim)
-        device_mesh = mesh.device_mesh["dp_replicate", "dp_shard_cp"]
+        device_mesh = checkpoint_mesh(mesh, degrees)
         return ZeroSync(zero, optimizer, norm, device_mesh, tied_group, loss_group, expert_part)
     ddp = expert_ddp = None
     priority = comm.schedule == "priority"

@@ -53,7 +53,9 @@ from fivefold.parallel.gradient_sync import GradientSync, GradNorm, clip_, step_
 from fivefold.parallel.zero_pp import (ZeroPPGroups, ZeroPPOptions, ZeroTraffic, quantized_all_gather,
                                        quantized_reduce_scatter)
 from fivefold.parallel.nvme_offload import NvmeOptimizer
-from fivefold.plan.memory import ModelStateBytes, nvme_host_bytes, zero_model_states
+from fivefold.parallel.shard_layout import GROUP_KINDS, ShardDegrees
+from fivefold.parallel.zero_groups import ZeroGroups
+from fivefold.plan.memory import ModelStateBytes, nvme_host_bytes, sharded_model_states, zero_model_states
 from fivefold.reliability.activity import phase
 
 
@@ -65,8 +67,10 @@ class FlatGroup:
     shapes: list[torch.Size]
     offsets: list[int]
     numel: int
-    shard_numel: int
+    shard_numel: int  # this rank's optimizer piece: padded / o
     padded_numel: int
+    piece_numel: int  # parameter piece: padded / p
+    grad_numel: int  # gradient piece: padded / g
     decay: bool
     unit: int
     layout: GroupLayout
@@ -74,7 +78,8 @@ class FlatGroup:
     local: torch.Tensor | None = None  # stage 3: this rank's shard of the parameters (param dtype)
     master: nn.Parameter | None = None  # fp32 shard the optimizer steps
     flat_grad: torch.Tensor | None = None  # stage 1: whole flat gradient (param dtype); .grad are views
-    grad_shard: torch.Tensor | None = None  # this rank's reduced gradient (param dtype)
+    grad_piece: torch.Tensor | None = None  # gradients sharded (g > 1): this rank's gradient piece, accumulated (param dtype)
+    grad_shard: torch.Tensor | None = None  # this rank's reduced gradient of its optimizer piece (param dtype; a view)
     ready: int = 0  # gradients arrived since the last reduction
     reduced: bool = False  # reduced in the current backward pass
     pending: list = field(default_factory=list)
@@ -87,10 +92,11 @@ class FlatGroup:
             yield param, flat[offset : offset + shape.numel()].view(shape)
 
 
-def _make_group(layout: GroupLayout, params: list[nn.Parameter], shards: int) -> FlatGroup:
-    shard_numel = -(-layout.numel // shards)  # ceil: pad the flat vector to a multiple of the shard count
-    return FlatGroup(params, list(layout.shapes), layout.offsets, layout.numel, shard_numel, shard_numel * shards,
-                     layout.decay, layout.unit, layout)
+def _make_group(layout: GroupLayout, params: list[nn.Parameter], degrees: ShardDegrees) -> FlatGroup:
+    shard_numel = -(-layout.numel // degrees.optim)  # ceil: pad the flat vector to a multiple of the optimizer degree
+    padded = shard_numel * degrees.optim
+    return FlatGroup(params, list(layout.shapes), layout.offsets, layout.numel, shard_numel, padded,
+                     padded // degrees.params, padded // degrees.grads, layout.decay, layout.unit, layout)
 
 
 class ZeroDataParallel(SkipOnAccumulation):
@@ -99,8 +105,7 @@ class ZeroDataParallel(SkipOnAccumulation):
     def __init__(
         self,
         model: nn.Module,
-        shard_group: dist.ProcessGroup,
-        replicate_group: dist.ProcessGroup | None,
+        sharding: ZeroGroups,
         stage: int,
         param_dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype = torch.float32,
@@ -112,11 +117,16 @@ class ZeroDataParallel(SkipOnAccumulation):
     ):
         if stage not in (1, 2, 3):
             raise ConfigError(f"data_parallel.zero_stage = {stage}: ZeRO stages are 1, 2 or 3")
-        self.model, self.stage = model, stage
-        self.reduces_every_micro_step = stage >= 2  # stage 1 keeps whole gradients and reduces once
-        self.shard_group, self.replicate_group = shard_group, replicate_group
-        self.shards = dist.get_world_size(shard_group)
-        self.rank = dist.get_rank(shard_group)
+        self.model, self.stage, self.sharding = model, stage, sharding
+        degrees = self.degrees = sharding.degrees
+        self.sharded_params = degrees.params > 1  # ZeRO-3's path: gather before each unit's forward and backward
+        self.reduces_every_micro_step = degrees.grads > 1  # whole gradients are kept and reduced once (ZeRO-1)
+        self.shard_group, self.replicate_group = sharding.block, sharding.replica  # all pieces / their copies
+        self.shards = degrees.optim
+        # this rank's pieces: optimizer piece k of o, inside parameter piece a of p, inside gradient piece a(g/p)+b of g
+        self.optim_index = degrees.optim_index(sharding.position)
+        self.param_index, _, self.split_index = degrees.digits(sharding.position)
+        self.optim_in_piece = self.optim_index - self.param_index * (degrees.optim // degrees.params)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.device = next(model.parameters()).device
         self.offload_device = torch.device("cpu") if offload else self.device
@@ -129,11 +139,13 @@ class ZeroDataParallel(SkipOnAccumulation):
         self.norm = norm
         self.select = select  # which flat groups (by key) this instance owns; None: all
         self.zero_pp = zero_pp or ZeroPPGroups(ZeroPPOptions(), lambda group: False)
-        if self.zero_pp.options.active and stage != 3:
-            raise ConfigError(f"ZeRO++ (quantized_weights, hpz_partition, quantized_gradients) works on ZeRO stage 3, "
-                              f"not {stage}: set data_parallel.zero_stage = 3")
+        if self.zero_pp.options.active and not (degrees.uniform and self.sharded_params):
+            raise ConfigError(f"ZeRO++ (quantized_weights, hpz_partition, quantized_gradients) works on ZeRO stage 3 "
+                              f"with one shard group, not {degrees.describe()}: set data_parallel.zero_stage = 3 and "
+                              "leave shard_params / shard_grads / shard_optim at 0")
         self.traffic = ZeroTraffic()
-        self._cross = self.zero_pp.spans_nodes(shard_group)
+        self._spans = {kind: self.zero_pp.spans_nodes(getattr(sharding, kind)) for kind in GROUP_KINDS}
+        self._cross = self._spans["params"]
         self.hpz_size = dist.get_world_size(self.zero_pp.hpz) if self.zero_pp.hpz is not None else 1
         self.hpz_rank = dist.get_rank(self.zero_pp.hpz) if self.zero_pp.hpz is not None else 0
         self._broadcast_parameters()
@@ -148,7 +160,7 @@ class ZeroDataParallel(SkipOnAccumulation):
             g.norm_weights = self._norm_weights(g)
             self._shard_group(g)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for g in self.groups for p in g.params]
-        if stage == 3:
+        if self.sharded_params:
             self._install_stage3_hooks()
 
     # ----------------------------------------------------------------- set-up
@@ -158,30 +170,28 @@ class ZeroDataParallel(SkipOnAccumulation):
     def _broadcast_parameters(self) -> None:
         params = dict(self.model.named_parameters())
         mine = [params[n] for g in self._layouts() for n in g.names]
-        for group in (self.shard_group, self.replicate_group):
+        for group in (self.shard_group, self.replicate_group):  # the block's rank 0, then across the blocks
             if group is not None:
                 broadcast_module(self.model, group, mine)
 
     def _build_groups(self) -> list[FlatGroup]:
         params = dict(self.model.named_parameters())
-        return [_make_group(layout, [params[n] for n in layout.names], self.shards) for layout in self._layouts()]
+        return [_make_group(layout, [params[n] for n in layout.names], self.degrees) for layout in self._layouts()]
 
     @torch.no_grad()
     def _shard_group(self, g: FlatGroup) -> None:
         flat = torch.zeros(g.padded_numel, dtype=self.param_dtype, device=self.device)
         for param, view in g.views(flat):
             view.copy_(param.data)
-        lo, hi = self.rank * g.shard_numel, (self.rank + 1) * g.shard_numel
-        if self.stage == 3:
-            g.local = flat[lo:hi].clone()
+        if self.sharded_params:
+            g.local = flat[self.param_index * g.piece_numel : (self.param_index + 1) * g.piece_numel].clone()
             for param, _ in g.views(flat):
                 param.data = torch.empty(0, dtype=self.param_dtype, device=self.device)
-            own = g.local
         else:
             g.flat = flat
             for param, view in g.views(flat):
                 param.data = view
-            own = flat[lo:hi]
+        own = self.compute_shard(g)
         aliased = self.param_dtype == torch.float32 and not self.offload
         if self.swapped:
             pass  # the NvmeOptimizer takes the initial masters from compute_shard(g)
@@ -190,7 +200,7 @@ class ZeroDataParallel(SkipOnAccumulation):
             g.host_grad = torch.empty(own.shape, dtype=torch.float32, pin_memory=True)
         else:
             g.master = nn.Parameter(own if aliased else own.to(self.offload_device, torch.float32, copy=True))
-        if self.stage == 1:
+        if not self.reduces_every_micro_step:
             g.flat_grad = torch.zeros(g.padded_numel, dtype=self.param_dtype, device=self.device)
             for param, view in g.views(g.flat_grad):
                 param.grad = view
@@ -202,16 +212,16 @@ class ZeroDataParallel(SkipOnAccumulation):
         full = torch.zeros(g.padded_numel, dtype=torch.float64, device=self.device)
         for param, shape, offset in zip(g.params, g.shapes, g.offsets):
             full[offset : offset + shape.numel()] = self.norm.weight(param)
-        return full[self.rank * g.shard_numel : (self.rank + 1) * g.shard_numel].clone()
+        return full[self.optim_index * g.shard_numel : (self.optim_index + 1) * g.shard_numel].clone()
 
     def master_parameters(self, decay: bool) -> list[nn.Parameter]:
         return [g.master for g in self.groups if g.decay == decay and g.master is not None]
 
     def compute_shard(self, g: FlatGroup) -> torch.Tensor:
-        """This rank's shard of the group's compute weights (padded; the weights the next forward uses)."""
-        if self.stage == 3:
-            return g.local
-        return g.flat[self.rank * g.shard_numel : (self.rank + 1) * g.shard_numel]
+        """This rank's optimizer piece of the group's compute weights (padded; the weights the next forward uses)."""
+        if self.sharded_params:
+            return g.local[self.optim_in_piece * g.shard_numel : (self.optim_in_piece + 1) * g.shard_numel]
+        return g.flat[self.optim_index * g.shard_numel : (self.optim_index + 1) * g.shard_numel]
 
     # ------------------------------------------------------ stage 3 gathering
     def _install_stage3_hooks(self) -> None:
@@ -262,9 +272,9 @@ class ZeroDataParallel(SkipOnAccumulation):
             traffic.add(name, pp.spans_nodes(pp.hpz), pp.hpz, full.numel() * full.element_size())
             return all_gather_flat(full, g.secondary, group=pp.hpz, async_op=True)
         if pp.options.quantized_weights:
-            return quantized_all_gather(full, g.local, self.shard_group, pp.options.block, traffic, name, self._cross)
-        traffic.add(name, self._cross, self.shard_group, full.numel() * full.element_size())
-        return all_gather_flat(full, g.local, group=self.shard_group, async_op=True)
+            return quantized_all_gather(full, g.local, self.sharding.params, pp.options.block, traffic, name, self._cross)
+        traffic.add(name, self._cross, self.sharding.params, full.numel() * full.element_size())
+        return all_gather_flat(full, g.local, group=self.sharding.params, async_op=True)
 
     def _after_forward(self, unit: int) -> None:
         """hpZ: keep this rank's 1/h of the gathered weights for the backward gather; then free them.
@@ -303,67 +313,94 @@ class ZeroDataParallel(SkipOnAccumulation):
 
     @torch.no_grad()
     def _reduce(self, g: FlatGroup) -> None:
+        """Start reducing a group's gradient: whole gradients (ZeRO-1) straight into this rank's optimizer
+        piece over the block; sharded gradients into its gradient piece over the gradient group."""
         g.ready, g.reduced = 0, True
-        if self.stage == 1:
-            buffer = g.flat_grad.to(self.reduce_dtype)
-            work = dist.all_reduce(buffer, group=self.shard_group, async_op=True)
-            self.traffic.add("all-reduce", self._cross, self.shard_group, buffer.numel() * buffer.element_size(), True)
-            g.pending.append((work, buffer))
+        if not self.reduces_every_micro_step:
+            g.pending.append(self._reduce_scatter("optimizer reduce-scatter", g.flat_grad.to(self.reduce_dtype),
+                                                  g.shard_numel, "split"))
             return
         full = torch.zeros(g.padded_numel, dtype=self.reduce_dtype, device=self.device)
         for param, view in g.views(full):
             if param.grad is not None:
                 view.copy_(param.grad)
-            param.grad = None  # the full gradient is not kept (stages 2 and 3)
-        out = torch.empty(g.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            param.grad = None  # the full gradient is not kept (gradients sharded)
         if self.zero_pp.options.gradient_bits:
-            work = quantized_reduce_scatter(out, full, self.zero_pp, self.traffic)
+            out = torch.empty(g.grad_numel, dtype=self.reduce_dtype, device=self.device)
+            g.pending.append((quantized_reduce_scatter(out, full, self.zero_pp, self.traffic), out))
         else:
-            work = reduce_scatter_flat(out, full, group=self.shard_group, async_op=True)
-            self.traffic.add("reduce-scatter", self._cross, self.shard_group, full.numel() * full.element_size())
-        g.pending.append((work, out))
+            if self.degrees.grad_permuted:  # rank j = b p + a of the gradient group receives natural piece a (g/p) + b
+                p = self.degrees.params
+                full = full.view(p, self.degrees.grads // p, -1).transpose(0, 1).reshape(-1)
+            g.pending.append(self._reduce_scatter("reduce-scatter", full, g.grad_numel, "grads"))
         unit_groups = self._groups_of_unit[g.unit]
-        if self.stage == 3 and g.unit < len(self.units) and all(x.reduced for x in unit_groups):
+        if self.sharded_params and g.unit < len(self.units) and all(x.reduced for x in unit_groups):
             self._free(g.unit)  # this block's backward is done: drop its gathered weights
             for x in unit_groups:
                 x.reduced, x.secondary = False, None
 
+    def _reduce_scatter(self, name: str, full: torch.Tensor, numel: int, kind: str) -> tuple:
+        """(work or None, output): reduce-scatter `full` over the `kind` group into `numel` elements (the whole of
+        `full` when the group has one rank)."""
+        group = getattr(self.sharding, kind)
+        if group is None:
+            return None, full
+        out = torch.empty(numel, dtype=full.dtype, device=self.device)
+        self.traffic.add(name, self._spans[kind], group, full.numel() * full.element_size())
+        return reduce_scatter_flat(out, full, group=group, async_op=True), out
+
     @torch.no_grad()
     def finish_gradient_sync(self) -> None:
-        """Reduce what is left, wait for every reduction, and accumulate this rank's gradient shards.
+        """Reduce what is left, wait for every reduction, and leave each group's reduced optimizer piece in grad_shard.
 
         A group only some of whose parameters got gradients is reduced here; a group that got none
-        (unused on every rank alike) is reduced too under stage 1 and counts as zero under 2 and 3.
+        (unused on every rank alike) is reduced too when gradients are whole and counts as zero when
+        they are sharded. Sharded gradient pieces are then reduce-scattered into optimizer pieces over
+        the split group, and every optimizer piece all-reduced over its replicas.
         """
+        whole = not self.reduces_every_micro_step
         for g in self.groups:
-            if g.ready > 0 or (self.stage == 1 and not g.pending):
+            if g.ready > 0 or (whole and not g.pending):
                 self._reduce(g)
         for index, g in enumerate(self.groups):
             for work, out in g.pending:
-                with phase(f"ZeRO-{self.stage} {'all-reduce' if self.stage == 1 else 'reduce-scatter'} of group "
-                           f"{index + 1}/{len(self.groups)}", comm=True):
-                    work.wait()
-                if self.stage == 1:
-                    g.flat_grad.copy_(out)
-                    shard = g.flat_grad[self.rank * g.shard_numel : (self.rank + 1) * g.shard_numel]
-                    g.grad_shard = shard
-                elif g.grad_shard is None:
-                    g.grad_shard = out.to(self.param_dtype)
+                if work is not None:
+                    with phase(f"ZeRO-{self.stage} reduce-scatter of group {index + 1}/{len(self.groups)}", comm=True):
+                        work.wait()
+                if whole:
+                    g.grad_shard = self._optimizer_piece(g.flat_grad, g)
+                    g.grad_shard.copy_(out)
+                elif g.grad_piece is None:
+                    g.grad_piece = out.to(self.param_dtype)
                 else:
-                    g.grad_shard += out.to(self.param_dtype)
+                    g.grad_piece += out.to(self.param_dtype)
             g.pending, g.ready, g.reduced = [], 0, False
-            if g.grad_shard is None:
-                g.grad_shard = torch.zeros(g.shard_numel, dtype=self.param_dtype, device=self.device)
+            if not whole and g.grad_piece is None:
+                g.grad_piece = torch.zeros(g.grad_numel, dtype=self.param_dtype, device=self.device)
+        if not whole:
+            splits = [(g, self._reduce_scatter("optimizer reduce-scatter", g.grad_piece.to(self.reduce_dtype),
+                                               g.shard_numel, "split")) for g in self.groups]
+            for g, (work, out) in splits:
+                if work is not None:
+                    with phase("ZeRO optimizer reduce-scatter", comm=True):
+                        work.wait()
+                part = self.split_index * g.shard_numel
+                g.grad_shard = g.grad_piece[part : part + g.shard_numel]
+                g.grad_shard.copy_(out)
         if self.replicate_group is not None:
             for g in self.groups:
                 reduced = g.grad_shard.to(self.reduce_dtype)
-                self.traffic.add("replica all-reduce", self.zero_pp.spans_nodes(self.replicate_group), self.replicate_group,
+                self.traffic.add("replica all-reduce", self._spans["replica"], self.replicate_group,
                                  reduced.numel() * reduced.element_size(), True)
                 with phase("ZeRO replica all-reduce", comm=True):
                     dist.all_reduce(reduced, group=self.replicate_group)
                 g.grad_shard.copy_(reduced)
-        if self.stage == 3:
+        if self.sharded_params:
             self._free(len(self.units))
+
+    def _optimizer_piece(self, flat: torch.Tensor, g: FlatGroup) -> torch.Tensor:
+        """This rank's optimizer piece of a whole (padded) flat vector."""
+        return flat[self.optim_index * g.shard_numel : (self.optim_index + 1) * g.shard_numel]
 
     # ---------------------------------------------------------------- the step
     def local_squares(self) -> float:
@@ -397,38 +434,46 @@ class ZeroDataParallel(SkipOnAccumulation):
         for g in self.groups:
             if g.master is not None:
                 g.master.grad = None
-            if self.stage == 1:
+            if g.flat_grad is not None:
                 g.flat_grad.zero_()
-            g.grad_shard = None
+            g.grad_shard = g.grad_piece = None
         self.publish_masters()
 
     @torch.no_grad()
     def publish_masters(self) -> None:
-        """Copy each fp32 master shard into the compute weights (stages 1-2: and all-gather them). Under NVMe
+        """Copy each fp32 master shard into the compute weights, and all-gather the optimizer pieces of this rank's
+        parameter piece over the publish group (the whole flat vector when parameters are whole). Under NVMe
         offload the step has already written the compute shard."""
-        if self.stage == 3:
+        if self.sharded_params:
             for unit in range(len(self.units) + 1):
                 self._free(unit)  # gathered copies (e.g. kept by evaluation) are stale now
+        group = self.sharding.publish
         for g in self.groups:
             g.secondary = None
-            lo, hi = self.rank * g.shard_numel, (self.rank + 1) * g.shard_numel
-            if self.stage == 3:
-                if g.master is not None and g.local.data_ptr() != g.master.data_ptr():
-                    g.local.copy_(g.master, non_blocking=self.pinned)
-            else:
-                if g.master is not None and g.flat[lo:hi].data_ptr() != g.master.data_ptr():
-                    g.flat[lo:hi].copy_(g.master, non_blocking=self.pinned)
-                all_gather_flat(g.flat, g.flat[lo:hi].clone(), group=self.shard_group)
-                self.traffic.add("parameter all-gather", self._cross, self.shard_group, g.flat.numel() * g.flat.element_size())
+            mine = self.compute_shard(g)
+            if g.master is not None and mine.data_ptr() != g.master.data_ptr():
+                mine.copy_(g.master, non_blocking=self.pinned)
+            if group is None:
+                continue
+            piece = g.local if self.sharded_params else g.flat
+            self.traffic.add("parameter all-gather", self._spans["publish"], group, piece.numel() * piece.element_size())
+            if not self.degrees.publish_permuted:
+                all_gather_flat(piece, mine.clone(), group=group)
+                continue
+            # pieces arrive in publish-group order (c, b); within the parameter piece they lie in order (b, c)
+            gathered = torch.empty_like(piece)
+            all_gather_flat(gathered, mine.clone(), group=group)
+            d = self.degrees
+            piece.copy_(gathered.view(d.optim // d.grads, d.grads // d.params, -1).transpose(0, 1).reshape(-1))
 
     def owned_range(self, g: FlatGroup) -> tuple[int, int]:
-        """[lo, hi) of the group's unpadded flat vector held in this rank's shard (empty past the end)."""
-        lo = min(self.rank * g.shard_numel, g.numel)
+        """[lo, hi) of the group's unpadded flat vector held in this rank's optimizer piece (empty past the end)."""
+        lo = min(self.optim_index * g.shard_numel, g.numel)
         return lo, min(lo + g.shard_numel, g.numel)
 
     def zero_grad(self) -> None:
-        if self.stage == 1:
-            for g in self.groups:
+        for g in self.groups:
+            if g.flat_grad is not None:
                 g.flat_grad.zero_()
 
 
@@ -451,7 +496,7 @@ class ZeroSync(GradientSync):
         self.zero, self.optimizer, self.device_mesh = zero, optimizer, device_mesh
         self.nvme = optimizer if isinstance(optimizer, NvmeOptimizer) else None
         self._swapped = {id(g): index for index, (_, g) in enumerate(self.nvme.pairs)} if self.nvme else {}
-        self.gathers_in_forward = zero.stage == 3
+        self.gathers_in_forward = zero.sharded_params
         self.parts = [(zero, device_mesh, [Replicate(), Shard(0)])]
         if experts is not None:
             self.parts.append((experts[0], experts[1], [Shard(0)]))
@@ -509,7 +554,10 @@ class ZeroSync(GradientSync):
     def describe(self) -> str:
         z = self.zero
         experts = "" if len(self.parts) == 1 else f" (experts over {self.zeros[1].shards} ranks of their EDP group)"
-        return (f"ZeRO-{z.stage} over {z.shards} ranks{experts}, {sum(len(x.groups) for x in self.zeros)} flat groups"
+        d = z.degrees
+        replicas = f" x {d.replicas} replicas" if d.replicas > 1 else ""
+        kind = f"ZeRO-{z.stage} over {z.shards} ranks{replicas}" if d.matches_stage(z.stage) else f"ZeRO ({d.describe()})"
+        return (f"{kind}{experts}, {sum(len(x.groups) for x in self.zeros)} flat groups"
                 f"{', bf16 weights + fp32 masters' if self.mixed_precision else ''}"
                 f"{f', optimizer states on NVMe ({self.nvme.path})' if self.nvme else ', offloaded to CPU' if z.offload else ''}")
 
@@ -517,8 +565,9 @@ class ZeroSync(GradientSync):
         """The ZeRO formula for the dense parameters over the data-parallel shards, plus (MoE) the routed
         experts' over their expert-data-parallel shards."""
         experts = sum(g.numel for z in self.zeros[1:] for g in z.groups)
-        dense = zero_model_states(parameters - experts, self.zero.stage, self.zero.shards, self.mixed_precision,
-                                  self.zero.offload)
+        d = self.zero.degrees
+        dense = sharded_model_states(parameters - experts, d.params, d.grads, d.optim, self.mixed_precision,
+                                     self.zero.offload)
         if experts:
             routed = zero_model_states(experts, self.zero.stage, self.zeros[1].shards, self.mixed_precision,
                                        self.zero.offload)

@@ -64,7 +64,7 @@ from fivefold.plan.activations import ActivationShape, block_activation_elements
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.flops import flops_per_token
-from fivefold.plan.memory import nvme_host_bytes, zero_model_states
+from fivefold.plan.memory import nvme_host_bytes, sharded_model_states, zero_model_states
 from fivefold.plan.parameters import RankParameters, first_block, block_parameters, padded_vocab, rank_parameters
 
 
@@ -208,14 +208,25 @@ def degrees_of(config: JobConfig, gpus: int) -> Degrees:
     return Degrees(dims.dp, dims.dp_shard, dims.tp, dims.cp, dims.pp, ep.degree, ep.tensor)
 
 
+def zero_degrees(config: JobConfig, d: Degrees):
+    """The ShardDegrees ZeRO runs with (parallel/shard_layout.py), or None without ZeRO."""
+    from fivefold.parallel.shard_layout import stage_degrees
+
+    z = config.data_parallel
+    if z.mode != "ddp" or not z.zero_stage:
+        return None
+    return stage_degrees(z, d.dp_shard * d.cp, d.dp * d.cp)
+
+
 # ---------------------------------------------------------------------------------------------- memory
 def _model_states(params: RankParameters, config: JobConfig, d: Degrees) -> tuple[int, int, int]:
     z = config.data_parallel
     if z.mode == "ps":  # a worker holds fp32 weights and gradients; AdamW lives on the servers
         return 4 * params.total, 4 * params.total, 0
     mixed = z.zero_stage > 0 and z.param_dtype == "bf16"
-    shards = d.dp_shard * d.cp
-    dense = zero_model_states(params.dense, z.zero_stage, shards, mixed, z.offload)
+    deg = zero_degrees(config, d)
+    dense = (sharded_model_states(params.dense, deg.params, deg.grads, deg.optim, mixed, z.offload) if deg
+             else zero_model_states(params.dense, 0, 1, mixed))
     edp = max(d.dp * d.cp * (d.tp if config.tensor_parallel.sequence_parallel and d.tp > 1 else 1) // (d.ep * d.etp), 1)
     routed = zero_model_states(params.experts, z.zero_stage, edp if z.zero_stage else 1, mixed, z.offload)
     return (dense.parameters + routed.parameters, dense.gradients + routed.gradients, dense.optimizer + routed.optimizer)
@@ -407,7 +418,8 @@ def _buffers(config: JobConfig, model: ModelConfig, d: Degrees, layers: list[int
     t, buffers = config.train, 0
     if config.data_parallel.mode == "ps":  # the step's flat push (gradients) and pull (new weights) copies
         buffers += 2 * 4 * rank_parameters(model, layers, True, True).total
-    if config.data_parallel.zero_stage == 3 and layers:
+    deg = zero_degrees(config, d)
+    if deg is not None and deg.params > 1 and layers:
         weight = 2 if config.data_parallel.param_dtype == "bf16" else 4
         kinds = ({False} if len(moe) < len(layers) else set()) | ({True} if moe else set())
         biggest = max(block_parameters(model, first_block(model, k), d.tp, d.ep, d.etp).total for k in kinds)
@@ -614,14 +626,15 @@ def _optimizer_time(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     params = rank_parameters(model, split[0], True, len(split) == 1, d.tp, d.ep, d.etp, pipelined=d.pp > 1).total
     if d.pp > 1:
         params = max(params, rank_parameters(model, split[-1], False, True, d.tp, d.ep, d.etp, pipelined=True).total)
-    shards = d.dp_shard * d.cp if z.zero_stage else 1
-    return 28 * params / shards / bandwidth
+    deg = zero_degrees(config, d)
+    return 28 * params / (deg.optim if deg else 1) / bandwidth
 
 
 def _offload_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], cluster: ClusterSpec) -> float:
     layers = split[0]
     params = rank_parameters(model, layers, True, len(split) == 1, d.tp, d.ep, d.etp, pipelined=d.pp > 1)
-    return offload_seconds(config, params.total / (d.dp_shard * d.cp), cluster)
+    deg = zero_degrees(config, d)
+    return offload_seconds(config, params.total / (deg.optim if deg else 1), cluster)
 
 
 def offload_seconds(config: JobConfig, shard: float, cluster: ClusterSpec) -> float:
@@ -677,15 +690,44 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
                 algorithm = best_all_reduce(grad_bytes / buckets, group, links)
             reduce = predict(algorithm, grad_bytes, group, links)
         return hidden_behind(reduce, backward)
-    scatter, gather = native("reduce_scatter", grad_bytes), native("all_gather", weight_bytes)
-    if z.zero_stage == 1:
-        return hidden_behind(scatter, backward) + gather
-    if z.zero_stage == 2:
-        return m * hidden_behind(scatter, backward) + gather
     if z.quantized_weights or z.hpz_partition > 1 or z.gradient_bits:
         forward_gather, backward_gather, scatter = _zero_pp_times(config, params.total, d, cluster)
         return m * (hidden_behind(forward_gather, forward) + hidden_behind(backward_gather + scatter, backward))
-    return m * (hidden_behind(gather, forward) + hidden_behind(gather + scatter, backward))
+    return _sharded_time(zero_degrees(config, d), d, cluster, weight_bytes, grad_bytes, m, forward, backward, buckets)
+
+
+def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, weight_bytes: float, grad_bytes: float, m: int,
+                  forward: float, backward: float, buckets: int) -> float:
+    """Exposed ZeRO seconds per step for sharding degrees p | g | o over D = dp x cp ranks (parallel/shard_layout.py),
+    each collective on the links its group spans (members are tp ranks apart on the grid; params, grads and
+    blocks are consecutive, split and publish groups strided within a block of o, replicas across blocks):
+        per micro-batch  p > 1: all-gather of the weights over p before forward (hidden behind it) and backward;
+                         g > 1: reduce-scatter of the gradients over g (hidden behind backward)
+        once             g = 1: reduce-scatter over the block of o (hidden behind the last backward);
+                         g > 1: reduce-scatter of the gradient piece over o/g; all-reduce of the optimizer piece
+                         over D/o replicas; all-gather of the updated weights over o/p: all exposed.
+    The stages are (1, 1, N), (1, N, N), (N, N, N)."""
+    stride = d.tp
+
+    def over(kind: str, collective: str, nbytes: float) -> float:
+        size = deg.size(kind)
+        if size == 1:
+            return 0.0
+        rows = deg.rows(kind)[0]
+        span = (rows[-1] - rows[0] + 1) * stride
+        return native_collective(collective, nbytes, size, cluster.collective_link(collective, span))
+
+    def hidden_behind(comm: float, compute: float) -> float:
+        return max(comm - compute, comm / buckets) if comm else 0.0
+
+    gather = over("params", "all_gather", weight_bytes)
+    per_micro = hidden_behind(gather, forward) + hidden_behind(gather + over("grads", "reduce_scatter", grad_bytes), backward)
+    if deg.grads == 1:
+        once = hidden_behind(over("split", "reduce_scatter", grad_bytes), backward)
+    else:
+        once = over("split", "reduce_scatter", grad_bytes / deg.grads)
+    once += over("replica", "all_reduce", grad_bytes / deg.optim) + over("publish", "all_gather", weight_bytes / deg.params)
+    return m * per_micro + once
 
 
 def _overlapped_tp_block(model: ModelConfig, d: Degrees, block: float, core: float, activation: float,

@@ -8,6 +8,8 @@ split differently (the weights are their own master). ZeRO over N ranks divides 
     stage 2: + gradients           mixed 2 + 14/N         fp32 4 + 12/N
     stage 3: + parameters          mixed 16/N             fp32 16/N
 (ZeRO paper, 7.5B parameters at N = 64: 120, 31.4, 16.6 and 1.9 GB.)
+With independent degrees p | g | o (AMSP, MiCS; parallel/shard_layout.py) each term has its own:
+    w Ψ/p + w Ψ/g + K Ψ/o          (the stages are (1, 1, N), (1, N, N), (N, N, N))
 
 Mixture of experts: expert parallelism (EP) and expert tensor parallelism (ETP) split the routed
 experts' Ψ_e over EP x ETP ranks, and ZeRO shards their states over the expert-data-parallel group
@@ -52,16 +54,18 @@ def zero_model_states(num_params: int, stage: int, shards: int, mixed_precision:
                       separate_master: bool = False) -> ModelStateBytes:
     """Bytes one rank holds under ZeRO `stage` (0 = plain data parallelism) over `shards` ranks. fp32 weights
     are their own master unless `separate_master` (offload keeps an fp32 master on the host: 12 bytes, not 8)."""
+    degree = {kind: shards if stage >= level else 1 for kind, level in (("optim", 1), ("grads", 2), ("params", 3))}
+    return sharded_model_states(num_params, degree["params"], degree["grads"], degree["optim"], mixed_precision,
+                                separate_master)
+
+
+def sharded_model_states(num_params: int, params: int, grads: int, optim: int, mixed_precision: bool,
+                         separate_master: bool = False) -> ModelStateBytes:
+    """Bytes one rank holds with parameters, gradients and optimizer states sharded over `params`, `grads` and
+    `optim` ranks (AMSP's unified space, parallel/shard_layout.py): w Ψ/p + w Ψ/g + K Ψ/o, w = 2 (bf16) or 4."""
     weight = 2 if mixed_precision else 4
-    optimizer = (12 if mixed_precision or separate_master else 8) * num_params
-    params, grads = weight * num_params, weight * num_params
-    if stage >= 1:
-        optimizer //= shards
-    if stage >= 2:
-        grads //= shards
-    if stage >= 3:
-        params //= shards
-    return ModelStateBytes(params, grads, optimizer)
+    optimizer = 12 if mixed_precision or separate_master else 8
+    return ModelStateBytes(weight * num_params // params, weight * num_params // grads, optimizer * num_params // optim)
 
 
 PAGE = 4096

@@ -15,6 +15,8 @@ batches, w bytes per weight, r per reduced gradient, q = bits/8 + 4/block per qu
 B and R are the parameters of the blocks and of the rest held by this rank (its tensor/pipeline
 part); the vectors are the flat groups padded to a multiple of N, and under qwZ/qgZ each row to
 a multiple of the block, so counts are exact when `groups` gives the runtime's flat group sizes.
+`sharded_step_bytes` counts the same for any sharding degrees of parameters, gradients and optimizer
+states (ZeRO-1/2/3, MiCS, AMSP; no ZeRO++).
 """
 
 from __future__ import annotations
@@ -85,4 +87,37 @@ def zero3_step_bytes(groups: list[tuple[int, bool]], shape: ZeroShape, micro_bat
         else:
             add("reduce-scatter", cross, n, padded * shape.reduce_bytes, m)
         add("replica all-reduce", shape.replicas_span_nodes, shape.replicas, shard * shape.reduce_bytes, factor=2)
+    return out
+
+
+def sharded_step_bytes(groups: list[tuple[int, bool]], params: int, grads: int, optim: int, world: int,
+                       spans: dict[str, bool], micro_batches: int, weight_bytes: int = 4,
+                       reduce_bytes: int = 4) -> dict[tuple[str, bool], int]:
+    """{(phase, over a group spanning nodes): bytes this rank sends per step} with parameters, gradients and
+    optimizer states sharded over p | g | o of `world` ranks (parallel/shard_layout.py), as parallel/zero.py runs
+    it; `spans` says which kinds of group cross nodes. Per flat group of n elements, padded to P = o ceil(n/o):
+
+        forward all-gather        p > 1, over p: w P, blocks every micro-batch, the rest once
+        backward all-gather       p > 1, over p: w P, blocks every micro-batch
+        reduce-scatter            g > 1, over g: r P every micro-batch
+        optimizer reduce-scatter  over o/g, once: r P (g = 1: the whole gradient), r P/g (g > 1)
+        replica all-reduce        over D/o, once: 2 r P/o
+        parameter all-gather      over o/p, once: w P/p
+    """
+    m, out = micro_batches, {}
+
+    def add(phase: str, kind: str, size: int, vector: int, times: int = 1, factor: int = 1) -> None:
+        if size > 1:
+            key = (phase, spans.get(kind, False))
+            out[key] = out.get(key, 0) + times * (factor * (size - 1) * vector // size)
+
+    for elements, block in groups:
+        padded = -(-elements // optim) * optim
+        add("forward all-gather", "params", params, padded * weight_bytes, m if block else 1)
+        if block:
+            add("backward all-gather", "params", params, padded * weight_bytes, m)
+        add("reduce-scatter", "grads", grads, padded * reduce_bytes, m)
+        add("optimizer reduce-scatter", "split", optim // grads, padded // grads * reduce_bytes)
+        add("replica all-reduce", "replica", world // optim, padded // optim * reduce_bytes, factor=2)
+        add("parameter all-gather", "publish", optim // params, padded // params * weight_bytes)
     return out
