@@ -92,6 +92,8 @@ def test_the_stages_are_points_of_the_space():
     assert ShardDegrees.for_stage(3, 4, 8).replicas == 2
     assert ShardDegrees.resolve(1, 4, 4, grads=2) == ShardDegrees(1, 2, 4, 4)
     assert ShardDegrees.resolve(3, 2, 4, optim=4) == ShardDegrees(2, 2, 4, 4)
+    assert ShardDegrees.resolve(3, 4, 4, optim=2) == ShardDegrees(2, 2, 2, 4)  # MiCS: the stage's capped by optim
+    assert ShardDegrees.resolve(2, 4, 4, grads=2) == ShardDegrees(1, 2, 4, 4)
     for stage in (1, 2, 3):
         assert ShardDegrees.for_stage(stage, 4, 8).matches_stage(stage)
 
@@ -115,3 +117,30 @@ def test_memory_formula_of_the_stages_is_the_general_one_at_their_degrees(stage,
 def test_bad_degrees_are_refused_by_name(degrees, message):
     with pytest.raises(ConfigError, match=message):
         ShardDegrees(*degrees).validate()
+
+
+@pytest.mark.parametrize("sections, message", [
+    ({"data_parallel": {"shard_grads": 2}}, "shard_grads sets a ZeRO sharding degree: set data_parallel.zero_stage"),
+    ({"data_parallel": {"shard": 2, "zero_stage": 1, "shard_optim": -1}}, "shard_optim = -1: use a positive degree"),
+    ({"data_parallel": {"shard": 2, "zero_stage": 1, "shard_grads": 2}, "pipeline_parallel": {"degree": 2}},
+     "leave them at 0 or 1 with pipelining"),
+])
+def test_configs_with_bad_degrees_fail_before_any_work(job, sections, message):
+    from parity.harness import with_changes
+
+    with pytest.raises(ConfigError, match=message):
+        with_changes(job, **sections)
+
+
+@pytest.mark.parametrize("data_parallel, message", [
+    ({"shard": 4, "zero_stage": 1, "shard_optim": 3}, "shard_optim = 3 must divide the 4"),
+    ({"shard": 4, "zero_stage": 1, "shard_params": 4, "shard_grads": 2}, "each must divide the next"),
+    ({"shard": 4, "zero_stage": 3, "shard_optim": 4, "shard_params": 2, "quantized_weights": True},
+     "ZeRO\\+\\+ .* works on one shard group"),
+])
+def test_degrees_that_do_not_fit_the_ranks_are_refused_with_the_mesh(job, data_parallel, message):
+    from fivefold.parallel.mesh import dims_for
+    from parity.harness import with_changes
+
+    with pytest.raises(ConfigError, match=message):
+        dims_for(with_changes(job, data_parallel=data_parallel), 4)

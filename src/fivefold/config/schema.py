@@ -230,9 +230,9 @@ class DataParallelConfig:
     zero_stage: int = 0
     """0: DDP (nothing sharded); 1: optimizer states; 2: + gradients; 3: + parameters (ZeRO)."""
     shard_params: int = 0
-    """Ranks each parameter is sharded over (AMSP/MiCS, needs zero_stage >= 1); 0 = the stage's (shard x cp under stage 3, else 1). Must divide shard_grads and the dp x cp ranks."""
+    """Ranks each parameter is sharded over (AMSP/MiCS, needs zero_stage >= 1); 0 = the stage's (shard x cp under stage 3, else 1), at most shard_grads. Must divide shard_grads."""
     shard_grads: int = 0
-    """Ranks each gradient is sharded over (AMSP/MiCS); 0 = the stage's (shard x cp under stages 2-3, else 1). Must divide shard_optim."""
+    """Ranks each gradient is sharded over (AMSP/MiCS); 0 = the stage's (shard x cp under stages 2-3, else 1), at most shard_optim. Must divide shard_optim."""
     shard_optim: int = 0
     """Ranks the optimizer states are sharded over (AMSP/MiCS); 0 = the stage's (shard x cp). Must divide the dp x cp ranks; the states are replicated over the rest."""
     param_dtype: str = "fp32"

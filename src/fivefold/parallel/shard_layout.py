@@ -62,9 +62,12 @@ class ShardDegrees:
     @classmethod
     def resolve(cls, stage: int, shards: int, world: int, params: int = 0, grads: int = 0,
                 optim: int = 0) -> "ShardDegrees":
-        """The stage's degrees with any of `params`, `grads`, `optim` (data_parallel.shard_*; 0 = the stage's) set."""
+        """The stage's degrees with any of `params`, `grads`, `optim` (data_parallel.shard_*) set. One left at 0 takes
+        the stage's, capped at the next one's (stage 3 with optim = 2 is MiCS over 2: 2 / 2 / 2)."""
         base = cls.for_stage(stage, shards, world)
-        degrees = cls(params or base.params, grads or base.grads, optim or base.optim, world)
+        optim = optim or base.optim
+        grads = grads or min(base.grads, optim)
+        degrees = cls(params or min(base.params, grads), grads, optim, world)
         degrees.validate()
         return degrees
 

@@ -60,9 +60,10 @@ from fivefold.config.schema import JobConfig
 from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
 from fivefold.parallel.mesh import MESH_DIMS
+from fivefold.parallel.shard_layout import GROUP_KINDS
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
-from fivefold.plan.estimate import (Degrees, PassCosts, compute_dtype, degrees_of, model_for, offload_seconds,
+from fivefold.plan.estimate import (Degrees, PassCosts, compute_dtype, degrees_of, model_for, offload_seconds, zero_degrees,
                                     pass_costs)
 from fivefold.plan.parameters import padded_vocab
 from fivefold.plan.zero_traffic import quantized_parts
@@ -515,15 +516,19 @@ class _Builder:
         z, g = self.config.data_parallel, self.config.gradient_comm
         stages = list(range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp))
         self.dp_group = self.grid.group(rank, ("dp_replicate", "dp_shard", "cp"))
-        self.shard_group = self.grid.group(rank, ("dp_shard", "cp"))
-        self.replicate_group = self.grid.group(rank, ("dp_replicate",))
+        self.degrees = zero_degrees(self.config, self.d)
+        if self.degrees is not None:  # the runtime's groups (parallel/shard_layout.py), as global ranks
+            position = self.dp_group.index(rank)
+            self.zero_groups = {kind: tuple(self.dp_group[i] for i in self.degrees.group_of(kind, position))
+                                for kind in GROUP_KINDS}
+            self.shard_group = self.zero_groups["block"]
         self.flat_groups: dict[tuple[int, str], list[int]] = {}  # (stage, unit) -> flat group elements (padded)
         self.bucket_of: dict[tuple[int, str], list[int]] = defaultdict(list)  # (stage, unit) -> buckets it completes
         self.buckets: list[int] = []
         if len(self.dp_group) == 1:
             return
         if z.zero_stage:
-            shards = len(self.shard_group)  # each group padded to a multiple of the shard count
+            shards = self.degrees.optim  # each group padded to a multiple of the optimizer degree
             for s in stages:
                 for unit in self.units[s]:
                     self.flat_groups[(s, unit.name)] = [-(-n // shards) * shards for n in unit.flat_groups]
@@ -567,14 +572,16 @@ class _Builder:
                                                     self.dp_algorithm(self.buckets[b])))
                     self.launched.add(b)
             return
-        if z.zero_stage == 1 and not sync:
+        whole = self.degrees.grads == 1  # whole gradients: reduced once, over the block, into optimizer pieces
+        if whole and not sync:
             return
         for n in self.flat_groups[(stage, unit.name)]:
             if z.gradient_bits:
                 self.quantized_reduce_scatter(rank, n)
                 continue
-            kind = "all_reduce" if z.zero_stage == 1 else "reduce_scatter"
-            self.pending.append(self.launch(rank, kind, n * self.reduce_element, self.shard_group))
+            group = self.zero_groups["split" if whole else "grads"]
+            if len(group) > 1:
+                self.pending.append(self.launch(rank, "reduce_scatter", n * self.reduce_element, group))
         self.reduced.add((stage, unit.name))
 
     def quantized_reduce_scatter(self, rank: int, padded: int) -> None:
@@ -613,7 +620,7 @@ class _Builder:
                     parts = [(len(self.shard_group) * codes, self.shard_group),
                              (len(self.shard_group) * scales, self.shard_group)]
                 else:
-                    parts = [(n * self.weight_element, self.shard_group)]
+                    parts = [(n * self.weight_element, self.zero_groups["params"])]
                 for nbytes, group in parts:
                     self.gathering[key] = self.launch(rank, "all_gather", nbytes, group)
         return self.gathering[key]
@@ -641,7 +648,8 @@ class _Builder:
 
     @property
     def zero3(self) -> bool:
-        return self.config.data_parallel.zero_stage == 3 and len(self.shard_group) > 1
+        """Parameters sharded: gathered before each unit's forward and backward."""
+        return self.degrees is not None and self.degrees.params > 1
 
     # ------------------------------------------------------------------ passes
     def forward(self, rank: int, stage: int) -> None:
@@ -725,21 +733,26 @@ class _Builder:
                     if b not in self.launched:
                         self.pending.append(self.launch(rank, "all_reduce", nbytes, self.dp_group,
                                                         self.dp_algorithm(nbytes)))
-            elif z.zero_stage == 1:
+            elif self.degrees.grads == 1 and len(self.zero_groups["split"]) > 1:
                 for s in stages:
                     for unit in self.units[s]:
                         if (s, unit.name) not in self.reduced:
                             for n in self.flat_groups[(s, unit.name)]:
-                                self.pending.append(self.launch(rank, "all_reduce", n * self.reduce_element,
-                                                                self.shard_group))
+                                self.pending.append(self.launch(rank, "reduce_scatter", n * self.reduce_element,
+                                                                self.zero_groups["split"]))
             if self.pending:
                 self.programs[(rank, COMPUTE)].append(Await(self.pending[-1], "dp"))
-            if z.zero_stage and len(self.replicate_group) > 1:
-                for s in stages:
-                    for unit in self.units[s]:
-                        for n in self.flat_groups[(s, unit.name)]:
-                            self.collective(rank, COMPUTE, "all_reduce", self.replicate_group,
-                                            n // len(self.shard_group) * self.reduce_element, "dp")
+            if z.zero_stage:
+                deg, groups = self.degrees, self.zero_groups
+                units = [n for s in stages for unit in self.units[s] for n in self.flat_groups[(s, unit.name)]]
+                if deg.grads > 1 and len(groups["split"]) > 1:  # gradient pieces into optimizer pieces
+                    for n in units:
+                        self.collective(rank, COMPUTE, "reduce_scatter", groups["split"],
+                                        n // deg.grads * self.reduce_element, "dp")
+                if len(groups["replica"]) > 1:
+                    for n in units:
+                        self.collective(rank, COMPUTE, "all_reduce", groups["replica"],
+                                        n // deg.optim * self.reduce_element, "dp")
 
     def optimizer(self, rank: int) -> None:
         """AdamW over this rank's (ZeRO: sharded) parameters, memory-bound (offload: the shard's trips to the host
@@ -747,16 +760,18 @@ class _Builder:
         z = self.config.data_parallel
         stages = list(range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp))
         params = sum(e for s in stages for unit in self.units[s] for _, e in unit.params)
-        shards = len(self.shard_group) if z.zero_stage else 1
+        shards = self.degrees.optim if z.zero_stage else 1
         bandwidth = self.cluster.accelerator.memory_bandwidth_gbs * 1e9
         if bandwidth and not z.offload:
             self.compute(rank, 28 * params / shards / bandwidth, "optimizer")
         self.compute(rank, offload_seconds(self.config, params / shards, self.cluster), "offload")
-        if z.zero_stage in (1, 2) and shards > 1:
+        publish = self.zero_groups["publish"] if z.zero_stage else ()
+        if len(publish) > 1:  # the updated optimizer pieces into each rank's parameter piece
             for s in stages:
                 for unit in self.units[s]:
                     for n in self.flat_groups[(s, unit.name)]:
-                        self.collective(rank, COMPUTE, "all_gather", self.shard_group, n * self.weight_element, "dp")
+                        self.collective(rank, COMPUTE, "all_gather", publish,
+                                        n // self.degrees.params * self.weight_element, "dp")
 
     # ------------------------------------------------------------------ a rank's step
     def rank_program(self, rank: int) -> None:
@@ -803,7 +818,7 @@ class _Builder:
             posts, receives = [], []
             # DDP and ZeRO-1 reduce in the last micro-batch's backward without a pipeline (the pipeline's
             # micro-batches all run under no_sync); ZeRO-2/3 in every one
-            sync = d.pp == 1 and ins.microbatch == m - 1 or self.config.data_parallel.zero_stage >= 2
+            sync = d.pp == 1 and ins.microbatch == m - 1 or (self.degrees is not None and self.degrees.grads > 1)
             if ins.op == P.FORWARD:
                 self.forward(rank, ins.stage)
             elif ins.op in (P.BACKWARD, P.BACKWARD_INPUT, P.BACKWARD_WEIGHT):
