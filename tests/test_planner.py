@@ -354,3 +354,40 @@ def test_attention_core_runs_at_its_own_share_of_peak():
     for bad in ("2", "nan", "inf", "-1"):
         assert main(["plan", "--model.preset", "tiny", "--model.vocab_size", "257", "--gpus", "1",
                      "--attention-efficiency", bad]) == 2
+
+
+def test_sharding_degrees_are_chosen_by_predicted_time_under_the_memory_cap():
+    """AMSP's scale-aware choice (plan/search.py choose_degrees): Llama-3 8B on 8 nodes of 8 H100s with 8 micro-
+    batches. With room, parameters and gradients sharded within a node and optimizer states over all 64 ranks are
+    fastest, about twice as fast as ZeRO-3 over 64 (whose gathers and reduce-scatters cross nodes every micro-batch);
+    under a 31 GiB cap the gradients spread over all 64 ranks while parameter gathers stay in the node (8/64/64),
+    and under 30 GiB the parameters must span two nodes (16/64/64)."""
+    from fivefold.plan.estimate import zero_degrees
+    from fivefold.plan.search import choose_degrees, degree_options
+
+    config = _config("--train.seq_len", "4096", "--train.grad_accum_steps", "8", "--data_parallel.shard", "64",
+                     "--data_parallel.zero_stage", "3", "--data_parallel.param_dtype", "bf16")
+    cluster = CLUSTERS["h100-sxm"]
+    options = degree_options(config, 64, cluster, every_divisor=True)
+    assert len(options) == 82  # 84 chains p | g | o | 64 (exponents 0 <= x <= y <= z <= 6), less 1/1/1 and 64/64/64
+
+    def degrees(pair):
+        return (lambda d: (d.params, d.grads, d.optim))(zero_degrees(pair[0], pair[1].degrees))
+
+    roomy = choose_degrees(config, 64, cluster)
+    times = {degrees(pair): pair[1].time.total for pair in roomy}
+    assert degrees(roomy[0]) == (8, 8, 64)
+    assert times[(64, 64, 64)] > 1.8 * times[(8, 8, 64)]
+    for cap, chosen in ((31, (8, 64, 64)), (30, (16, 64, 64))):
+        tight = choose_degrees(config, 64, dataclasses.replace(cluster, accelerator=dataclasses.replace(
+            cluster.accelerator, memory_gib=cap)))
+        assert tight and all(found.memory.total <= cap * 2**30 for _, found in tight)
+        fitting = [d for d, pair in zip(map(degrees, roomy), roomy) if pair[1].memory.total <= cap * 2**30]
+        assert degrees(tight[0]) == fitting[0] == chosen  # the fastest of those under the cap
+
+
+def test_search_tries_other_sharding_degrees_for_its_best_zero_layouts():
+    config = _config("--model.preset", "llama3-8b", "--train.seq_len", "4096")
+    result = search(config, 64, CLUSTERS["h100-sxm"], 512, offload=False, refine=10)
+    assert result.degree_options > 0
+    assert any(c.data_parallel.shard_optim for c, _ in result.ranked[:10])

@@ -3,6 +3,7 @@
     fivefold plan [--config F] [--section.key V ...] --gpus N [--cluster h100-sxm|FILE]
                   [--efficiency E] [--attention-efficiency A] [--json OUT] [--plot OUT.png]
     fivefold plan ... --search [--global-batch B] [--top K] [--no-offload] [--write-best OUT.toml]
+    fivefold plan ... --sharding-degrees [--top K] [--write-best OUT.toml]
     fivefold plan ... --tokens T (--gpus N | --days D) [--achieved-tflops X | --mfu M]
 """
 
@@ -39,7 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences per optimizer step for --search (default: the config's micro x accum x dp)")
     parser.add_argument("--top", type=int, default=10, help="layouts --search prints")
     parser.add_argument("--no-offload", action="store_true", help="leave ZeRO-Offload out of --search")
-    parser.add_argument("--write-best", help="write the best layout of --search as a TOML `train` accepts")
+    parser.add_argument("--write-best", help="write the best layout of --search (or --sharding-degrees) as a TOML "
+                                             "`train` accepts")
+    parser.add_argument("--sharding-degrees", action="store_true",
+                        help="rank the config's layout under every P/G/OS sharding degree (AMSP/MiCS) that fits memory")
     parser.add_argument("--tokens", type=float, default=0, help="training tokens for the calculator")
     parser.add_argument("--days", type=float, default=0, help="calculator: the GPUs needed to train --tokens in D days")
     parser.add_argument("--achieved-tflops", type=float, default=0, help="calculator: achieved TFLOP/s per GPU")
@@ -83,7 +87,8 @@ def format_estimate(found: Estimate, cluster: ClusterSpec, title: str) -> str:
 
 def describe_layout(config: JobConfig) -> str:
     z, t, p = config.data_parallel, config.train, config.pipeline_parallel
-    parts = [f"zero {z.zero_stage}" + (" offload" if z.offload else ""), f"recompute {t.recompute}",
+    sharded = f" P/G/OS {z.shard_params}/{z.shard_grads}/{z.shard_optim}" if z.shard_optim or z.shard_grads or z.shard_params else ""
+    parts = [f"zero {z.zero_stage}{sharded}" + (" offload" if z.offload else ""), f"recompute {t.recompute}",
              f"micro {t.micro_batch_size} x {t.grad_accum_steps}"]
     if p.degree > 1:
         parts.append(p.schedule + (f" v{p.virtual}" if p.virtual > 1 else "") + f" stages {p.layers_per_stage}")
@@ -128,6 +133,8 @@ def run(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec) -> in
         raise ConfigError("fivefold plan needs --gpus N (the accelerators of the job)")
     if args.search:
         return _search(args, config, cluster, out)
+    if args.sharding_degrees:
+        return _sharding_degrees(args, config, cluster, out)
     found = estimate(config, args.gpus, cluster, efficiency_from(args), args.vocab_size)
     print(format_estimate(found, cluster, "layout"))
     out["estimate"] = found.to_dict()
@@ -173,6 +180,33 @@ def _search(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec, o
     if args.plot:
         entries = [(f"{i}: {f.degrees.describe()}", f) for i, (_, f) in enumerate(result.ranked[:args.top], 1)]
         print(f"wrote {plot_memory(entries, args.plot)}")
+    _write_json(args, out)
+    return 0
+
+
+def _sharding_degrees(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec, out: dict) -> int:
+    from fivefold.config import config_toml
+    from fivefold.plan.estimate import zero_degrees
+    from fivefold.plan.search import choose_degrees
+
+    if not config.data_parallel.zero_stage:
+        raise ConfigError("--sharding-degrees varies ZeRO's sharding: set data_parallel.zero_stage to 1, 2 or 3")
+    ranked = choose_degrees(config, args.gpus, cluster, efficiency_from(args), args.vocab_size)
+    if not ranked:
+        raise ConfigError(f"no P/G/OS sharding degree of this layout fits {cluster.accelerator.name}'s memory")
+    print(f"{'rank':>4}  {'P/G/OS':>12}  {'step (s)':>9}  {'GiB/rank':>8}  (fastest first; degrees over the dp x cp ranks)")
+    rows = []
+    for i, (option, found) in enumerate(ranked[:args.top], 1):
+        d = zero_degrees(option, found.degrees)
+        print(f"{i:>4}  {f'{d.params}/{d.grads}/{d.optim}':>12}  {found.time.total:>9.4g}  {found.memory.total / GIB:>8.2f}")
+        rows.append({"params": d.params, "grads": d.grads, "optim": d.optim, **found.to_dict()})
+    out["sharding_degrees"] = rows
+    if args.write_best:
+        path = Path(args.write_best)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"# written by `fivefold plan --sharding-degrees` ({describe_layout(ranked[0][0])})\n"
+                        + config_toml(ranked[0][0].to_dict()))
+        print(f"wrote {path}")
     _write_json(args, out)
     return 0
 

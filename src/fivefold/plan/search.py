@@ -11,7 +11,10 @@ Each candidate is a `JobConfig` checked by the runtime's own validation (the rej
 its error's setting: "tensor_parallel.degree", "pipeline_parallel.schedule", ...), then by memory
 (the planner's estimate over the accelerator's capacity: "memory"); a pipelined candidate over
 the cap first gets its blocks moved off its fullest ranks (`fit_stages`: an uneven split, the
-DAPPLE-style memory-aware stage planning); the survivors are ranked by predicted step time. The winner is written as a complete TOML file that `train` loads unchanged.
+DAPPLE-style memory-aware stage planning); the survivors are ranked by predicted step time. The best ZeRO layouts are then tried again with other
+sharding degrees of parameters, gradients and optimizer states (`degree_options`: each of P, G, OS
+over 1, the ranks of one node, or all of dp x cp; AMSP's scale-aware choice, MiCS), and those that
+fit join the ranking. The winner is written as a complete TOML file that `train` loads unchanged.
 
 Every candidate's memory is estimated before its time, and pipeline simulations are shared
 between candidates with the same (schedule, pp, micro-batches, virtual stages) and stage-time
@@ -41,6 +44,7 @@ class SearchResult:
     examples: dict[str, str] = field(default_factory=dict)  # reason -> one full message
     considered: int = 0
     rebalanced: int = 0  # pipelined layouts that fit only with blocks moved off their fullest rank
+    degree_options: int = 0  # the best ZeRO layouts tried again with other P/G/OS sharding degrees
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -155,6 +159,52 @@ def _param_dtype(base: JobConfig, zero: int) -> str:
     return "bf16" if zero and wanted else "fp32"
 
 
+def degree_options(config: JobConfig, gpus: int, cluster: ClusterSpec, every_divisor: bool = False) -> list[JobConfig]:
+    """ZeRO layouts with other sharding degrees of parameters, gradients and optimizer states over the same dp x cp
+    ranks D (AMSP / MiCS, parallel/shard_layout.py): every p | g | o | D drawn from {1, the dp x cp ranks of one
+    node, D} (or every divisor of D), without the config's own degrees. Pipelined layouts keep p = g = 1 (the
+    runtime's rule); ZeRO++ layouts are left alone (one shard group)."""
+    from fivefold.parallel.shard_layout import stage_degrees
+
+    z, d = config.data_parallel, None
+    if z.mode != "ddp" or not z.zero_stage or z.quantized_weights or z.hpz_partition > 1 or z.gradient_bits:
+        return []
+    try:
+        from fivefold.plan.estimate import degrees_of, zero_degrees
+
+        d = degrees_of(config, gpus)
+        own = zero_degrees(config, d)
+    except ConfigError:
+        return []
+    world = d.dp * d.cp
+    in_node = max(n for n in _divisors(world) if n * d.tp <= max(cluster.accelerators_per_node, d.tp))
+    sizes = _divisors(world) if every_divisor else sorted({1, in_node, world})
+    out = []
+    for p, g, o in itertools.product(sizes, repeat=3):
+        if g % p or o % g or o < 2 or (d.pp > 1 and g > 1) or (p, g, o) == (own.params, own.grads, own.optim):
+            continue
+        stage = 3 if p > 1 else 2 if g > 1 else 1
+        dp = dataclasses.replace(z, zero_stage=stage, shard_params=p, shard_grads=g, shard_optim=o)
+        try:
+            stage_degrees(dp, d.dp_shard * d.cp, world)
+        except ConfigError:
+            continue
+        out.append(dataclasses.replace(config, data_parallel=dp))
+    return out
+
+
+def choose_degrees(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float = 0.5, vocab_size: int = 0,
+                   every_divisor: bool = True) -> list[tuple[JobConfig, Estimate]]:
+    """The config and its other sharding degrees (degree_options) that fit the accelerator's memory, fastest
+    first: AMSP's scale-aware choice of P/G/OS degrees under a memory cap."""
+    runs, out = PipelineRuns(), []
+    for option in [config, *degree_options(config, gpus, cluster, every_divisor)]:
+        found = estimate(option, gpus, cluster, efficiency, vocab_size, runs, time_if_over=False)
+        if found.fits:
+            out.append((option, found))
+    return sorted(out, key=_rank_key)
+
+
 def search(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: int, efficiency: float = 0.5,
            vocab_size: int = 0, offload: bool = True, refine: int = 50) -> SearchResult:
     """Rank every feasible layout by predicted step time (fastest first).
@@ -192,5 +242,14 @@ def search(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: int, 
                           "make --global-batch a multiple of a data-parallel degree (e.g. of --gpus)")
     result.ranked.sort(key=_rank_key)
     best = [(config, estimate(config, gpus, cluster, efficiency, vocab_size, runs)) for config, _ in result.ranked[:refine]]
+    for config, _ in list(best):  # the best ZeRO layouts again with other P/G/OS sharding degrees (AMSP, MiCS)
+        for option in degree_options(config, gpus, cluster):
+            result.considered += 1
+            result.degree_options += 1
+            found = estimate(option, gpus, cluster, efficiency, vocab_size, runs, time_if_over=False)
+            if found.fits:
+                best.append((option, found))
+            else:
+                result.rejected["memory"] += 1
     result.ranked[:refine] = sorted(best, key=_rank_key)
     return result
