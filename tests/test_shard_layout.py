@@ -144,3 +144,10 @@ def test_degrees_that_do_not_fit_the_ranks_are_refused_with_the_mesh(job, data_p
 
     with pytest.raises(ConfigError, match=message):
         dims_for(with_changes(job, data_parallel=data_parallel), 4)
+
+
+@pytest.mark.parametrize("d", [d for d in CASES if d.world in (8, 12)], ids=str)
+def test_sizes_and_spans_are_those_of_the_rows(d):
+    for kind in GROUP_KINDS:
+        for row in d.rows(kind):
+            assert len(row) == d.size(kind) and row[-1] - row[0] + 1 == d.span(kind), kind

@@ -37,6 +37,7 @@ and the simulator.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from fivefold.errors import ConfigError
@@ -154,7 +155,15 @@ class ShardDegrees:
         raise ValueError(f"unknown group kind {kind!r}: one of {GROUP_KINDS}")
 
     def size(self, kind: str) -> int:
-        return len(self.rows(kind)[0])
+        """Ranks in each group of `kind`."""
+        return {"params": self.params, "grads": self.grads, "split": self.optim // self.grads,
+                "replica": self.replicas, "publish": self.optim // self.params, "block": self.optim}[kind]
+
+    def span(self, kind: str) -> int:
+        """Consecutive positions a group of `kind` stretches over (its first to its last member)."""
+        stride = {"params": 1, "grads": 1, "block": 1, "split": self.grads, "publish": self.params,
+                  "replica": self.optim}[kind]
+        return (self.size(kind) - 1) * stride + 1
 
     def group_of(self, kind: str, t: int) -> list[int]:
         return next(row for row in self.rows(kind) if t in row)
@@ -163,14 +172,21 @@ class ShardDegrees:
 def stage_degrees(dp, shards: int, world: int) -> ShardDegrees:
     """The degrees a DataParallelConfig asks for: zero_stage's over `shards` (dp_shard x cp) within `world` (dp x cp)
     ranks, each shard_* override applied; ZeRO++ needs one group for everything."""
-    degrees = ShardDegrees.resolve(dp.zero_stage, shards, world, dp.shard_params, dp.shard_grads, dp.shard_optim)
     zero_pp = dp.quantized_weights or dp.hpz_partition > 1 or dp.quantized_gradients != "none"
+    return _stage_degrees(dp.zero_stage, shards, world, dp.shard_params, dp.shard_grads, dp.shard_optim, zero_pp,
+                          dp.hpz_partition)
+
+
+@functools.lru_cache(maxsize=4096)  # a planner search resolves the same few degrees tens of thousands of times
+def _stage_degrees(stage: int, shards: int, world: int, params: int, grads: int, optim: int, zero_pp: bool,
+                   hpz_partition: int) -> ShardDegrees:
+    degrees = ShardDegrees.resolve(stage, shards, world, params, grads, optim)
     if zero_pp and not degrees.uniform:
         raise ConfigError(f"ZeRO++ (quantized_weights, hpz_partition, quantized_gradients) works on one shard group for "
                           f"parameters, gradients and optimizer states, but {degrees.describe()}: leave "
                           "data_parallel.shard_params / shard_grads / shard_optim equal (or at 0)")
-    if zero_pp and degrees.optim % dp.hpz_partition:
-        raise ConfigError(f"data_parallel.hpz_partition = {dp.hpz_partition} must divide the shard degree {degrees.optim}")
+    if zero_pp and degrees.optim % hpz_partition:
+        raise ConfigError(f"data_parallel.hpz_partition = {hpz_partition} must divide the shard degree {degrees.optim}")
     return degrees
 
 

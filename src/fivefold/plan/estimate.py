@@ -713,8 +713,7 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, weight_bytes: float, gr
         size = deg.size(kind)
         if size == 1:
             return 0.0
-        rows = deg.rows(kind)[0]
-        span = (rows[-1] - rows[0] + 1) * stride
+        span = deg.span(kind) * stride
         return native_collective(collective, nbytes, size, cluster.collective_link(collective, span))
 
     def hidden_behind(comm: float, compute: float) -> float:
