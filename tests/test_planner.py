@@ -391,3 +391,19 @@ def test_search_tries_other_sharding_degrees_for_its_best_zero_layouts():
     result = search(config, 64, CLUSTERS["h100-sxm"], 512, offload=False, refine=10)
     assert result.degree_options > 0
     assert any(c.data_parallel.shard_optim for c, _ in result.ranked[:10])
+
+
+def test_plan_sharding_degrees_prints_the_ranking_and_writes_the_winner(tmp_path, capsys):
+    out = tmp_path / "best.toml"
+    args = ["plan", "--model.preset", "llama3-8b", "--train.seq_len", "4096", "--train.dtype", "bf16",
+            "--train.micro_batch_size", "1", "--train.grad_accum_steps", "8", "--data_parallel.zero_stage", "3",
+            "--data_parallel.shard", "64", "--data_parallel.param_dtype", "bf16", "--gpus", "64",
+            "--sharding-degrees", "--top", "3", "--write-best", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "8/8/64" in printed.splitlines()[1]
+    best = load_config(str(out)).data_parallel
+    assert (best.shard_params, best.shard_grads, best.shard_optim) == (8, 8, 64)
+    ddp = ["plan", "--model.preset", "llama3-8b", "--gpus", "64", "--sharding-degrees"]
+    assert main(ddp) == 2
+    assert "set data_parallel.zero_stage to 1, 2 or 3" in capsys.readouterr().err

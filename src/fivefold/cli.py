@@ -11,7 +11,7 @@
     fivefold config [--config FILE.toml] [--section.key VALUE ...] | --reference
     fivefold plot-schedule --pp P --microbatches M --schedule gpipe|1f1b|interleaved|zb-h1 [--virtual V] [--output F.png]
     fivefold plot-schedule --trace RUN/pipeline_trace.json [--output F.png]
-    fivefold plan [--config FILE.toml] [--section.key VALUE ...] --gpus N [--cluster PRESET|FILE] [--search ...]
+    fivefold plan [--config FILE.toml] [--section.key VALUE ...] --gpus N [--cluster PRESET|FILE] [--search ...|--sharding-degrees]
                   [--tokens T --days D ...]     memory and step time of a layout, the best layout, the GPU budget
     fivefold bench comm [--nproc-per-node N] [--collectives all_reduce,...] [--min-bytes 1K] [--max-bytes 16M] [--json F]
 
