@@ -50,11 +50,12 @@ def _config(args, degrees: tuple[int, int, int], output: str):
 
 
 def _rank(rank: int, world_size: int, args) -> dict:
+    chosen = {name: VARIANTS[name] for name in args.variants.split(",")}
     trainers = trainers_taking_turns(rank, world_size, {name: functools.partial(_config, args, degrees)
-                                                        for name, degrees in VARIANTS.items()})
+                                                        for name, degrees in chosen.items()})
     for trainer in trainers.values():
         trainer.sync.traffic_metrics = lambda: {}  # the benchmark reads the counts itself
-    names = list(VARIANTS)
+    names = list(chosen)
     times = {name: [] for name in names}
     losses = {name: [] for name in names}
     sent, memory = {}, {}
@@ -85,7 +86,11 @@ def main() -> None:
     parser = benchmark_arguments(__doc__)
     parser.add_argument("--param-dtype", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, zero3 first (the peer)")
     args = parser.parse_args()
+    unknown = [name for name in args.variants.split(",") if name not in VARIANTS]
+    if unknown or not args.variants.startswith("zero3"):
+        parser.error(f"--variants: {unknown or args.variants} (choose from {', '.join(VARIANTS)}, zero3 first)")
     rows = spawn(_rank, 4, args, args.timeout)
     if args.json:
         print(json.dumps({"config": vars(args), "results": rows}, indent=2))

@@ -26,7 +26,7 @@ SMALL = ["--layers", "1", "--batch", "1", "--seq-len", "16", "--rounds", "1", "-
     ("comm_schedule.py", ["--bucket-mb", "0.05", "--slice-mb", "0.01"], "priority_hidden="),
     ("moe.py", ["--world-sizes", "2"], "etp2_vs_ep2="),
     ("nvme_offload.py", [], "nvme_vs_cpu_time="),
-    ("shard_degrees.py", ["--accum", "2"], "amsp_2_2_4_vs_zero3_cross="),
+    ("shard_degrees.py", ["--accum", "2", "--variants", "zero3,amsp-2-2-4"], "amsp_2_2_4_vs_zero3_cross="),
 ])
 def test_benchmark_runs_and_prints_result(script, extra, expected):
     if script in ("model_throughput.py", "moe.py"):

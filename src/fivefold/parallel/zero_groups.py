@@ -45,10 +45,6 @@ class ZeroGroups:
         rows = [dist.get_process_group_ranks(shard_group)] if shard_group is not None else [[dist.get_rank()]]
         return cls(degrees, position, block_rows=rows, **whole)
 
-    @property
-    def optim_index(self) -> int:
-        return self.degrees.optim_index(self.position)
-
 
 def build_zero_groups(mesh, degrees: ShardDegrees) -> ZeroGroups:
     """Every rank's ZeRO groups from the mesh's dp x cp rank table (collective: all ranks call it alike)."""
