@@ -188,6 +188,24 @@ def test_search_ranks_feasible_layouts_and_writes_a_config_train_accepts(tmp_pat
     assert (tmp_path / "memory.png").stat().st_size > 0
 
 
+def test_refusing_a_family_at_once_gives_the_one_by_one_result(monkeypatch):
+    """The search checks the data-parallel rules once per family of layouts (they read none of what varies
+    inside it): the same candidates are considered, refused for the same reasons in the same numbers, and
+    ranked the same as when every layout is validated on its own."""
+    import functools
+
+    import fivefold.plan.search as search_module
+
+    config = _config()
+    fast = search(config, 16, CLUSTERS["h100-sxm"], 32, refine=5)
+    monkeypatch.setattr(search_module, "candidates", functools.partial(search_module.candidates, refuse_families=False))
+    slow = search(config, 16, CLUSTERS["h100-sxm"], 32, refine=5)
+    assert fast.rejected["data_parallel.zero_stage"] > 0
+    assert (fast.considered, fast.rejected, fast.examples, fast.rebalanced) == \
+        (slow.considered, slow.rejected, slow.examples, slow.rebalanced)
+    assert [c for c, _ in fast.ranked] == [c for c, _ in slow.ranked]
+
+
 def test_pipeline_stages_are_moved_to_fit_memory():
     """1F1B's first rank keeps the most micro-batches in flight: under a 64 GiB cap the balanced 8/8/8/8 split of
     Llama-3 8B does not fit, and moving blocks off the fullest ranks gives an uneven split that does, which the

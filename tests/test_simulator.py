@@ -10,6 +10,7 @@ loaded path drains.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -216,8 +217,8 @@ def test_cluster_file_topology_is_validated_and_round_trips(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text(text)
     loaded = load_cluster(str(path))
-    assert loaded.topology.kind == "rail_optimized" and loaded == type(base)(**{**base.__dict__, "topology": loaded.topology,
-                                                                                "source": loaded.source})
+    assert loaded.topology.kind == "rail_optimized" and loaded == dataclasses.replace(base, topology=loaded.topology,
+                                                                                      source=loaded.source)
     good = {k: v for k, v in base.to_dict().items()}
     for bad, message in (({"kind": "dragonfly"}, "topology.kind"), ({"routing": "random"}, "topology.routing"),
                          ({"oversubscription": 0.5}, "oversubscription"), ({"color": 1}, "unknown"),
@@ -228,12 +229,12 @@ def test_cluster_file_topology_is_validated_and_round_trips(tmp_path):
 
 def test_simulated_collective_against_its_formula_and_under_contention():
     h100 = PRESETS["h100-sxm"]
-    node = simulate_collective(h100.__class__(**{**h100.__dict__, "topology": h100.topology.__class__(kind="nvswitch")}),
+    node = simulate_collective(dataclasses.replace(h100, topology=h100.topology.__class__(kind="nvswitch")),
                                "all_reduce", "ring", 8, 2**26)
     assert node.time == pytest.approx(node.formula, rel=1e-9)
     assert node.bus_bandwidth() == pytest.approx(2**26 / node.time * 7 / 4)
     # Two nodes per leaf, uplinks cut 4x: in an all-to-all all 16 GPUs of a leaf send across at once.
-    thin = h100.__class__(**{**h100.__dict__, "topology": h100.topology.__class__(oversubscription=4, nodes_per_leaf=2)})
+    thin = dataclasses.replace(h100, topology=h100.topology.__class__(oversubscription=4, nodes_per_leaf=2))
     crowded = simulate_collective(thin, "all_to_all", "pairwise", 32, 2**26)
     assert crowded.time > 2 * crowded.formula
     ring = simulate_collective(thin, "all_reduce", "ring", 32, 2**26)  # one ring flow leaves each leaf

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -58,12 +59,20 @@ def _at_least(section: str, obj: Any, low: float, *names: str) -> None:
             raise ConfigError(f"{section}.{name} = {getattr(obj, name)}: must be >= {low}")
 
 
+@functools.cache
+def _number_fields(kind: type) -> tuple[str, ...]:
+    """The fields of a config section that may hold a float (annotated float, or not annotated as a
+    str, bool, int or list): the only ones `_finite` has to look at."""
+    plain = {"str", "bool", "int", "list[str]", "list[int]"}
+    return tuple(f.name for f in dataclasses.fields(kind) if str(f.type) not in plain)
+
+
 def _finite(section: str, obj: Any) -> None:
     """Every float of a section is a number: nan and inf are refused wherever they come from (TOML, CLI, code)."""
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
+    for name in _number_fields(type(obj)):
+        value = getattr(obj, name)
         if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{section}.{f.name} = {value}: must be a finite number")
+            raise ConfigError(f"{section}.{name} = {value}: must be a finite number")
 
 
 @dataclass
@@ -530,12 +539,14 @@ class JobConfig:
         if self.fault.kind != "none" and self.fault.step > self.train.steps:
             raise ConfigError(f"fault.step = {self.fault.step} lies after the last step (train.steps = {self.train.steps}): "
                               "the fault would never fire")
-        self._validate_data_parallel()
+        self.validate_data_parallel()
         self._validate_gradient_comm()
         self._validate_parameter_server()
         return self
 
-    def _validate_data_parallel(self) -> None:
+    def validate_data_parallel(self) -> None:
+        """The data-parallel rules across sections. They read only data_parallel, context_parallel.degree and
+        pipeline_parallel.degree, so a layout search checks them once for every candidate sharing these."""
         dp = self.data_parallel
         if not dp.shard_optim and (dp.shard * self.context_parallel.degree) % dp.hpz_partition:
             raise ConfigError(f"data_parallel.hpz_partition = {dp.hpz_partition} must divide the ZeRO shard degree "

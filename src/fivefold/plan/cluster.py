@@ -54,6 +54,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -157,18 +158,26 @@ class ClusterSpec:
 
     def links(self) -> Cluster:
         """The alpha-beta cluster of comm/cost.py (gamma 0: reductions run at memory speed, hidden by the links)."""
+        return self._links
+
+    @cached_property
+    def _links(self) -> Cluster:  # a search asks for links hundreds of thousands of times; the spec is frozen
         return Cluster(self.intra.link(), self.inter.link(), self.accelerators_per_node)
+
+    @cached_property
+    def _collective_links(self) -> dict[str, Link]:
+        return {name: spec.link() for name, spec in self.collectives.items()}
 
     def link_for(self, span: int) -> Link:
         """The link pacing a collective whose ranks lie within `span` consecutive ranks."""
-        return self.links().link_for(span)
+        return self._links.link_for(span)
 
     def collective_link(self, collective: str, span: int) -> Link:
         """The link pricing the backend's `collective` over ranks within `span` consecutive ranks: the
         collective's fitted link inside a node when the file has one, else the link pacing the span."""
         if collective in self.collectives and span <= self.accelerators_per_node:
-            return self.collectives[collective].link()
-        return self.link_for(span)
+            return self._collective_links[collective]
+        return self._links.link_for(span)
 
     @property
     def memory_bytes(self) -> int:

@@ -247,6 +247,15 @@ class PipelineRuns:
     def __init__(self) -> None:
         self._streams: dict = {}
         self._runs: dict = {}
+        self._flops: dict = {}
+
+    def flops_per_token(self, model: ModelConfig, seq_len: int) -> int:
+        """plan/flops.py's count for `model`, counted once per model object of the search (its candidates
+        share one; the object is kept, so its id stays its own)."""
+        key = (id(model), seq_len)
+        if key not in self._flops or self._flops[key][0] is not model:
+            self._flops[key] = (model, flops_per_token(model, seq_len))
+        return self._flops[key][1]
 
     def streams(self, schedule: str, pp: int, m: int, virtual: int) -> dict:
         from fivefold.parallel.pipeline.schedules import PipelineShape, all_schedules
@@ -330,32 +339,36 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
              if (layer := first_block(model, moe)) >= 0}
     states: dict[tuple, tuple[int, int, int, int]] = {}  # pipeline ranks holding alike blocks hold alike states
     out = []
+    z = config.data_parallel
     for rank in range(d.pp):
-        stages = list(range(rank, len(split), d.pp))
-        layers = [layer for s in stages for layer in split[s]]
-        first, last = 0 in stages, len(split) - 1 in stages
-        moe = [layer for layer in layers if model.is_moe_layer(layer)] if model.n_experts else []
-        key = (len(layers), len(moe), first, last)
+        stages = range(rank, len(split), d.pp)
+        first, last = rank == 0, (len(split) - 1) % d.pp == rank
+        if model.n_experts:
+            layers = [layer for s in stages for layer in split[s]]
+            moe = [layer for layer in layers if model.is_moe_layer(layer)]
+            key = (len(layers), len(moe), first, last)
+            per_stage = max(sum(kinds[model.is_moe_layer(layer)] for layer in split[s]) for s in stages)
+        else:  # a dense rank's states depend only on how many blocks it holds (built only when first seen)
+            layers, moe = None, []
+            key = (sum(len(split[s]) for s in stages), 0, first, last)
+            per_stage = max(len(split[s]) for s in stages) * kinds[False]
+        if key not in states or z.nvme_path:
+            layers = layers if layers is not None else [layer for s in stages for layer in split[s]]
         if key not in states:
             params = rank_parameters(model, layers, first, last, d.tp, d.ep, d.etp, pipelined=d.pp > 1)
             states[key] = (*_model_states(params, config, d), _buffers(config, model, d, layers, moe, sp), params.total,
                            ddp_bucket_bytes(config, params, d))
         p, g, o, buffers, count, buckets = states[key]
-        host = o if config.data_parallel.offload else 0
+        host = o if z.offload else 0
         nvme = 0
-        if config.data_parallel.nvme_path:
+        if z.nvme_path:
             nvme, host = o, nvme_host_bytes([-(-_largest_group(model, layers, count, d) // (d.dp_shard * d.cp))],
-                                            config.data_parallel.nvme_sub_group)
-        if model.n_experts:
-            per_stage = max(sum(kinds[model.is_moe_layer(layer)] for layer in split[s]) for s in stages)
-        else:
-            per_stage = max(len(split[s]) for s in stages) * kinds[False]
+                                            z.nvme_sub_group)
         # with interleaving a rank's peak (micro-batch, stage) pairs spread over its stages: the largest bounds each
         activations = element * per_stage * in_flight[rank]
         logits = logits_bytes(t.micro_batch_size * (t.seq_len // d.cp), padded_vocab(model.vocab_size, d.tp) // d.tp,
                               held, t.loss_chunk_tokens) if last else 0
-        out.append(RankMemory(p, g, 0 if config.data_parallel.offload else o, activations, logits, buffers, host, count,
-                              buckets, nvme))
+        out.append(RankMemory(p, g, 0 if z.offload else o, activations, logits, buffers, host, count, buckets, nvme))
     return out
 
 
@@ -506,19 +519,18 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     ep_link = cluster.collective_link("all_to_all", d.ep * d.etp * (1 if sp else d.tp))
     activation_bytes = b * (seq // d.cp) * model.dim * element
     costs = pass_costs(config, model, d, cluster, efficiency)
+    # one block's exposed tp seconds (dense, MoE) and cp seconds are the same on every stage
+    block_tp = tp_collective(activation_bytes) if d.tp > 1 else 0.0
+    kind_tp = {moe: _overlapped_tp_block(model, d, costs.block[moe], costs.core, activation_bytes, cluster, block_tp, moe)
+               if sp and config.tensor_parallel.comm_overlap else block_tp for moe in costs.block}
+    block_cp = _context_parallel_block(config, model, d, costs.core, element, cluster)
     for stage, layers in enumerate(split):
-        forward.append(sum(costs.block[model.is_moe_layer(layer) and bool(model.n_experts)] for layer in layers)
-                       + (costs.head if stage == len(split) - 1 else 0.0))
-        moe = sum(model.is_moe_layer(layer) for layer in layers) if model.n_experts else 0
-        core = costs.core * len(layers)
-        attn_core.append(core)
-        per_block_tp = tp_collective(activation_bytes) if d.tp > 1 else 0.0
-        if sp and config.tensor_parallel.comm_overlap and layers:
-            moe_blocks = [model.is_moe_layer(layer) and bool(model.n_experts) for layer in layers]
-            per_block_tp = sum(_overlapped_tp_block(model, d, costs.block[m], costs.core, activation_bytes, cluster,
-                                                    per_block_tp, m) for m in moe_blocks) / len(layers)
-        comm_tp.append(per_block_tp * len(layers))
-        comm_cp.append(_context_parallel_block(config, model, d, core / len(layers), element, cluster) * len(layers))
+        moe_blocks = [model.is_moe_layer(layer) and bool(model.n_experts) for layer in layers]
+        forward.append(sum(costs.block[m] for m in moe_blocks) + (costs.head if stage == len(split) - 1 else 0.0))
+        moe = sum(moe_blocks)
+        attn_core.append(costs.core * len(layers))
+        comm_tp.append(sum(kind_tp[m] for m in moe_blocks))
+        comm_cp.append(block_cp * len(layers))
         if moe and d.ep * d.etp > 1:
             rows = model.moe_top_k * tokens // (d.cp * (d.tp if sp else 1)) * model.dim * element
             comm_ep.append(moe * native_collective("all_to_all", rows, d.ep, ep_link))
@@ -782,7 +794,7 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
              runs: PipelineRuns | None = None, time_if_over: bool = True, simulate: bool = True) -> Estimate:
     """Memory and step time of `config` on `gpus` accelerators of `cluster` (ConfigError if it cannot run).
 
-    runs: pipeline simulations to share between estimates (a search's); simulate=False prices the
+    runs: pipeline simulations (and model FLOP counts) to share between estimates (a search's); simulate=False prices the
     pipeline by the closed-form ideal bubble instead (a search's first pass); time_if_over=False leaves
     the step time out (None) when the memory is over the accelerator's capacity."""
     from fivefold.parallel.pipeline.stages import plan_stages
@@ -794,7 +806,8 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
     pipe, t = config.pipeline_parallel, config.train
     split = plan_stages(model, t.seq_len, d.pp * pipe.virtual, pipe.layers_per_stage, pipe.balance) if d.pp > 1 \
         else [list(range(model.n_layers))]
-    runs = (runs or PipelineRuns()) if simulate else None
+    shared = runs or PipelineRuns()
+    runs = shared if simulate else None
     memory = memory_per_rank(config, model, d, split)
     worst = max(range(d.pp), key=lambda r: memory[r].total)
     dtype = compute_dtype(config)
@@ -815,5 +828,5 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
         notes.append("MoE block activations under tp > 1 or MLA are counted as a dense block's")
     if d.cp > 1:
         notes.append("context parallelism's extra saved tensors (ring steps' partial outputs) are not counted")
-    return Estimate(d, gpus, memory[worst], worst, memory, time, tokens, flops_per_token(model, t.seq_len) * tokens,
+    return Estimate(d, gpus, memory[worst], worst, memory, time, tokens, shared.flops_per_token(model, t.seq_len) * tokens,
                     peak, cluster.memory_bytes, notes, server)

@@ -16,6 +16,8 @@ sharding degrees of parameters, gradients and optimizer states (`degree_options`
 over 1, the ranks of one node, or all of dp x cp; AMSP's scale-aware choice, MiCS), and those that
 fit join the ranking. The winner is written as a complete TOML file that `train` loads unchanged.
 
+The data-parallel rules (which read none of recomputation, micro-batch or schedule) are checked once
+for each family of layouts differing only in those, so a refused family is counted without being built.
 Every candidate's memory is estimated before its time, and pipeline simulations are shared
 between candidates with the same (schedule, pp, micro-batches, virtual stages) and stage-time
 ratios, so a 1,024-GPU search over tens of thousands of candidates takes seconds.
@@ -62,14 +64,17 @@ def reason_of(message: str) -> str:
 
 
 def candidates(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: int, offload: bool = True,
-               vocab_size: int = 0):
-    """Every layout of the space, as JobConfigs (not yet validated). Pipelined ones carry their stage split
-    explicitly (pipeline_parallel.layers_per_stage, the cost-balanced split of pipeline/stages.py)."""
+               vocab_size: int = 0, refuse_families: bool = True):
+    """Every layout of the space, as JobConfigs (not yet validated otherwise), or as a `Refused` family whose
+    data-parallel settings the runtime refuses. Pipelined ones carry their stage split explicitly
+    (pipeline_parallel.layers_per_stage, the cost-balanced split of pipeline/stages.py). refuse_families=False
+    yields every layout one by one (the slow reference the tests compare with)."""
     from fivefold.parallel.pipeline.stages import plan_stages
 
     model = base.model
     sized = model_for(base, vocab_size) if model.vocab_size == 0 else model
     splits: dict[int, list[int]] = {}
+    sections: dict = {}
 
     def split_for(stages: int) -> list[int]:
         if stages not in splits:
@@ -93,32 +98,60 @@ def candidates(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: i
         per_replica = global_batch // dp
         micro_batches = [b for b in _powers_of_two(per_replica) if per_replica % b == 0]
         schedules = SCHEDULES if pp > 1 else (("1f1b", 1),)
-        for ep, zero, off, recompute, micro, (schedule, virtual) in itertools.product(
-                eps, (0, 1, 2, 3), (False, True) if offload else (False,), ("none", "selective", "full"),
-                micro_batches, schedules):
+        recomputes = ("none", "selective", "full")
+        for ep, zero, off in itertools.product(eps, (0, 1, 2, 3), (False, True) if offload else (False,)):
             if off and zero == 0:
                 continue
-            layers = split_for(pp * virtual) if pp > 1 else []
-            yield _layout(base, tp, pp, cp, dp, ep, zero, off, recompute, micro, per_replica // micro, schedule, virtual,
-                          layers)
+            family = []  # the layouts that differ only in recomputation, micro-batch and schedule
+            for recompute, micro, (schedule, virtual) in itertools.product(recomputes, micro_batches, schedules):
+                layers = split_for(pp * virtual) if pp > 1 else []
+                family.append((recompute, micro, per_replica // micro, schedule, virtual, layers))
+            try:  # the runtime's data-parallel rules read none of what varies inside a family: one check for all
+                if refuse_families:
+                    _layout(base, tp, pp, cp, dp, ep, zero, off, *family[0], sections).validate_data_parallel()
+            except ConfigError as exc:
+                yield Refused(len(family), exc)
+                continue
+            for member in family:
+                yield _layout(base, tp, pp, cp, dp, ep, zero, off, *member, sections)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """`count` candidates of `candidates` refused together by one runtime check (`error`)."""
+
+    count: int
+    error: ConfigError
 
 
 def _layout(base: JobConfig, tp: int, pp: int, cp: int, dp: int, ep: int, zero: int, offload: bool, recompute: str,
-            micro: int, accum: int, schedule: str, virtual: int, layers: list[int]) -> JobConfig:
-    r = dataclasses.replace
+            micro: int, accum: int, schedule: str, virtual: int, layers: list[int],
+            sections: dict | None = None) -> JobConfig:
+    """One candidate. `sections` (the search's) keeps each distinct section object once: candidates share
+    them instead of copying a section per candidate (nothing downstream changes a config in place)."""
+    r, memo = dataclasses.replace, {} if sections is None else sections
+
+    def section(name: str, key: tuple, make):
+        if (name, key) not in memo:
+            memo[name, key] = make()
+        return memo[name, key]
+
     return r(base,
-             train=r(base.train, micro_batch_size=micro, grad_accum_steps=accum, recompute=recompute),
-             data_parallel=r(base.data_parallel, replicate=1 if zero else dp, shard=dp if zero else 1, zero_stage=zero,
-                             offload=offload, param_dtype=_param_dtype(base, zero)),
-             tensor_parallel=r(base.tensor_parallel, degree=tp, sequence_parallel=tp > 1),
-             context_parallel=r(base.context_parallel, degree=cp),
-             pipeline_parallel=r(base.pipeline_parallel, degree=pp, schedule=schedule, virtual=virtual,
-                                 layers_per_stage=list(layers)),
-             expert_parallel=r(base.expert_parallel, degree=ep))
+             train=section("train", (micro, accum, recompute), lambda: r(
+                 base.train, micro_batch_size=micro, grad_accum_steps=accum, recompute=recompute)),
+             data_parallel=section("data_parallel", (dp, zero, offload), lambda: r(
+                 base.data_parallel, replicate=1 if zero else dp, shard=dp if zero else 1, zero_stage=zero,
+                 offload=offload, param_dtype=_param_dtype(base, zero))),
+             tensor_parallel=section("tensor_parallel", (tp,), lambda: r(
+                 base.tensor_parallel, degree=tp, sequence_parallel=tp > 1)),
+             context_parallel=section("context_parallel", (cp,), lambda: r(base.context_parallel, degree=cp)),
+             pipeline_parallel=section("pipeline_parallel", (pp, schedule, virtual, tuple(layers)), lambda: r(
+                 base.pipeline_parallel, degree=pp, schedule=schedule, virtual=virtual, layers_per_stage=list(layers))),
+             expert_parallel=section("expert_parallel", (ep,), lambda: r(base.expert_parallel, degree=ep)))
 
 
 def fit_stages(config: JobConfig, found: Estimate, gpus: int, cluster: ClusterSpec, efficiency: float = 0.5,
-               vocab_size: int = 0) -> tuple[JobConfig, Estimate] | None:
+               vocab_size: int = 0, runs: PipelineRuns | None = None) -> tuple[JobConfig, Estimate] | None:
     """Pipeline planning under a memory cap: move blocks, one at a time, from the pipeline rank furthest over the
     accelerator's memory to its neighbour with the most room (1F1B's first ranks hold the most micro-batches in
     flight, the last the logits), until every rank fits. Returns the uneven split (as an explicit
@@ -140,7 +173,7 @@ def fit_stages(config: JobConfig, found: Estimate, gpus: int, cluster: ClusterSp
         split[over] -= 1
         split[target] += 1
         moved = dataclasses.replace(config, pipeline_parallel=dataclasses.replace(pipe, layers_per_stage=list(split)))
-        found = estimate(moved, gpus, cluster, efficiency, vocab_size, time_if_over=False, simulate=False)
+        found = estimate(moved, gpus, cluster, efficiency, vocab_size, runs, time_if_over=False, simulate=False)
         if found.fits:
             return moved, found
         ranks = found.per_pp_rank
@@ -217,17 +250,24 @@ def search(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: int, 
         raise ConfigError("--search ranks all-reduce layouts (every fold, ZeRO 0-3); data_parallel.mode = ps has one "
                           "layout per server count: plan it without --search, or set data_parallel.mode = ddp")
     result, runs = SearchResult([]), PipelineRuns()
+    def reject(exc: ConfigError, count: int = 1) -> None:
+        reason = reason_of(str(exc))
+        result.rejected[reason] += count
+        result.examples.setdefault(reason, str(exc))
+
     for config in candidates(base, gpus, cluster, global_batch, offload, vocab_size):
+        if isinstance(config, Refused):
+            result.considered += config.count
+            reject(config.error, config.count)
+            continue
         result.considered += 1
         try:
-            found = estimate(config, gpus, cluster, efficiency, vocab_size, time_if_over=False, simulate=False)
+            found = estimate(config, gpus, cluster, efficiency, vocab_size, runs, time_if_over=False, simulate=False)
         except ConfigError as exc:
-            reason = reason_of(str(exc))
-            result.rejected[reason] += 1
-            result.examples.setdefault(reason, str(exc))
+            reject(exc)
             continue
         if not found.fits:
-            moved = fit_stages(config, found, gpus, cluster, efficiency, vocab_size)
+            moved = fit_stages(config, found, gpus, cluster, efficiency, vocab_size, runs)
             if moved is not None:
                 result.rebalanced += 1
                 result.ranked.append(moved)
