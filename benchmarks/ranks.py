@@ -134,6 +134,41 @@ def trainers_taking_turns(rank: int, world_size: int, configs: dict[str, Callabl
         return {name: Trainer(make(f"{output}/{name}")) for name, make in configs.items()}
 
 
+def zero_traffic_rounds(trainers: dict, warmup: int, rounds: int) -> dict[str, dict]:
+    """Train the ZeRO trainers one step each in turn (the order rotating every round), and give, per name, the
+    median step time (the slowest rank's), the data-parallel bytes of the last step (total, across nodes and
+    by phase) and the first and last losses."""
+    import contextlib
+    import io
+
+    for trainer in trainers.values():
+        trainer.sync.traffic_metrics = lambda: {}  # the benchmark reads the counts itself
+    names = list(trainers)
+    times = {name: [] for name in names}
+    losses = {name: [] for name in names}
+    sent = {}
+    with contextlib.redirect_stdout(io.StringIO()):  # the trainers' first-step memory tables
+        for index in range(warmup + rounds):
+            shift = index % len(names)
+            for name in names[shift:] + names[:shift]:
+                trainer = trainers[name]
+                trainer.sync.zero.traffic.take()
+                dist.barrier()
+                start = time.perf_counter()
+                metrics = trainer.train_step()
+                elapsed = torch.tensor(time.perf_counter() - start)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                sent[name] = trainer.sync.zero.traffic.take()
+                losses[name].append(metrics["loss"])
+                if index >= warmup:
+                    times[name].append(float(elapsed))
+    return {name: {"step_ms": statistics.median(times[name]) * 1e3, "bytes": sum(sent[name].values()),
+                   "cross_node_bytes": sum(n for (_, over), n in sent[name].items() if over),
+                   "first_loss": losses[name][0], "last_loss": losses[name][-1],
+                   "phases": {f"{phase} ({'cross' if over else 'intra'})": n for (phase, over), n in sent[name].items()}}
+            for name in names}
+
+
 def run_variants(steps: dict[str, Callable], vocab_size: int, args: Any, seed: int):
     """Time step(inputs, labels) of each variant on random (batch, seq_len) token batches drawn from `seed`."""
     generator = torch.Generator().manual_seed(seed)

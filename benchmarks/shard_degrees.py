@@ -20,16 +20,10 @@ measured model-state bytes. Every variant computes the same loss (exact up to su
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
 import json
-import statistics
-import time
 
-import torch
-import torch.distributed as dist
-from ranks import benchmark_arguments, spawn, trainer_config, trainers_taking_turns
+from ranks import benchmark_arguments, spawn, trainer_config, trainers_taking_turns, zero_traffic_rounds
 
 VARIANTS = {
     "zero3": (4, 4, 4),
@@ -53,33 +47,10 @@ def _rank(rank: int, world_size: int, args) -> dict:
     chosen = {name: VARIANTS[name] for name in args.variants.split(",")}
     trainers = trainers_taking_turns(rank, world_size, {name: functools.partial(_config, args, degrees)
                                                         for name, degrees in chosen.items()})
-    for trainer in trainers.values():
-        trainer.sync.traffic_metrics = lambda: {}  # the benchmark reads the counts itself
-    names = list(chosen)
-    times = {name: [] for name in names}
-    losses = {name: [] for name in names}
-    sent, memory = {}, {}
-    with contextlib.redirect_stdout(io.StringIO()):  # the trainers' first-step memory tables
-        for index in range(args.warmup + args.rounds):
-            shift = index % len(names)
-            for name in names[shift:] + names[:shift]:
-                trainer = trainers[name]
-                trainer.sync.zero.traffic.take()
-                dist.barrier()
-                start = time.perf_counter()
-                metrics = trainer.train_step()
-                elapsed = torch.tensor(time.perf_counter() - start)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                sent[name] = trainer.sync.zero.traffic.take()
-                memory[name] = trainer.report.model_state_bytes.total
-                losses[name].append(metrics["loss"])
-                if index >= args.warmup:
-                    times[name].append(float(elapsed))
-    return {name: {"step_ms": statistics.median(times[name]) * 1e3, "bytes": sum(sent[name].values()),
-                   "cross_node_bytes": sum(n for (_, over), n in sent[name].items() if over),
-                   "model_state_bytes": memory[name], "first_loss": losses[name][0], "last_loss": losses[name][-1],
-                   "phases": {f"{phase} ({'cross' if over else 'intra'})": n for (phase, over), n in sent[name].items()}}
-            for name in names}
+    rows = zero_traffic_rounds(trainers, args.warmup, args.rounds)
+    for name, row in rows.items():
+        row["model_state_bytes"] = trainers[name].report.model_state_bytes.total
+    return rows
 
 
 def main() -> None:

@@ -22,12 +22,8 @@ from __future__ import annotations
 
 import functools
 import json
-import statistics
-import time
 
-import torch
-import torch.distributed as dist
-from ranks import benchmark_arguments, spawn, trainer_config, trainers_taking_turns
+from ranks import benchmark_arguments, spawn, trainer_config, trainers_taking_turns, zero_traffic_rounds
 
 VARIANTS = {
     "zero3": {},
@@ -46,41 +42,9 @@ def _config(args, options: dict, output: str):
 
 
 def _rank(rank: int, world_size: int, args) -> dict:
-    import contextlib
-    import io
-
     trainers = trainers_taking_turns(rank, world_size, {name: functools.partial(_config, args, options)
                                                         for name, options in VARIANTS.items()})
-    for trainer in trainers.values():
-        trainer.sync.traffic_metrics = lambda: {}  # the benchmark reads the counts itself
-    names = list(VARIANTS)
-    times = {name: [] for name in names}
-    losses = {name: [] for name in names}
-    sent = {}
-    quiet = contextlib.redirect_stdout(io.StringIO())  # the trainers' first-step memory tables
-    quiet.__enter__()
-    for index in range(args.warmup + args.rounds):
-        shift = index % len(names)
-        for name in names[shift:] + names[:shift]:
-            trainer = trainers[name]
-            trainer.sync.zero.traffic.take()
-            dist.barrier()
-            start = time.perf_counter()
-            metrics = trainer.train_step()
-            elapsed = torch.tensor(time.perf_counter() - start)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            sent[name] = trainer.sync.zero.traffic.take()
-            losses[name].append(metrics["loss"])
-            if index >= args.warmup:
-                times[name].append(float(elapsed))
-    quiet.__exit__(None, None, None)
-    rows = {}
-    for name in names:
-        cross = sum(n for (_, over), n in sent[name].items() if over)
-        rows[name] = {"step_ms": statistics.median(times[name]) * 1e3, "bytes": sum(sent[name].values()),
-                      "cross_node_bytes": cross, "first_loss": losses[name][0], "last_loss": losses[name][-1],
-                      "phases": {f"{phase} ({'cross' if over else 'intra'})": n for (phase, over), n in sent[name].items()}}
-    return rows
+    return zero_traffic_rounds(trainers, args.warmup, args.rounds)
 
 
 def main() -> None:

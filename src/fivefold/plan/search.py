@@ -74,7 +74,6 @@ def candidates(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: i
     model = base.model
     sized = model_for(base, vocab_size) if model.vocab_size == 0 else model
     splits: dict[int, list[int]] = {}
-    sections: dict = {}
 
     def split_for(stages: int) -> list[int]:
         if stages not in splits:
@@ -106,14 +105,14 @@ def candidates(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: i
             for recompute, micro, (schedule, virtual) in itertools.product(recomputes, micro_batches, schedules):
                 layers = split_for(pp * virtual) if pp > 1 else []
                 family.append((recompute, micro, per_replica // micro, schedule, virtual, layers))
-            try:  # the runtime's data-parallel rules read none of what varies inside a family: one check for all
-                if refuse_families:
-                    _layout(base, tp, pp, cp, dp, ep, zero, off, *family[0], sections).validate_data_parallel()
-            except ConfigError as exc:
-                yield Refused(len(family), exc)
-                continue
+            if refuse_families:  # the runtime's data-parallel rules read none of what varies inside a family
+                try:
+                    _layout(base, tp, pp, cp, dp, ep, zero, off, *family[0]).validate_data_parallel()
+                except ConfigError as exc:
+                    yield Refused(len(family), exc)
+                    continue
             for member in family:
-                yield _layout(base, tp, pp, cp, dp, ep, zero, off, *member, sections)
+                yield _layout(base, tp, pp, cp, dp, ep, zero, off, *member)
 
 
 @dataclass(frozen=True)
@@ -125,29 +124,17 @@ class Refused:
 
 
 def _layout(base: JobConfig, tp: int, pp: int, cp: int, dp: int, ep: int, zero: int, offload: bool, recompute: str,
-            micro: int, accum: int, schedule: str, virtual: int, layers: list[int],
-            sections: dict | None = None) -> JobConfig:
-    """One candidate. `sections` (the search's) keeps each distinct section object once: candidates share
-    them instead of copying a section per candidate (nothing downstream changes a config in place)."""
-    r, memo = dataclasses.replace, {} if sections is None else sections
-
-    def section(name: str, key: tuple, make):
-        if (name, key) not in memo:
-            memo[name, key] = make()
-        return memo[name, key]
-
+            micro: int, accum: int, schedule: str, virtual: int, layers: list[int]) -> JobConfig:
+    r = dataclasses.replace
     return r(base,
-             train=section("train", (micro, accum, recompute), lambda: r(
-                 base.train, micro_batch_size=micro, grad_accum_steps=accum, recompute=recompute)),
-             data_parallel=section("data_parallel", (dp, zero, offload), lambda: r(
-                 base.data_parallel, replicate=1 if zero else dp, shard=dp if zero else 1, zero_stage=zero,
-                 offload=offload, param_dtype=_param_dtype(base, zero))),
-             tensor_parallel=section("tensor_parallel", (tp,), lambda: r(
-                 base.tensor_parallel, degree=tp, sequence_parallel=tp > 1)),
-             context_parallel=section("context_parallel", (cp,), lambda: r(base.context_parallel, degree=cp)),
-             pipeline_parallel=section("pipeline_parallel", (pp, schedule, virtual, tuple(layers)), lambda: r(
-                 base.pipeline_parallel, degree=pp, schedule=schedule, virtual=virtual, layers_per_stage=list(layers))),
-             expert_parallel=section("expert_parallel", (ep,), lambda: r(base.expert_parallel, degree=ep)))
+             train=r(base.train, micro_batch_size=micro, grad_accum_steps=accum, recompute=recompute),
+             data_parallel=r(base.data_parallel, replicate=1 if zero else dp, shard=dp if zero else 1, zero_stage=zero,
+                             offload=offload, param_dtype=_param_dtype(base, zero)),
+             tensor_parallel=r(base.tensor_parallel, degree=tp, sequence_parallel=tp > 1),
+             context_parallel=r(base.context_parallel, degree=cp),
+             pipeline_parallel=r(base.pipeline_parallel, degree=pp, schedule=schedule, virtual=virtual,
+                                 layers_per_stage=list(layers)),
+             expert_parallel=r(base.expert_parallel, degree=ep))
 
 
 def fit_stages(config: JobConfig, found: Estimate, gpus: int, cluster: ClusterSpec, efficiency: float = 0.5,
