@@ -68,6 +68,28 @@ def test_one_rank_step_is_the_planners_compute():
         assert phases["optimizer"] == pytest.approx(planned.optimizer, rel=1e-9)
 
 
+@pytest.mark.parametrize("overrides", [
+    ("--expert_parallel.degree", "4", "--expert_parallel.tensor", "2", "--train.recompute", "full"),
+    ("--expert_parallel.degree", "4", "--tensor_parallel.degree", "2", "--tensor_parallel.sequence_parallel", "true"),
+    ("--expert_parallel.degree", "2", "--tensor_parallel.degree", "2", "--model.moe_layer_freq", "2"),
+])
+def test_expert_exchanges_are_priced_as_the_planner_prices_them(overrides):
+    """Inside one node (collectives by formula) the simulated step waits for the MoE layers' all-to-alls exactly
+    as long as the planner's `ep` phase says, plus the routing report's one all-reduce after the step."""
+    from fivefold.comm.cost import native_collective
+
+    config = _config("--model.n_experts", "8", "--train.grad_accum_steps", "2", *overrides)
+    run = simulate_step(config, 8, H100, vocab_size=257)
+    planned = estimate(config, 8, H100, vocab_size=257).time
+    model = config.model
+    sp = config.tensor_parallel.sequence_parallel
+    group = 8 // (1 if sp else config.tensor_parallel.degree)
+    report = native_collective("all_reduce", len(model.moe_layers) * (model.n_experts + 4) * 8, group,
+                               H100.collective_link("all_reduce", 8 if sp else 8 - config.tensor_parallel.degree + 1))
+    assert planned.ep > 0
+    assert run.breakdown()["ep"] == pytest.approx(planned.ep + report, rel=1e-9)
+
+
 @pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
 def test_pipeline_on_a_free_network_is_the_schedule_makespan(schedule, virtual):
     config = _config("--pipeline_parallel.degree", "4", "--pipeline_parallel.schedule", schedule,
@@ -162,8 +184,8 @@ def test_contention_free_network_prices_alpha_beta():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["--expert_parallel.degree", "2", "--model.n_experts", "4"], "expert_parallel"),
-    (["--model.n_experts", "4"], "n_experts"),
+    (["--expert_parallel.degree", "2", "--model.n_experts", "4", "--expert_parallel.replicas", "1",
+      "--expert_parallel.load_from", "runs/x"], "replicas"),
     (["--gradient_comm.compression", "int8"], "compression"),
     (["--gradient_comm.schedule", "priority", "--train.max_grad_norm", "0"], "schedule"),
 ])
@@ -232,7 +254,8 @@ def test_every_step_option_changes_what_is_simulated(capsys):
     (["--gpus", "2", "--attention-efficiency", "2"], "attention efficiency = 2.0"),
     (["--gpus", "2", "--attention-efficiency", "nan"], "attention efficiency = nan"),
     (["--gpus", "2", "--attention-efficiency", "inf"], "attention efficiency = inf"),
-    (["--gpus", "2", "--model.n_experts", "4"], "n_experts"),
+    (["--gpus", "2", "--model.n_experts", "4", "--expert_parallel.degree", "2", "--data_parallel.zero_stage", "2",
+      "--data_parallel.shard", "2"], "leaves each expert piece on one rank"),
     ([], "--gpus N"), (["--gpus", "4", "--ranks", "4"], "--gpus N"), (["--gpus", "0"], "--gpus 0"),
     (["--ranks", "8", "--train.steps", "3"], "use --gpus"), (["--gpus", "3", "--tensor_parallel.degree", "2"], "world size is 3"),
     (["--gpus", "2", "--plot", "/no/such/folder/p.png"], "--plot"),

@@ -8,8 +8,13 @@ be equal. This covers DDP's buckets (backend and hand-written all-reduce, in whi
 message of the algorithm is compared), ZeRO-1/2/3, hybrid sharding and independent P/G/OS degrees (AMSP, MiCS), tensor parallelism with and
 without sequence parallelism (blocks, vocab-parallel embedding, head and loss, the norms' summed
 gradients), the pipeline schedules' activations and gradients, ring, Ulysses and 2D context
-parallelism, recomputation, collective matmuls (tensor_parallel.comm_overlap) and ZeRO++ (quantised gathers, hpZ's in-node backward gathers, qgZ's two levels
-of all-to-alls). For the layouts whose every byte goes point to point (pipelines,
+parallelism, recomputation, collective matmuls (tensor_parallel.comm_overlap), ZeRO++ (quantised gathers, hpZ's in-node backward gathers, qgZ's two levels
+of all-to-alls) and mixture-of-experts layers (expert and expert-tensor parallelism's all-to-alls, the
+experts' own DDP buckets and ZeRO groups over their expert-data-parallel group, the router's and
+shared experts' gradient sums under sequence parallelism, the switch loss's routing statistics). A
+routed all-to-all's size is the router's choice, so for those the calls are compared by count and
+the sizes by their sum over the ranks (every row sent is received: it is k rows per token under any
+routing). For the layouts whose every byte goes point to point (pipelines,
 hand-written all-reduce) the bytes per ordered rank pair the engine counts while playing the
 programs equal the runtime's. The only calls left out are those of <= 64 bytes: the trainer's
 scalars (loss, token count, gradient norm, the guard's flags), which the simulator does not model.
@@ -25,6 +30,7 @@ from distributed.spawn import run_distributed
 from parity.harness import with_changes
 
 SCALARS = 64  # bytes: calls this small are the trainer's bookkeeping
+MOE = {"n_experts": 4, "moe_top_k": 2}
 
 LAYOUTS = {
     2: {
@@ -43,6 +49,8 @@ LAYOUTS = {
         "dp2-zero3": dict(data_parallel={"zero_stage": 3, "shard": 2}),
         "cp2-ring": dict(context_parallel={"degree": 2}),
         "cp2-ulysses": dict(context_parallel={"degree": 2, "method": "ulysses"}),
+        "moe-ep2": dict(model=MOE, expert_parallel={"degree": 2}),
+        "moe-dp2-zero2-accum2": dict(model=MOE, data_parallel={"zero_stage": 2, "shard": 2}, train={"grad_accum_steps": 2}),
     },
     4: {
         "dp2-tp2": dict(tensor_parallel={"degree": 2}),
@@ -73,8 +81,30 @@ LAYOUTS = {
         "zero3-pp-2-nodes-accum2": dict(data_parallel={"zero_stage": 3, "shard": 4, "quantized_weights": True,
                                                        "hpz_partition": 2, "quantized_gradients": "int4"},
                                         gradient_comm={"node_size": 2}, train={"grad_accum_steps": 2}),
+        "moe-ep2-etp2-full-recompute": dict(model=MOE, expert_parallel={"degree": 2, "tensor": 2},
+                                            train={"recompute": "full"}),
+        "moe-tp2-sp-ep2-shared-switch": dict(model={**MOE, "moe_shared_experts": 1, "moe_aux_loss": "switch"},
+                                             tensor_parallel={"degree": 2, "sequence_parallel": True},
+                                             expert_parallel={"degree": 2}),
+        "moe-ep2-zero3": dict(model=MOE, expert_parallel={"degree": 2}, data_parallel={"zero_stage": 3, "shard": 4}),
+        "moe-pp2-ep2-zb-h1": dict(model={**MOE, "n_layers": 4}, expert_parallel={"degree": 2},
+                                  pipeline_parallel={"degree": 2, "schedule": "zb-h1"}, train={"grad_accum_steps": 2}),
     },
 }
+
+
+def _routed(calls: Counter, total: int) -> tuple[Counter, int]:
+    """The calls with each all-to-all's size set aside (MoE layouts have no other all-to-alls), and the running
+    sum of those sizes: under uneven routing a rank's rows differ from the balanced ones the simulator assumes,
+    but all ranks' rows of a step add up to k rows per token either way."""
+    out = Counter()
+    for (kind, members, nbytes), n in calls.items():
+        if kind == "all_to_all":
+            out[(kind, members, "rows")] += n
+            total += nbytes * n
+        else:
+            out[(kind, members, nbytes)] += n
+    return out, total
 
 
 def _record(rank, world_size, configs):
@@ -113,12 +143,17 @@ def test_simulated_step_sends_what_the_runtime_sends(job, tmp_path, world_size):
     recorded = run_distributed(_record, world_size, configs, timeout=600)
     for index, name in enumerate(layouts):
         workload = build_workload(configs[index], world_size, PRESETS["h100-sxm"], fidelity="flow")
+        routed = {"runtime": 0, "simulated": 0}
         for rank in range(world_size):
             runtime = Counter(call for call in recorded[rank][index] if call[2] > SCALARS)
             simulated = Counter(call for call in workload.calls(rank) if call[2] > SCALARS)
             assert runtime, f"{name}: rank {rank} recorded nothing"
+            if name.startswith("moe"):  # rows routed to experts: as many calls, their sizes the router's choice
+                runtime, routed["runtime"] = _routed(runtime, routed["runtime"])
+                simulated, routed["simulated"] = _routed(simulated, routed["simulated"])
             assert simulated == runtime, (f"{name} rank {rank}: only the runtime {dict(runtime - simulated)}, "
                                           f"only the simulator {dict(simulated - runtime)}")
+        assert routed["runtime"] == routed["simulated"], name  # every row sent is received: the sums are routing's own
         if all(kind == "send" for rank_calls in recorded for kind, _, nbytes in rank_calls[index] if nbytes > SCALARS):
             # every byte went point to point (no backend collective): the engine's per-pair bytes, from playing
             # the programs over the network, must be the runtime's

@@ -36,7 +36,9 @@ Step time (seconds) = pipeline makespan + exposed data-parallel communication:
                 spans), 6 with full recompute; not overlapped
     cp          ring attention passes K and V around cp ranks (cp - 1 steps forward, twice that in
                 backward), overlapped with the attention core: only the excess is exposed
-    ep          2 all-to-alls of k tokens x h forward, 2 backward, per MoE block
+    ep          per MoE block and pass: the counts' all-to-all (forward only) and 2 of the rows (k per
+                token held, out and home) over the EP group; with etp > 1, 2 of etp x the rows over
+                the ETP group (its gather and reduce-scatter); balanced routing
     pipeline    the schedule simulator run on the schedule's own instruction streams with these
                 per-stage times and the activation send time as latency: its makespan includes
                 the bubble
@@ -447,14 +449,21 @@ def _buffers(config: JobConfig, model: ModelConfig, d: Degrees, layers: list[int
 
 
 # ---------------------------------------------------------------------------------------------- time
-def _block_forward_flops(model: ModelConfig, layer: int, tokens: int, seq: int, d: Degrees) -> float:
+def _block_forward_flops(model: ModelConfig, layer: int, tokens: int, seq: int, d: Degrees, sp: bool) -> float:
     """Forward FLOPs of one block on one rank: 2 x its matmul parameters per token (MoE: the active experts)
-    plus the attention core, for `tokens` tokens of sequences of `seq` (before the cp split)."""
+    plus the attention core, for `tokens` tokens of sequences of `seq` (before the cp split). A MoE layer runs
+    outside the tensor-parallel region (parallel/tensor_parallel.py): on this rank's tokens under sequence
+    parallelism, on all of them (each tp rank alike) without it."""
     full = block_parameters(model, layer)
     matmul = full.dense - 2 * model.dim
+    outside = 0  # the MoE layer's matmul parameters a token passes through: router, shared and its k experts
     if model.is_moe_layer(layer):
-        matmul += full.experts * model.moe_top_k // model.n_experts
-    return 2 * matmul * tokens / (d.tp * d.cp) + _attention_core_flops(model, tokens, seq, d)
+        replicated = model.dim * model.n_experts + 3 * model.dim * model.shared_hidden_dim + \
+            (model.dim if model.moe_shared_gate else 0)
+        matmul -= replicated
+        outside = replicated + full.experts * model.moe_top_k // model.n_experts
+    return (2 * matmul * tokens / (d.tp * d.cp) + 2 * outside * tokens / (d.cp * (d.tp if sp else 1))
+            + _attention_core_flops(model, tokens, seq, d))
 
 
 def _attention_core_flops(model: ModelConfig, tokens: int, seq: int, d: Degrees) -> float:
@@ -477,6 +486,29 @@ class PassCosts:
     head: float
 
 
+def _expert_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, element: int,
+                           cluster: ClusterSpec) -> tuple[float, float]:
+    """(forward, backward) seconds of one MoE block's exchanges (parallel/expert_parallel.py), balanced routing:
+    the per-expert counts (forward only) and the rows (k per token this rank holds) out and home over the EP
+    group; with etp > 1 the count tables gathered (forward only) and the rows gathered and reduce-scattered over
+    the ETP group (etp x the rows each way)."""
+    if not model.n_experts or d.ep * d.etp == 1:
+        return 0.0, 0.0
+    t, sp = config.train, config.tensor_parallel.sequence_parallel and d.tp > 1
+    rows = model.moe_top_k * t.micro_batch_size * (t.seq_len // d.cp) // (d.tp if sp else 1) * model.dim * element
+    stride = 1 if sp else d.tp  # the EP group's ranks are etp apart in the token fiber
+    seconds, counts = 0.0, 0.0
+    if d.ep > 1:
+        link = cluster.collective_link("all_to_all", (d.ep - 1) * d.etp * stride + 1)
+        counts = native_collective("all_to_all", 8 * model.n_experts, d.ep, link)
+        seconds += 2 * native_collective("all_to_all", rows, d.ep, link)
+    if d.etp > 1:
+        span = (d.etp - 1) * stride + 1
+        counts += native_collective("all_gather", 8 * model.n_experts * d.etp, d.etp, cluster.collective_link("all_gather", span))
+        seconds += 2 * native_collective("all_to_all", d.etp * rows, d.etp, cluster.collective_link("all_to_all", span))
+    return seconds + counts, seconds
+
+
 def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: ClusterSpec,
                efficiency: float | Efficiency) -> PassCosts:
     """The forward costs every step-time model here shares (the planner's step_time, the simulator's workload)."""
@@ -488,7 +520,8 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
     core = core_flops / (peak * eff.core)
     bandwidth = cluster.accelerator.memory_bandwidth_gbs * 1e9
     written = _written_per_block(model, config, d) if bandwidth else {}
-    block = {moe: (_block_forward_flops(model, layer, tokens, seq, d) - core_flops) / rate + core
+    sp = config.tensor_parallel.sequence_parallel and d.tp > 1
+    block = {moe: (_block_forward_flops(model, layer, tokens, seq, d, sp) - core_flops) / rate + core
              + (written[moe] / bandwidth if bandwidth else 0.0)
              for moe in (False, True) if (layer := first_block(model, moe)) >= 0}
     head = 2 * padded_vocab(model.vocab_size, d.tp) * model.dim * tokens / (d.tp * d.cp) / rate
@@ -508,7 +541,7 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
     links = cluster.links()
     # per (virtual) stage: forward compute seconds of one micro-batch, and its exposed tp / cp / ep seconds
-    forward, comm_tp, comm_cp, comm_ep, attn_core = [], [], [], [], []
+    forward, comm_tp, comm_cp, comm_ep, comm_ep_back, attn_core = [], [], [], [], [], []
     if sp:  # per region, an all-gather entering and a reduce-scatter leaving, instead of one all-reduce leaving
         def tp_collective(n: float) -> float:
             return (native_collective("all_gather", n, d.tp, cluster.collective_link("all_gather", d.tp)) +
@@ -516,14 +549,15 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     else:
         def tp_collective(n: float) -> float:
             return native_collective("all_reduce", n, d.tp, cluster.collective_link("all_reduce", d.tp))
-    ep_link = cluster.collective_link("all_to_all", d.ep * d.etp * (1 if sp else d.tp))
     activation_bytes = b * (seq // d.cp) * model.dim * element
     costs = pass_costs(config, model, d, cluster, efficiency)
     # one block's exposed tp seconds (dense, MoE) and cp seconds are the same on every stage
     block_tp = tp_collective(activation_bytes) if d.tp > 1 else 0.0
-    kind_tp = {moe: _overlapped_tp_block(model, d, costs.block[moe], costs.core, activation_bytes, cluster, block_tp, moe)
-               if sp and config.tensor_parallel.comm_overlap else block_tp for moe in costs.block}
+    # a MoE block's MLP runs outside the tensor-parallel region: only its attention region's collectives
+    kind_tp = {moe: _overlapped_tp_block(model, d, costs.block[moe], costs.core, activation_bytes, cluster, moe)
+               if sp and config.tensor_parallel.comm_overlap else block_tp / (2 if moe else 1) for moe in costs.block}
     block_cp = _context_parallel_block(config, model, d, costs.core, element, cluster)
+    block_ep = _expert_parallel_block(config, model, d, element, cluster)
     for stage, layers in enumerate(split):
         moe_blocks = [model.is_moe_layer(layer) and bool(model.n_experts) for layer in layers]
         forward.append(sum(costs.block[m] for m in moe_blocks) + (costs.head if stage == len(split) - 1 else 0.0))
@@ -531,11 +565,8 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
         attn_core.append(costs.core * len(layers))
         comm_tp.append(sum(kind_tp[m] for m in moe_blocks))
         comm_cp.append(block_cp * len(layers))
-        if moe and d.ep * d.etp > 1:
-            rows = model.moe_top_k * tokens // (d.cp * (d.tp if sp else 1)) * model.dim * element
-            comm_ep.append(moe * native_collective("all_to_all", rows, d.ep, ep_link))
-        else:
-            comm_ep.append(0.0)
+        comm_ep.append(moe * block_ep[0])
+        comm_ep_back.append(moe * block_ep[1])
     recompute = {"none": 0.0, "selective": 1.0, "full": 1.0}[t.recompute]
     stage_fwd = [f + 2 * tpc + ep + cp for f, tpc, ep, cp in zip(forward, comm_tp, comm_ep, comm_cp)]
     # backward: twice the compute, the same tp / ep traffic again, cp's ring twice (K/V, then their gradients;
@@ -547,12 +578,12 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     for i in range(len(split)):
         again = blocks_forward[i] + 2 * comm_tp[i] + comm_ep[i] if t.recompute == "full" else recompute * attn_core[i]
         again += recompute * comm_cp[i]
-        stage_bwd.append(2 * forward[i] + 2 * comm_tp[i] + comm_ep[i] + cp_backward * comm_cp[i] + again)
+        stage_bwd.append(2 * forward[i] + 2 * comm_tp[i] + comm_ep_back[i] + cp_backward * comm_cp[i] + again)
     compute_total = m * sum(forward[i] * 3 + (blocks_forward[i] if t.recompute == "full" else recompute * attn_core[i])
                             for i in range(len(split))) / d.pp
     tp_total = m * sum(4 * c + (2 * c if t.recompute == "full" else 0) for c in comm_tp) / d.pp
     cp_total = m * sum((1 + cp_backward + recompute) * c for c in comm_cp) / d.pp
-    ep_total = m * sum(2 * c + (c if t.recompute == "full" else 0) for c in comm_ep) / d.pp
+    ep_total = m * sum(c + b + (c if t.recompute == "full" else 0) for c, b in zip(comm_ep, comm_ep_back)) / d.pp
     if d.pp > 1:
         pipe = config.pipeline_parallel
         unit_f, unit_b = max(stage_fwd), max(stage_bwd)
@@ -742,12 +773,12 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, weight_bytes: float, gr
 
 
 def _overlapped_tp_block(model: ModelConfig, d: Degrees, block: float, core: float, activation: float,
-                         cluster: ClusterSpec, plain_region: float, moe: bool) -> float:
-    """tensor_parallel.comm_overlap (parallel/tp_overlap.py): one block's exposed tensor-parallel seconds per
-    region (the unit `plain_region`, one all-gather + one reduce-scatter, is priced in). Each of a region's two
-    rings takes t - 1 steps of one sequence chunk (alpha + activation/t beta on the tp link) beside 1/t of the
-    matmul it feeds (q, k, v and wo; w1, w3 and w2, shared by weight size); a step shows what its transfer takes
-    beyond its matmul. A MoE block's MLP keeps the plain collectives."""
+                         cluster: ClusterSpec, moe: bool) -> float:
+    """tensor_parallel.comm_overlap (parallel/tp_overlap.py): one block's exposed tensor-parallel seconds, per
+    region of a dense block (the caller counts two). Each of a region's two rings takes t - 1 steps of one
+    sequence chunk (alpha + activation/t beta on the tp link) beside 1/t of the matmul it feeds (q, k, v and wo;
+    w1, w3 and w2, shared by weight size); a step shows what its transfer takes beyond its matmul. A MoE
+    block's MLP is outside the region: it has no tensor-parallel collective."""
     t = d.tp
     step = cluster.link_for(t).message(activation / t)
     attention_matmul = block / 2 - core
@@ -756,7 +787,7 @@ def _overlapped_tp_block(model: ModelConfig, d: Degrees, block: float, core: flo
     if not moe:
         shares += [(block / 2, 2 / 3), (block / 2, 1 / 3)]
     exposed = sum((t - 1) * max(0.0, step - seconds * share / t) for seconds, share in shares)
-    return (exposed + (plain_region if moe else 0.0)) / 2
+    return exposed / 2
 
 
 def _zero_pp_times(config: JobConfig, params: int, d: Degrees, cluster: ClusterSpec) -> tuple[float, float, float]:

@@ -2,7 +2,7 @@
 
 `recording_traffic()` replaces, for its duration, the torch.distributed entry points the runtime
 calls (all-reduce, the flat all-gather and reduce-scatter that tensor parallelism and ZeRO bind at
-import, all-to-all, and isend, through which batch_isend_irecv and the hand-written collectives
+import, the list all-gather, all-to-all, and isend, through which batch_isend_irecv and the hand-written collectives
 go) with versions that note each call as (kind, the group's global ranks, bytes) before running
 it. Bytes follow the simulator's convention (workload.py): a rank's whole vector for all-reduce,
 all-gather (the output) and reduce-scatter (the input), the input for all-to-all, the message for
@@ -31,56 +31,64 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 @contextlib.contextmanager
 def recording_traffic(calls: list[Call]) -> Iterator[list[Call]]:
-    """Append every collective and send the runtime makes inside the block to `calls`."""
+    """Append every collective and send the runtime makes inside the block to `calls`.
+
+    A call made while another is being recorded is not recorded again: under a TorchFunctionMode (the
+    zero-bubble W split) torch re-enters the entry point for one call, and all_gather_object (the
+    metrics of a logged step: bookkeeping, not the step) calls all_gather itself."""
     from fivefold.comm import native
     from fivefold.parallel import collectives, tensor_parallel, zero, zero_pp
 
     saved: list[tuple[object, str, object]] = []
+    inside: list[bool] = []
 
     def patch(module, name: str, wrapper) -> None:
         saved.append((module, name, getattr(module, name)))
         setattr(module, name, wrapper)
 
-    all_reduce, all_to_all, isend = dist.all_reduce, dist.all_to_all_single, dist.isend
-    gather, scatter = native.all_gather_flat, native.reduce_scatter_flat
+    def recorded(kind: str, original, describe):
+        """`original` noting (kind, group ranks, bytes) first, unless inside another recorded call."""
+        def wrapper(*args, **kwargs):
+            if not inside and describe is not None:
+                calls.append((kind, *describe(*args, **kwargs)))
+            inside.append(True)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inside.pop()
+        return wrapper
 
-    def all_reduce_(tensor, *args, group=None, **kwargs):
-        calls.append(("all_reduce", _members(group), _nbytes(tensor)))
-        return all_reduce(tensor, *args, group=group, **kwargs)
+    def whole(tensor, *args, group=None, **kwargs):  # all-reduce: the vector
+        return _members(group), _nbytes(tensor)
 
-    def all_to_all_(output, input, *args, group=None, **kwargs):
-        calls.append(("all_to_all", _members(group), _nbytes(input)))
-        return all_to_all(output, input, *args, group=group, **kwargs)
+    def second(output, input, *args, group=None, **kwargs):  # all-to-all, reduce-scatter: the input
+        return _members(group), _nbytes(input)
 
-    def gather_(output, input, *args, group=None, **kwargs):
-        calls.append(("all_gather", _members(group), _nbytes(output)))
-        return gather(output, input, *args, group=group, **kwargs)
+    def first(output, input, *args, group=None, **kwargs):  # the flat all-gather: the output
+        return _members(group), _nbytes(output)
 
-    def scatter_(output, input, *args, group=None, **kwargs):
-        calls.append(("reduce_scatter", _members(group), _nbytes(input)))
-        return scatter(output, input, *args, group=group, **kwargs)
+    def listed(outputs, input, *args, group=None, **kwargs):  # the list all-gather (expert tensor parallelism's tables)
+        return _members(group), sum(_nbytes(t) for t in outputs)
 
-    inside_isend = []  # under a TorchFunctionMode (the zero-bubble W split) torch re-enters isend for one send
+    def message(tensor, dst=None, group=None, tag=0, group_dst=None):
+        peer = dst if dst is not None else dist.get_global_rank(group, group_dst)
+        return (dist.get_rank(), peer), _nbytes(tensor)
 
-    def isend_(tensor, dst=None, group=None, tag=0, group_dst=None):
-        if not inside_isend:
-            peer = dst if dst is not None else dist.get_global_rank(group, group_dst)
-            calls.append(("send", (dist.get_rank(), peer), _nbytes(tensor)))
-        inside_isend.append(True)
-        try:
-            return isend(tensor, dst, group, tag, group_dst=group_dst)
-        finally:
-            inside_isend.pop()
-
+    wrappers = {"all_reduce": recorded("all_reduce", dist.all_reduce, whole),
+                "all_to_all_single": recorded("all_to_all", dist.all_to_all_single, second),
+                "isend": recorded("send", dist.isend, message),
+                "all_gather": recorded("all_gather", dist.all_gather, listed),
+                "all_gather_object": recorded("", dist.all_gather_object, None)}
+    gather = recorded("all_gather", native.all_gather_flat, first)
+    scatter = recorded("reduce_scatter", native.reduce_scatter_flat, second)
     for module in (dist, c10d):
-        patch(module, "all_reduce", all_reduce_)
-        patch(module, "all_to_all_single", all_to_all_)
-        patch(module, "isend", isend_)
+        for name, wrapper in wrappers.items():
+            patch(module, name, wrapper)
     for module in (native, collectives, tensor_parallel, zero, zero_pp):
         if hasattr(module, "all_gather_flat"):
-            patch(module, "all_gather_flat", gather_)
+            patch(module, "all_gather_flat", gather)
         if hasattr(module, "reduce_scatter_flat"):
-            patch(module, "reduce_scatter_flat", scatter_)
+            patch(module, "reduce_scatter_flat", scatter)
     try:
         yield calls
     finally:

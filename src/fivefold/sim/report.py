@@ -151,7 +151,8 @@ def plot_timeline(run_, path: str, ranks: int = 16) -> Path:
 
     plt = pyplot()
     colours = {"forward": "tab:blue", "backward": "tab:green", "recompute": "tab:olive", "optimizer": "tab:purple",
-               "offload": "tab:pink", "tp": "tab:orange", "cp": "tab:brown", "dp": "tab:red", "pp": "tab:gray"}
+               "offload": "tab:pink", "tp": "tab:orange", "cp": "tab:brown", "ep": "tab:cyan", "dp": "tab:red",
+               "pp": "tab:gray"}
     shown = list(run_.workload.simulated[:ranks])
     row = {rank: i for i, rank in enumerate(shown)}
     fig, ax = plt.subplots(figsize=(11, 0.45 * len(shown) + 1.6))
@@ -164,7 +165,7 @@ def plot_timeline(run_, path: str, ranks: int = 16) -> Path:
     ax.set_xlabel("simulated time (ms)")
     ax.set_title(f"simulated step: {run_.workload.degrees.describe()}, {run_.time * 1e3:.2f} ms")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    ax.legend(handles, [f"{k} (waiting)" if k in ("tp", "cp", "dp", "pp") else k for k in colours],
+    ax.legend(handles, [f"{k} (waiting)" if k in ("tp", "cp", "ep", "dp", "pp") else k for k in colours],
               fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return save_figure(fig, path)

@@ -5,7 +5,7 @@ the flow-level network (or the contention-free one on the analytical path) and r
 time with a per-phase breakdown of the slowest rank's compute stream:
 
     compute, recompute, optimizer   its Compute spans
-    tp, cp, dp                      time it waited for that fold's communication (exposed)
+    tp, cp, ep, dp                  time it waited for that fold's communication (exposed)
     pipeline                        waits for pipeline messages plus idle time: the bubble and the
                                     activation transfers it could not hide
 
@@ -28,7 +28,7 @@ from fivefold.sim.routing import cluster_router
 from fivefold.sim.topology import Topology
 from fivefold.sim.workload import COMPUTE, Workload, build_workload
 
-PHASES = ("compute", "recompute", "optimizer", "offload", "tp", "cp", "dp", "pipeline")
+PHASES = ("compute", "recompute", "optimizer", "offload", "tp", "cp", "ep", "dp", "pipeline")
 _COMPUTE_LABELS = {"forward": "compute", "backward": "compute", "recompute": "recompute", "optimizer": "optimizer",
                    "offload": "offload"}
 

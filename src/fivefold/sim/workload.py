@@ -23,6 +23,12 @@ the runtime runs them:
               one), ZeRO-3's per-block all-gathers before forward and backward with the runtime's
               one-block prefetch. The optimizer step waits for all of it; ZeRO-1/2 then gather
               the updated weights, hybrid sharding all-reduces the shards over the replicas.
+              Routed experts are a second instance over their expert-data-parallel group.
+
+A MoE layer (parallel/expert_parallel.py) replaces its block's MLP half: the count and row
+all-to-alls over the expert-parallel group, the expert-tensor-parallel gather and reduce-scatter,
+the experts, the rows home, the routing statistics' all-reduce; backward the row exchanges in
+reverse. Routing is taken as balanced: every rank sends and receives k rows per token it holds.
 
 Ranks are laid out as the mesh lays them out (parallel/mesh.py: pp, dp_replicate, dp_shard, cp,
 tp, tp innermost). Compute seconds come from the planner (plan/estimate.py `pass_costs`: FLOPs at
@@ -41,9 +47,9 @@ fast path, one `Collective` op priced by comm/cost.py:
                 rank per pipeline stage simulated (without contention the ranks of a stage are
                 identical): the path for tens of thousands of accelerators
 
-Not modelled (stated in docs/simulator.md): expert parallelism's all-to-alls, gradient
-compression and priority scheduling, parameter servers, ZeRO-Offload's host transfers, the
-gradient-norm all-reduce, tied embeddings across pipeline stages.
+Not modelled (stated in docs/simulator.md): uneven routing and EPLB's replicated experts, gradient
+compression and priority scheduling, parameter servers, the gradient-norm all-reduce, tied
+embeddings across pipeline stages.
 """
 
 from __future__ import annotations
@@ -115,6 +121,15 @@ class Grid:
             inner *= getattr(self, d)
         raise KeyError(dim)
 
+    def token_fibers(self, split_over_tp: bool) -> list[list[int]]:
+        """Per pipeline stage, the ranks holding distinct tokens, in mesh order (parallel/expert_parallel.py
+        `expert_fiber`): all of the stage's ranks when tp splits the tokens (or is 1), else one row per tp rank."""
+        per_stage = self.size // self.pp
+        stages = [list(range(p * per_stage, (p + 1) * per_stage)) for p in range(self.pp)]
+        if split_over_tp:
+            return stages
+        return [stage[t :: self.tp] for stage in stages for t in range(self.tp)]
+
     def group(self, rank: int, dims: tuple[str, ...]) -> tuple[int, ...]:
         """The ranks that differ from `rank` only in `dims` (a process group of the mesh), in rank order."""
         key = (rank, dims)
@@ -137,9 +152,11 @@ class Unit:
 
     name: str
     index: int  # ZeRO unit index: the block's layer, or -1 for the root
-    params: list[tuple[str, int]]  # (name, elements on this rank), in registration order
+    params: list[tuple[str, int]]  # (name, elements on this rank), in registration order: all but the routed experts
     moe: bool = False
     flat_groups: list[int] = field(default_factory=list)  # ZeRO's groups of this unit (elements on this rank, unpadded)
+    experts: list[tuple[str, int]] = field(default_factory=list)  # this rank's routed experts' parameters (its EP slots)
+    expert_groups: list[int] = field(default_factory=list)  # their flat groups (one per expert and weight-decay class)
 
 
 @dataclass
@@ -173,44 +190,77 @@ class Workload:
 def stage_units(model: ModelConfig, split: list[list[int]], d: Degrees) -> list[list[Unit]]:
     """Every (virtual) stage's units in forward order, with each parameter's elements on one rank: the
     meta-device model's tensors, cut as tensor parallelism cuts them (attention and dense MLP weights
-    and the vocabulary rows by tp; mixture-of-experts models are refused before this). ZeRO's flat groups are the runtime's own (parallel/flat_groups.py
-    `flat_group_layout`: per block and weight-decay class; the root's per top-level module)."""
+    and the vocabulary rows by tp), and its routed experts as expert parallelism cuts them (an expert-parallel
+    rank's E/ep experts, each expert's hidden units by etp; every rank's slots are the same size). ZeRO's flat
+    groups are the runtime's own (parallel/flat_groups.py `flat_group_layout`: per block and weight-decay class,
+    one per routed expert; the root's per top-level module)."""
     from fivefold.model import build_model
-    from fivefold.parallel.flat_groups import flat_group_layout
+    from fivefold.parallel.expert_parallel import cut_experts
+    from fivefold.parallel.expert_placement import contiguous_placement
+    from fivefold.parallel.flat_groups import flat_group_layout, is_expert_group
 
     net = build_model(model)  # meta device: shapes only
+    if model.n_experts and d.ep > 1:
+        cut_experts(net, {layer: contiguous_placement(model.n_experts, d.ep) for layer in model.moe_layers}, 0)
     local: dict[str, int] = {}
     unit_of: dict[str, str] = {}
     vocab = padded_vocab(model.vocab_size, d.tp)
     by_unit: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    experts: dict[str, list[tuple[str, int]]] = defaultdict(list)
     for name, p in net.named_parameters():
         if not p.requires_grad:
             continue
         numel = p.numel()
+        expert = ".experts." in name
         if name.startswith(("tok_embeddings.", "output.")):
             numel = vocab // d.tp * p.shape[-1]
+        elif expert:
+            numel //= d.etp
         elif p.ndim >= 2 and any(part in name for part in _TP_SPLIT) and not any(x in name for x in _WHOLE):
             numel //= d.tp
         unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else name.split(".")[0]
-        by_unit[unit].append((name, numel))
+        (experts if expert else by_unit)[unit].append((name, numel))
         local[name] = numel
         unit_of[name] = {"tok_embeddings": "embedding", "norm": "head", "output": "head"}.get(unit, unit)
     groups: dict[str, list[int]] = defaultdict(list)
+    expert_groups: dict[str, list[int]] = defaultdict(list)
     for layout in flat_group_layout(net):
         present = [local[n] for n in layout.names if n in local]
         if present:
-            groups[unit_of[layout.names[0]]].append(sum(present))
+            (expert_groups if is_expert_group(layout.key) else groups)[unit_of[layout.names[0]]].append(sum(present))
     stages = []
     for s, layers in enumerate(split):
         units = []
         if s == 0:
             units.append(Unit("embedding", -1, by_unit["tok_embeddings"], flat_groups=groups["embedding"]))
-        units += [Unit(f"layers.{i}", i, by_unit[f"layers.{i}"], model.is_moe_layer(i) and bool(model.n_experts),
-                       groups[f"layers.{i}"]) for i in layers]
+        units += [Unit(f"layers.{i}", i, by_unit[f"layers.{i}"], model.is_moe_layer(i), groups[f"layers.{i}"],
+                       experts[f"layers.{i}"], expert_groups[f"layers.{i}"]) for i in layers]
         if s == len(split) - 1:
             units.append(Unit("head", -1, by_unit["norm"] + by_unit["output"], flat_groups=groups["head"]))
         stages.append(units)
     return stages
+
+
+@dataclass
+class _DdpPart:
+    """One DataParallel instance of the runtime: the dense weights' over dp x cp, or the routed experts' over
+    their expert-data-parallel group."""
+
+    group: tuple[int, ...]
+    buckets: list[int] = field(default_factory=list)  # bytes of each bucket, in order
+    bucket_of: dict[tuple[int, str], list[int]] = field(default_factory=lambda: defaultdict(list))  # (stage, unit) ->
+    # the buckets its backward completes
+
+
+@dataclass
+class _ZeroPart:
+    """One ZeroDataParallel instance of the runtime: the dense weights' (any shard degrees, ZeRO++), or the routed
+    experts' (plain ZeRO over their expert-data-parallel group)."""
+
+    degrees: object  # parallel/shard_layout.py ShardDegrees
+    groups: dict[str, tuple[int, ...]]  # kind (GROUP_KINDS) -> global ranks
+    flat: dict[tuple[int, str], list[int]]  # (stage, unit) -> its flat groups' elements, padded
+    dense: bool
 
 
 class _Builder:
@@ -242,6 +292,20 @@ class _Builder:
             (2 if z.zero_stage and z.param_dtype == "bf16" else 4)
         self.weight_element = 2 if z.zero_stage and z.param_dtype == "bf16" else 4
         self.zero_node = config.gradient_comm.node_size or cluster.accelerators_per_node  # ZeRO++'s nodes
+        self.expert_groups: dict[str, dict[int, tuple[int, ...]]] = {}  # "ep" / "etp" / "edp" -> rank -> its group
+        if self.model.n_experts:
+            from fivefold.parallel.expert_parallel import expert_rows
+
+            fibers = self.grid.token_fibers(self.sp or d.tp == 1)
+            for kind, rows in expert_rows(fibers, d.ep, d.etp).items():
+                self.expert_groups[kind] = {r: tuple(row) for row in rows for r in row}
+            self.dispatch_bytes = _dispatch_rows(self.model, config, d, self.sp) * self.model.dim * self.element
+            self.alltoall = "pairwise" if config.expert_parallel.alltoall == "pairwise" else "native"
+            if config.data_parallel.zero_stage and len(self.expert_groups["edp"][0]) == 1:
+                raise ConfigError(f"data_parallel.zero_stage = {config.data_parallel.zero_stage} shards the experts over "
+                                  "their expert-data-parallel group, but expert_parallel.degree x tensor = "
+                                  f"{d.ep} x {d.etp} leaves each expert piece on one rank: lower the expert degrees or "
+                                  "raise the data-parallel degree")
         if fidelity == "analytical":
             self.simulated = tuple(self.grid.rank(pp=p) for p in range(d.pp))
         else:
@@ -387,7 +451,12 @@ class _Builder:
         label = "recompute" if recompute else ("backward" if backward else "forward")
         halves = ("mlp", "attention") if backward else ("attention", "mlp")
         for half in halves:
-            if self.tp_overlap and not (half == "mlp" and unit.moe):
+            if half == "mlp" and unit.moe:  # outside the tensor-parallel region (parallel/tensor_parallel.py)
+                self.experts(rank, forward / 2 * scale, label, backward)
+                if backward:
+                    self.norm_gradient(rank)
+                continue
+            if self.tp_overlap:
                 self.overlapped_half(rank, half, forward, core, scale, label, backward)
                 continue
             if half == "attention":
@@ -397,6 +466,62 @@ class _Builder:
             self.tensor_parallel(rank)
             if backward:
                 self.norm_gradient(rank)
+
+    def experts(self, rank: int, seconds: float, label: str, backward: bool) -> None:
+        """A MoE layer as parallel/expert_parallel.py runs it: route; all-to-all the per-expert counts and then the
+        rows over the EP group; with etp > 1 all-gather the count tables and the rows over the ETP group; the
+        experts (`seconds`, with the router and shared experts); the ETP reduce-scatter and the all-to-all home.
+        Each of those row exchanges is an all_to_all_single call (the ETP gather and reduce-scatter send etp x the
+        rows). Backward runs the row exchanges in reverse, then, under sequence parallelism, sums the router's and
+        shared experts' weight gradients over the tensor-parallel group. The routing statistics of the balancing
+        loss are all-reduced over the ranks sharing the micro-batch (or the sequence) in a forward that keeps
+        the graph (with full recomputation only its re-run does). Balanced routing: every rank sends and
+        receives k tokens' rows (fewer if the capacity factor drops some)."""
+        ep, etp = self.expert_groups["ep"][rank], self.expert_groups["etp"][rank]
+        rows, counts = self.dispatch_bytes, 8 * self.model.n_experts  # int64 per (EP rank, slot)
+        a2a = self.alltoall
+        if not backward:
+            self.collective(rank, COMPUTE, "all_to_all", ep, counts, "ep")
+            self.collective(rank, COMPUTE, "all_to_all", ep, rows, "ep", a2a)
+            self.collective(rank, COMPUTE, "all_gather", etp, counts * len(etp), "ep")
+            self.collective(rank, COMPUTE, "all_to_all", etp, rows * len(etp), "ep", a2a)
+            self.compute(rank, seconds, label)
+            self.collective(rank, COMPUTE, "all_to_all", etp, rows * len(etp), "ep", a2a)
+            self.collective(rank, COMPUTE, "all_to_all", ep, rows, "ep", a2a)
+            if self.model.moe_aux_loss != "none" and (label == "recompute" or self.config.train.recompute != "full"):
+                self.routing_statistics(rank)
+            return
+        self.collective(rank, COMPUTE, "all_to_all", ep, rows, "ep", a2a)
+        self.collective(rank, COMPUTE, "all_to_all", etp, rows * len(etp), "ep", a2a)
+        self.compute(rank, seconds, label)
+        self.collective(rank, COMPUTE, "all_to_all", etp, rows * len(etp), "ep", a2a)
+        self.collective(rank, COMPUTE, "all_to_all", ep, rows, "ep", a2a)
+        if self.sp:  # _ReplicaGradSum: one all-reduce per replicated weight
+            m, group = self.model, self.grid.group(rank, ("tp",))
+            shared = [m.shared_hidden_dim * m.dim] * 3 if m.shared_hidden_dim else []
+            for numel in shared + ([m.dim] if m.shared_hidden_dim and m.moe_shared_gate else []) + [m.n_experts * m.dim]:
+                self.collective(rank, COMPUTE, "all_reduce", group, numel * self.weight_element, "tp")
+
+    def routing_statistics(self, rank: int) -> None:
+        """model/moe.py balancing_loss: the switch loss all-reduces the layer's expert counts (E float64) over the
+        micro-batch's ranks, the sequence loss each sequence's counts (b x E float32) over the sequence's."""
+        m, t = self.model, self.config.train
+        split = ("tp",) if self.sp else ()
+        if m.moe_aux_loss == "switch":
+            group = self.grid.group(rank, ("dp_replicate", "dp_shard", "cp") + split)
+            self.collective(rank, COMPUTE, "all_reduce", group, 8 * m.n_experts, "ep")
+        else:
+            group = self.grid.group(rank, ("cp",) + split)
+            self.collective(rank, COMPUTE, "all_reduce", group, 4 * t.micro_batch_size * m.n_experts, "ep")
+
+    def routing_report(self, rank: int) -> None:
+        """train/routing_report.py: after the step, the stage's MoE layers' loads and counts ((E + 4) float64
+        each) in one all-reduce over the ranks holding its distinct tokens."""
+        stages = range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp)
+        layers = sum(unit.moe for s in stages for unit in self.units[s])
+        if layers:
+            group = self.grid.group(rank, ("dp_replicate", "dp_shard", "cp") + (("tp",) if self.sp else ()))
+            self.collective(rank, COMPUTE, "all_reduce", group, layers * (self.model.n_experts + 4) * 8, "ep")
 
     def overlapped_half(self, rank: int, half: str, forward: float, core: float, scale: float, label: str,
                         backward: bool) -> None:
@@ -511,9 +636,12 @@ class _Builder:
 
     # ------------------------------------------------------------------ data parallelism
     def data_parallel_setup(self, rank: int) -> None:
-        from fivefold.parallel.data_parallel import make_buckets
+        """This rank's DataParallel / ZeroDataParallel instances as the runtime builds them (parallelize.py
+        apply_data_parallel): the dense weights over dp x cp; with routed experts, theirs over the expert-data-
+        parallel group, a second instance (plain ZeRO at the same stage, or DDP buckets of their own)."""
+        from fivefold.parallel.shard_layout import ShardDegrees
 
-        z, g = self.config.data_parallel, self.config.gradient_comm
+        z = self.config.data_parallel
         stages = list(range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp))
         self.dp_group = self.grid.group(rank, ("dp_replicate", "dp_shard", "cp"))
         self.degrees = zero_degrees(self.config, self.d)
@@ -522,33 +650,47 @@ class _Builder:
             self.zero_groups = {kind: tuple(self.dp_group[i] for i in self.degrees.group_of(kind, position))
                                 for kind in GROUP_KINDS}
             self.shard_group = self.zero_groups["block"]
-        self.flat_groups: dict[tuple[int, str], list[int]] = {}  # (stage, unit) -> flat group elements (padded)
-        self.bucket_of: dict[tuple[int, str], list[int]] = defaultdict(list)  # (stage, unit) -> buckets it completes
-        self.buckets: list[int] = []
-        if len(self.dp_group) == 1:
-            return
-        if z.zero_stage:
-            shards = self.degrees.optim  # each group padded to a multiple of the optimizer degree
-            for s in stages:
-                for unit in self.units[s]:
-                    self.flat_groups[(s, unit.name)] = [-(-n // shards) * shards for n in unit.flat_groups]
-            return
-        # DDP: the runtime's buckets over this rank's parameters, registration order (stage by stage)
-        order = [(s, unit.name, name, e) for s in stages for unit in self.units[s] for name, e in unit.params]
+        self.ddp_parts: list[_DdpPart] = []
+        self.zero_parts: list[_ZeroPart] = []
+        edp = self.expert_groups["edp"][rank] if self.expert_groups else (rank,)
+        for experts, group in ((False, self.dp_group), (True, edp)):
+            if len(group) == 1:
+                continue
+            if z.zero_stage:
+                degrees = self.degrees if not experts else ShardDegrees.for_stage(z.zero_stage, len(group))
+                groups = self.zero_groups if not experts else \
+                    {kind: group if degrees.size(kind) > 1 else (rank,) for kind in GROUP_KINDS}
+                shards = degrees.optim  # each group padded to a multiple of the optimizer degree
+                flat = {(s, unit.name): [-(-n // shards) * shards for n in
+                                         (unit.expert_groups if experts else unit.flat_groups)]
+                        for s in stages for unit in self.units[s]}
+                self.zero_parts.append(_ZeroPart(degrees, groups, flat, dense=not experts))
+            else:
+                self.ddp_parts.append(self._buckets(group, stages, experts))
+
+    def _buckets(self, group: tuple[int, ...], stages: list[int], experts: bool) -> _DdpPart:
+        """DDP: the runtime's buckets over this rank's parameters (the routed experts', or the others'), in
+        registration order, stage by stage; each is ready when backward has passed its earliest unit."""
+        from fivefold.parallel.data_parallel import make_buckets
+
+        g = self.config.gradient_comm
+        part = _DdpPart(group)
+        order = [(s, unit.name, e) for s in stages for unit in self.units[s]
+                 for _, e in (unit.experts if experts else unit.params)]
         dtype = torch.bfloat16 if g.reduce_dtype == "bf16" else torch.float32
         tensors = [torch.empty(e, device="meta") for *_, e in order]
-        owner = {id(t): (s, unit) for t, (s, unit, _, _) in zip(tensors, order)}
-        forward_position = {key: i for i, key in enumerate(dict.fromkeys((s, u) for s, u, _, _ in order))}
+        owner = {id(t): (s, unit) for t, (s, unit, _) in zip(tensors, order)}
+        forward_position = {key: i for i, key in enumerate(dict.fromkeys((s, u) for s, u, _ in order))}
         for bucket in make_buckets(tensors, g.bucket_mb, dtype):
-            self.buckets.append(bucket.buffer.numel() * bucket.buffer.element_size())
-            # ready when backward has passed its earliest unit (backward runs units in reverse)
-            first = min((owner[id(t)] for t in bucket.params), key=forward_position.get)
-            self.bucket_of[first].append(len(self.buckets) - 1)
+            part.buckets.append(bucket.buffer.numel() * bucket.buffer.element_size())
+            first = min((owner[id(t)] for t in bucket.params), key=forward_position.get)  # backward runs units in reverse
+            part.bucket_of[first].append(len(part.buckets) - 1)
+        return part
 
-    def dp_algorithm(self, nbytes: int) -> str:
+    def dp_algorithm(self, nbytes: int, p: int) -> str:
         algorithm = self.config.gradient_comm.allreduce_algorithm
         if algorithm == "auto":
-            return best_all_reduce(nbytes, len(self.dp_group), self.cluster.links())
+            return best_all_reduce(nbytes, p, self.cluster.links())
         return algorithm
 
     def launch(self, rank: int, kind: str, nbytes: int, members: tuple[int, ...], algorithm: str = "native") -> str:
@@ -560,29 +702,29 @@ class _Builder:
         self.programs[(rank, DP)].append(Notify(done))
         return done
 
-    def gradients_ready(self, rank: int, stage: int, unit: Unit, sync: bool) -> None:
-        """The hooks of a unit whose backward just ended: DDP buckets it completes, ZeRO groups it fills."""
-        if len(self.dp_group) == 1:
-            return
+    def gradients_ready(self, rank: int, stage: int, unit: Unit, last: bool) -> None:
+        """The hooks of a unit whose backward just ended: DDP buckets it completes (in the last micro-batch
+        without a pipeline), ZeRO groups it fills (whole gradients: then too; sharded ones: in every micro-batch)."""
         z = self.config.data_parallel
-        if z.zero_stage == 0:
-            if sync:
-                for b in self.bucket_of.get((stage, unit.name), []):
-                    self.pending.append(self.launch(rank, "all_reduce", self.buckets[b], self.dp_group,
-                                                    self.dp_algorithm(self.buckets[b])))
-                    self.launched.add(b)
-            return
-        whole = self.degrees.grads == 1  # whole gradients: reduced once, over the block, into optimizer pieces
-        if whole and not sync:
-            return
-        for n in self.flat_groups[(stage, unit.name)]:
-            if z.gradient_bits:
-                self.quantized_reduce_scatter(rank, n)
+        for i, part in enumerate(self.ddp_parts):
+            if last:
+                for b in part.bucket_of.get((stage, unit.name), []):
+                    nbytes = part.buckets[b]
+                    self.pending.append(self.launch(rank, "all_reduce", nbytes, part.group,
+                                                    self.dp_algorithm(nbytes, len(part.group))))
+                    self.launched.add((i, b))
+        for i, part in enumerate(self.zero_parts):
+            whole = part.degrees.grads == 1  # whole gradients: reduced once, over the block, into optimizer pieces
+            if whole and not last:
                 continue
-            group = self.zero_groups["split" if whole else "grads"]
-            if len(group) > 1:
-                self.pending.append(self.launch(rank, "reduce_scatter", n * self.reduce_element, group))
-        self.reduced.add((stage, unit.name))
+            for n in part.flat[(stage, unit.name)]:
+                if part.dense and z.gradient_bits:
+                    self.quantized_reduce_scatter(rank, n)
+                    continue
+                group = part.groups["split" if whole else "grads"]
+                if len(group) > 1:
+                    self.pending.append(self.launch(rank, "reduce_scatter", n * self.reduce_element, group))
+            self.reduced.add((i, stage, unit.name))
 
     def quantized_reduce_scatter(self, rank: int, padded: int) -> None:
         """qgZ (parallel/zero_pp.py): all-to-alls of codes and scales within the node, then across the nodes."""
@@ -606,23 +748,27 @@ class _Builder:
         return next(tuple(row) for row in rows if rank in row)
 
     def gather(self, rank: int, stage: int, unit: Unit, backward: bool = False) -> str:
-        """ZeRO-3: launch the all-gather of a unit's weights (once until it is waited for): from the hpZ secondary
-        shards within the node for a block's backward, else from the primary shards (int8 codes and scales: qwZ)."""
+        """ZeRO-3: launch the all-gathers of a unit's weights (once until they are waited for): from the hpZ
+        secondary shards within the node for a block's backward, else from the primary shards (int8 codes and
+        scales: qwZ); the routed experts' over their expert-data-parallel group."""
         z = self.config.data_parallel
         key = (stage, unit.name)
         if key not in self.gathering:
             self.gathering[key] = ""
-            for n in self.flat_groups.get(key, []):
-                if backward and unit.index >= 0 and z.hpz_partition > 1:
-                    parts = [(n * self.weight_element, self.hpz_group(rank))]
-                elif z.quantized_weights:
-                    codes, scales = quantized_parts(n // len(self.shard_group), 8, z.quantization_block)
-                    parts = [(len(self.shard_group) * codes, self.shard_group),
-                             (len(self.shard_group) * scales, self.shard_group)]
-                else:
-                    parts = [(n * self.weight_element, self.zero_groups["params"])]
-                for nbytes, group in parts:
-                    self.gathering[key] = self.launch(rank, "all_gather", nbytes, group)
+            for part in self.zero_parts:
+                if part.degrees.params == 1:
+                    continue
+                for n in part.flat[key]:
+                    if part.dense and backward and unit.index >= 0 and z.hpz_partition > 1:
+                        pieces = [(n * self.weight_element, self.hpz_group(rank))]
+                    elif part.dense and z.quantized_weights:
+                        codes, scales = quantized_parts(n // len(self.shard_group), 8, z.quantization_block)
+                        pieces = [(len(self.shard_group) * codes, self.shard_group),
+                                  (len(self.shard_group) * scales, self.shard_group)]
+                    else:
+                        pieces = [(n * self.weight_element, part.groups["params"])]
+                    for nbytes, group in pieces:
+                        self.gathering[key] = self.launch(rank, "all_gather", nbytes, group)
         return self.gathering[key]
 
     def zero3_before(self, rank: int, stage: int, blocks: list[Unit], position: int, backward: bool = False) -> None:
@@ -649,7 +795,7 @@ class _Builder:
     @property
     def zero3(self) -> bool:
         """Parameters sharded: gathered before each unit's forward and backward."""
-        return self.degrees is not None and self.degrees.params > 1
+        return any(part.degrees.params > 1 for part in self.zero_parts)
 
     # ------------------------------------------------------------------ passes
     def forward(self, rank: int, stage: int) -> None:
@@ -684,7 +830,7 @@ class _Builder:
         elif exit_region:
             self.collective(rank, COMPUTE, "all_reduce", group, self.activation, "tp")
 
-    def backward(self, rank: int, stage: int, sync: bool, part: str = "B") -> None:
+    def backward(self, rank: int, stage: int, last: bool, part: str = "B") -> None:
         """A stage's backward (part B), or its input-gradient (I) or weight-gradient (W) half (zero bubble)."""
         units = list(reversed(self.units[stage]))
         blocks = [unit for unit in units if unit.index >= 0]
@@ -712,12 +858,15 @@ class _Builder:
             elif part != "W":
                 self.vocab_parallel(rank, "embedding", backward=True)
             if part != "I":
-                self.gradients_ready(rank, stage, unit, sync)
+                self.gradients_ready(rank, stage, unit, last)
 
     def half_block_backward(self, rank: int, unit: Unit) -> None:
         forward, core = self.costs.block[unit.moe], self.costs.core
-        self.compute(rank, forward / 2, "backward")
-        self.tensor_parallel(rank)
+        if unit.moe:
+            self.experts(rank, forward / 2, "backward", backward=True)
+        else:
+            self.compute(rank, forward / 2, "backward")
+            self.tensor_parallel(rank)
         self.norm_gradient(rank)
         self.attention(rank, forward / 2 - core, core, "backward", True)
         self.tensor_parallel(rank)
@@ -725,53 +874,53 @@ class _Builder:
 
     def finish(self, rank: int) -> None:
         """reduce_grads: launch what is left, wait for the communication thread; hybrid shards over replicas."""
-        z = self.config.data_parallel
-        if len(self.dp_group) > 1:
-            stages = range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp)
-            if z.zero_stage == 0:
-                for b, nbytes in enumerate(self.buckets):
-                    if b not in self.launched:
-                        self.pending.append(self.launch(rank, "all_reduce", nbytes, self.dp_group,
-                                                        self.dp_algorithm(nbytes)))
-            elif self.degrees.grads == 1 and len(self.zero_groups["split"]) > 1:
+        stages = range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp)
+        for i, part in enumerate(self.ddp_parts):
+            for b, nbytes in enumerate(part.buckets):
+                if (i, b) not in self.launched:
+                    self.pending.append(self.launch(rank, "all_reduce", nbytes, part.group,
+                                                    self.dp_algorithm(nbytes, len(part.group))))
+        for i, part in enumerate(self.zero_parts):
+            if part.degrees.grads == 1 and len(part.groups["split"]) > 1:
                 for s in stages:
                     for unit in self.units[s]:
-                        if (s, unit.name) not in self.reduced:
-                            for n in self.flat_groups[(s, unit.name)]:
+                        if (i, s, unit.name) not in self.reduced:
+                            for n in part.flat[(s, unit.name)]:
                                 self.pending.append(self.launch(rank, "reduce_scatter", n * self.reduce_element,
-                                                                self.zero_groups["split"]))
-            if self.pending:
-                self.programs[(rank, COMPUTE)].append(Await(self.pending[-1], "dp"))
-            if z.zero_stage:
-                deg, groups = self.degrees, self.zero_groups
-                units = [n for s in stages for unit in self.units[s] for n in self.flat_groups[(s, unit.name)]]
-                if deg.grads > 1 and len(groups["split"]) > 1:  # gradient pieces into optimizer pieces
-                    for n in units:
-                        self.collective(rank, COMPUTE, "reduce_scatter", groups["split"],
-                                        n // deg.grads * self.reduce_element, "dp")
-                if len(groups["replica"]) > 1:
-                    for n in units:
-                        self.collective(rank, COMPUTE, "all_reduce", groups["replica"],
-                                        n // deg.optim * self.reduce_element, "dp")
+                                                                part.groups["split"]))
+        if self.pending:
+            self.programs[(rank, COMPUTE)].append(Await(self.pending[-1], "dp"))
+        for part in self.zero_parts:
+            deg, groups = part.degrees, part.groups
+            pieces = [n for s in stages for unit in self.units[s] for n in part.flat[(s, unit.name)]]
+            if deg.grads > 1 and len(groups["split"]) > 1:  # gradient pieces into optimizer pieces
+                for n in pieces:
+                    self.collective(rank, COMPUTE, "reduce_scatter", groups["split"],
+                                    n // deg.grads * self.reduce_element, "dp")
+            if len(groups["replica"]) > 1:
+                for n in pieces:
+                    self.collective(rank, COMPUTE, "all_reduce", groups["replica"],
+                                    n // deg.optim * self.reduce_element, "dp")
 
     def optimizer(self, rank: int) -> None:
         """AdamW over this rank's (ZeRO: sharded) parameters, memory-bound (offload: the shard's trips to the host
         and, with NVMe, the drives, as the planner prices them); ZeRO-1/2 gather the new weights."""
         z = self.config.data_parallel
         stages = list(range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp))
-        params = sum(e for s in stages for unit in self.units[s] for _, e in unit.params)
-        shards = self.degrees.optim if z.zero_stage else 1
+        shards = {not part.dense: part.degrees.optim for part in self.zero_parts}  # experts? -> optimizer degree
+        params = sum(e / shards.get(False, 1) for s in stages for unit in self.units[s] for _, e in unit.params) + \
+            sum(e / shards.get(True, 1) for s in stages for unit in self.units[s] for _, e in unit.experts)
         bandwidth = self.cluster.accelerator.memory_bandwidth_gbs * 1e9
         if bandwidth and not z.offload:
-            self.compute(rank, 28 * params / shards / bandwidth, "optimizer")
-        self.compute(rank, offload_seconds(self.config, params / shards, self.cluster), "offload")
-        publish = self.zero_groups["publish"] if z.zero_stage else ()
-        if len(publish) > 1:  # the updated optimizer pieces into each rank's parameter piece
-            for s in stages:
-                for unit in self.units[s]:
-                    for n in self.flat_groups[(s, unit.name)]:
-                        self.collective(rank, COMPUTE, "all_gather", publish,
-                                        n // self.degrees.params * self.weight_element, "dp")
+            self.compute(rank, 28 * params / bandwidth, "optimizer")
+        self.compute(rank, offload_seconds(self.config, params, self.cluster), "offload")
+        for part in self.zero_parts:
+            if len(part.groups["publish"]) > 1:  # the updated optimizer pieces into each rank's parameter piece
+                for s in stages:
+                    for unit in self.units[s]:
+                        for n in part.flat[(s, unit.name)]:
+                            self.collective(rank, COMPUTE, "all_gather", part.groups["publish"],
+                                            n // part.degrees.params * self.weight_element, "dp")
 
     # ------------------------------------------------------------------ a rank's step
     def rank_program(self, rank: int) -> None:
@@ -787,8 +936,8 @@ class _Builder:
             stream += [Instruction(P.REDUCE_GRADS), Instruction(P.OPTIMIZER_STEP)]
         self.data_parallel_setup(rank)
         self.pending: list[str] = []
-        self.launched: set[int] = set()
-        self.reduced: set[tuple[int, str]] = set()
+        self.launched: set[tuple[int, int]] = set()  # (DDP part, bucket)
+        self.reduced: set[tuple[int, int, str]] = set()  # (ZeRO part, stage, unit)
         self.gathering: dict[tuple[int, str], str] = {}
         self.root_gathered: set[int] = set()
         wire = self.activation // (d.tp if self.sp else 1)
@@ -816,30 +965,44 @@ class _Builder:
             if receives:
                 self.programs[key].append(Wait(tuple(receives), "pp"))
             posts, receives = [], []
-            # DDP and ZeRO-1 reduce in the last micro-batch's backward without a pipeline (the pipeline's
-            # micro-batches all run under no_sync); ZeRO-2/3 in every one
-            sync = d.pp == 1 and ins.microbatch == m - 1 or (self.degrees is not None and self.degrees.grads > 1)
+            # DDP and whole-gradient ZeRO reduce in the last micro-batch's backward without a pipeline (the
+            # pipeline's micro-batches all run under no_sync); sharded gradients in every one
+            last = d.pp == 1 and ins.microbatch == m - 1
             if ins.op == P.FORWARD:
                 self.forward(rank, ins.stage)
             elif ins.op in (P.BACKWARD, P.BACKWARD_INPUT, P.BACKWARD_WEIGHT):
-                self.backward(rank, ins.stage, sync, ins.op.value)
+                self.backward(rank, ins.stage, last, ins.op.value)
             elif ins.op == P.REDUCE_GRADS:
                 if sends:
                     self.programs[key].append(Wait(tuple(sends), "pp"))
                 self.finish(rank)
             elif ins.op == P.OPTIMIZER_STEP:
                 self.optimizer(rank)
+                self.routing_report(rank)
+
+
+def _dispatch_rows(model: ModelConfig, config: JobConfig, d: Degrees, sp: bool) -> int:
+    """Rows one rank sends to the experts per MoE layer and micro-batch under balanced routing: k per token it
+    holds, fewer where the capacity factor (model/moe.py, per whole sequence) keeps less than k/E of a sequence
+    per expert."""
+    from fivefold.model.moe import expert_capacity
+
+    t = config.train
+    tokens = t.micro_batch_size * (t.seq_len // d.cp) // (d.tp if sp else 1)
+    wanted = model.moe_top_k * tokens
+    capacity = expert_capacity(model, t.seq_len)
+    if capacity:
+        return min(wanted, wanted * capacity * model.n_experts // (model.moe_top_k * t.seq_len))
+    return wanted
 
 
 def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:
-    z, g = config.data_parallel, config.gradient_comm
+    z, g, ep = config.data_parallel, config.gradient_comm, config.expert_parallel
     reasons = []
     if z.mode == "ps":
         reasons.append("data_parallel.mode = ps (parameter servers)")
-    if d.ep * d.etp > 1:
-        reasons.append("expert_parallel.degree > 1 (the all-to-all dispatch)")
-    if config.model.n_experts:
-        reasons.append("model.n_experts > 0 (routed experts' own gradient groups and routing)")
+    if ep.replicas:
+        reasons.append("expert_parallel.replicas > 0 (EPLB's replicated experts and their gradient sums)")
     if g.compression != "none":
         reasons.append(f"gradient_comm.compression = {g.compression}")
     if g.schedule != "fifo":
