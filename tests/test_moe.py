@@ -300,3 +300,24 @@ def test_expert_degrees_that_do_not_fit_the_ranks_are_refused_before_launch(tmp_
     with pytest.raises(ConfigError, match=r"expert_parallel.degree x expert_parallel.tensor = 2 x 2 must divide"):
         check_before_launch(config.validate(), 2)
     check_before_launch(config.validate(), 4)
+
+
+def test_zero_over_experts_held_by_one_rank_each_is_refused_before_launch_and_by_the_planner(tmp_path):
+    """ZeRO shards the routed experts over their expert-data-parallel group: EP 2 on 2 ranks leaves that group one
+    rank, which the launcher and the planner refuse (naming the settings) instead of the ranks at start-up."""
+    from fivefold.plan.cluster import PRESETS
+    from fivefold.plan.estimate import estimate
+    from fivefold.train.launch import check_before_launch
+
+    config = JobConfig()
+    config.model = dataclasses.replace(config.model, n_experts=4)
+    config.expert_parallel = dataclasses.replace(config.expert_parallel, degree=2)
+    config.data_parallel = dataclasses.replace(config.data_parallel, zero_stage=2, shard=2)
+    config.train = dataclasses.replace(config.train, output_dir=str(tmp_path / "run"))
+    message = r"zero_stage = 2 shards the experts .*degree x tensor = 2 x 1 leaves each expert piece on one rank"
+    with pytest.raises(ConfigError, match=message):
+        check_before_launch(config.validate(), 2)
+    with pytest.raises(ConfigError, match=message):
+        estimate(config, 2, PRESETS["h100-sxm"], vocab_size=257)
+    config.data_parallel = dataclasses.replace(config.data_parallel, shard=4)
+    check_before_launch(config.validate(), 4)  # EDP 2

@@ -270,10 +270,15 @@ def token_fiber_size(dims, sequence_parallel: bool) -> int:
 
 
 def check_expert_parallel(model: ModelConfig, ep: int, backend: str, dims_tokens: int | None = None,
-                          etp: int = 1) -> None:
-    """The expert-parallel and expert-tensor-parallel degrees fit the model and the ranks (None: ranks not known yet)."""
+                          etp: int = 1, zero_stage: int = 0) -> None:
+    """The expert-parallel and expert-tensor-parallel degrees fit the model and the ranks (None: ranks not known yet),
+    and ZeRO has an expert-data-parallel group to shard the experts over."""
     if backend not in ALLTOALL_BACKENDS:
         raise ConfigError(f"expert_parallel.alltoall = {backend!r}: one of {', '.join(ALLTOALL_BACKENDS)}")
+    if model.n_experts and zero_stage and dims_tokens is not None and dims_tokens == ep * etp:
+        raise ConfigError(f"data_parallel.zero_stage = {zero_stage} shards the experts over their expert-data-parallel "
+                          f"group, but expert_parallel.degree x tensor = {ep} x {etp} leaves each expert piece on one "
+                          "rank: lower the expert degrees or raise the data-parallel degree")
     if ep == 1 and etp == 1:
         return
     if model.n_experts == 0:

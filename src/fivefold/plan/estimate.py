@@ -206,7 +206,7 @@ def degrees_of(config: JobConfig, gpus: int) -> Degrees:
     dims = dims_for(config, gpus)
     ep, tp = config.expert_parallel, config.tensor_parallel
     check_expert_parallel(config.model, ep.degree, ep.alltoall, token_fiber_size(dims, tp.sequence_parallel and tp.degree > 1),
-                          ep.tensor)
+                          ep.tensor, config.data_parallel.zero_stage if config.data_parallel.mode == "ddp" else 0)
     return Degrees(dims.dp, dims.dp_shard, dims.tp, dims.cp, dims.pp, ep.degree, ep.tensor)
 
 

@@ -301,11 +301,6 @@ class _Builder:
                 self.expert_groups[kind] = {r: tuple(row) for row in rows for r in row}
             self.dispatch_bytes = _dispatch_rows(self.model, config, d, self.sp) * self.model.dim * self.element
             self.alltoall = "pairwise" if config.expert_parallel.alltoall == "pairwise" else "native"
-            if config.data_parallel.zero_stage and len(self.expert_groups["edp"][0]) == 1:
-                raise ConfigError(f"data_parallel.zero_stage = {config.data_parallel.zero_stage} shards the experts over "
-                                  "their expert-data-parallel group, but expert_parallel.degree x tensor = "
-                                  f"{d.ep} x {d.etp} leaves each expert piece on one rank: lower the expert degrees or "
-                                  "raise the data-parallel degree")
         if fidelity == "analytical":
             self.simulated = tuple(self.grid.rank(pp=p) for p in range(d.pp))
         else:

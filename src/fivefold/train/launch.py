@@ -50,7 +50,7 @@ def check_before_launch(config: JobConfig, nproc_per_node: int) -> None:
     if config.data_parallel.mode != "ps":
         ep, tp = config.expert_parallel, config.tensor_parallel
         tokens = token_fiber_size(dims, tp.sequence_parallel and tp.degree > 1)
-        check_expert_parallel(config.model, ep.degree, ep.alltoall, tokens, ep.tensor)
+        check_expert_parallel(config.model, ep.degree, ep.alltoall, tokens, ep.tensor, config.data_parallel.zero_stage)
     if config.data.source != "stdlib":
         list_source_files(config.data.source)
     if config.checkpoint.resume == "none":
