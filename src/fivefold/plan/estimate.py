@@ -250,6 +250,18 @@ class PipelineRuns:
         self._streams: dict = {}
         self._runs: dict = {}
         self._flops: dict = {}
+        self._parameters: dict = {}
+
+    def rank_parameters(self, config: JobConfig, model: ModelConfig, key: tuple, layers: list[int],
+                        first: bool, last: bool, d: Degrees) -> RankParameters:
+        """plan/parameters.py's Ψ of a pipeline rank, counted once per (blocks held, MoE blocks held, first, last)
+        and degrees for the model of the search's candidates (`config.model`, which they share, kept so its id
+        stays its own; `model` is it with the vocabulary known)."""
+        memo = (id(config.model), model.vocab_size, key, d.tp, d.ep, d.etp, d.pp > 1)
+        if memo not in self._parameters or self._parameters[memo][0] is not config.model:
+            self._parameters[memo] = (config.model, rank_parameters(model, layers, first, last, d.tp, d.ep, d.etp,
+                                                                    pipelined=d.pp > 1))
+        return self._parameters[memo][1]
 
     def flops_per_token(self, model: ModelConfig, seq_len: int) -> int:
         """plan/flops.py's count for `model`, counted once per model object of the search (its candidates
@@ -328,7 +340,8 @@ def logits_bytes(tokens: int, vocab: int, held: int, chunk: int = 0) -> int:
     return (held + 1) * 4 * tokens * vocab
 
 
-def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]]) -> list[RankMemory]:
+def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]],
+                    runs: PipelineRuns | None = None) -> list[RankMemory]:
     t = config.train
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
     shape = ActivationShape(t.micro_batch_size, t.seq_len // d.cp, d.tp, sp, t.recompute)
@@ -352,12 +365,16 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
             per_stage = max(sum(kinds[model.is_moe_layer(layer)] for layer in split[s]) for s in stages)
         else:  # a dense rank's states depend only on how many blocks it holds (built only when first seen)
             layers, moe = None, []
-            key = (sum(len(split[s]) for s in stages), 0, first, last)
-            per_stage = max(len(split[s]) for s in stages) * kinds[False]
+            if len(split) == d.pp:  # one stage per rank
+                blocks = most = len(split[rank])
+            else:
+                blocks, most = sum(len(split[s]) for s in stages), max(len(split[s]) for s in stages)
+            key = (blocks, 0, first, last)
+            per_stage = most * kinds[False]
         if key not in states or z.nvme_path:
             layers = layers if layers is not None else [layer for s in stages for layer in split[s]]
         if key not in states:
-            params = rank_parameters(model, layers, first, last, d.tp, d.ep, d.etp, pipelined=d.pp > 1)
+            params = (runs or PipelineRuns()).rank_parameters(config, model, key, layers, first, last, d)
             states[key] = (*_model_states(params, config, d), _buffers(config, model, d, layers, moe, sp), params.total,
                            ddp_bucket_bytes(config, params, d))
         p, g, o, buffers, count, buckets = states[key]
@@ -839,7 +856,7 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
         else [list(range(model.n_layers))]
     shared = runs or PipelineRuns()
     runs = shared if simulate else None
-    memory = memory_per_rank(config, model, d, split)
+    memory = memory_per_rank(config, model, d, split, shared)
     worst = max(range(d.pp), key=lambda r: memory[r].total)
     dtype = compute_dtype(config)
     peak = cluster.accelerator.peak_flops(dtype)

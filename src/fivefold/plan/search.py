@@ -105,14 +105,15 @@ def candidates(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: i
             for recompute, micro, (schedule, virtual) in itertools.product(recomputes, micro_batches, schedules):
                 layers = split_for(pp * virtual) if pp > 1 else []
                 family.append((recompute, micro, per_replica // micro, schedule, virtual, layers))
+            shared = _family(base, tp, cp, dp, ep, zero, off)
             if refuse_families:  # the runtime's data-parallel rules read none of what varies inside a family
                 try:
-                    _layout(base, tp, pp, cp, dp, ep, zero, off, *family[0]).validate_data_parallel()
+                    _member(shared, pp, *family[0]).validate_data_parallel()
                 except ConfigError as exc:
                     yield Refused(len(family), exc)
                     continue
             for member in family:
-                yield _layout(base, tp, pp, cp, dp, ep, zero, off, *member)
+                yield _member(shared, pp, *member)
 
 
 @dataclass(frozen=True)
@@ -123,18 +124,24 @@ class Refused:
     error: ConfigError
 
 
-def _layout(base: JobConfig, tp: int, pp: int, cp: int, dp: int, ep: int, zero: int, offload: bool, recompute: str,
-            micro: int, accum: int, schedule: str, virtual: int, layers: list[int]) -> JobConfig:
+def _family(base: JobConfig, tp: int, cp: int, dp: int, ep: int, zero: int, offload: bool) -> JobConfig:
+    """The sections a family of layouts shares (one object each, for all its members)."""
     r = dataclasses.replace
     return r(base,
-             train=r(base.train, micro_batch_size=micro, grad_accum_steps=accum, recompute=recompute),
              data_parallel=r(base.data_parallel, replicate=1 if zero else dp, shard=dp if zero else 1, zero_stage=zero,
                              offload=offload, param_dtype=_param_dtype(base, zero)),
              tensor_parallel=r(base.tensor_parallel, degree=tp, sequence_parallel=tp > 1),
              context_parallel=r(base.context_parallel, degree=cp),
-             pipeline_parallel=r(base.pipeline_parallel, degree=pp, schedule=schedule, virtual=virtual,
-                                 layers_per_stage=list(layers)),
              expert_parallel=r(base.expert_parallel, degree=ep))
+
+
+def _member(family: JobConfig, pp: int, recompute: str, micro: int, accum: int, schedule: str, virtual: int,
+            layers: list[int]) -> JobConfig:
+    r = dataclasses.replace
+    return r(family,
+             train=r(family.train, micro_batch_size=micro, grad_accum_steps=accum, recompute=recompute),
+             pipeline_parallel=r(family.pipeline_parallel, degree=pp, schedule=schedule, virtual=virtual,
+                                 layers_per_stage=list(layers)))
 
 
 def fit_stages(config: JobConfig, found: Estimate, gpus: int, cluster: ClusterSpec, efficiency: float = 0.5,
