@@ -553,7 +553,6 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
 
     t = config.train
     b, seq, m = t.micro_batch_size, t.seq_len, t.grad_accum_steps
-    tokens = b * seq
     element = 2 if compute_dtype(config) == "bf16" else 4
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
     links = cluster.links()
