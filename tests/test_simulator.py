@@ -156,6 +156,29 @@ def test_ecmp_collisions_of_eight_elephants_on_four_paths():
     assert np.mean(makespans) == pytest.approx(expected_max, abs=0.15)
 
 
+def test_two_jobs_share_an_oversubscribed_uplink_only_when_interleaved():
+    """Two 2-rank ring all-reduces, one rank per node, on 4 nodes under 2 leaves whose single spine uplink runs at
+    NIC speed (16:1). Packed, each job stays under its own leaf and takes exactly its time alone; interleaved,
+    both jobs' flows cross the same uplinks, each gets half of them, and its bandwidth term doubles: the time
+    alone plus the bandwidth share again (2x alone but for the latency, which is not shared)."""
+    from fivefold.sim.collective import simulate_collective
+
+    h100 = PRESETS["h100-sxm"]
+    thin = dataclasses.replace(h100, topology=dataclasses.replace(h100.topology, nodes_per_leaf=2, oversubscription=16))
+    nbytes = 256 << 20
+    packed = simulate_collective(thin, "all_reduce", "ring", 2, nbytes, 8, jobs=2, placement="packed")
+    assert packed.job_members == [(0, 8), (16, 24)]
+    assert packed.job_times == pytest.approx([packed.alone] * 2, rel=1e-9)
+    interleaved = simulate_collective(thin, "all_reduce", "ring", 2, nbytes, 8, jobs=2, placement="interleaved")
+    assert interleaved.job_members == [(0, 16), (8, 24)]
+    alone = interleaved.alone
+    latency = alone - nbytes / h100.inter.bandwidth_gbs / 1e9  # 2 steps of half the vector at NIC speed
+    assert 0 < latency < 0.01 * alone
+    assert interleaved.job_times == pytest.approx([2 * alone - latency] * 2, rel=1e-3)
+    single = simulate_collective(thin, "all_reduce", "ring", 2, nbytes, 16)
+    assert single.time == pytest.approx(alone, rel=1e-9)  # alone is the job by itself on the same nodes
+
+
 def test_spraying_and_path_variation_beat_flow_hashing():
     _, makespan, _, size = _elephants("spray", 0)
     assert makespan == pytest.approx(2 * size / B, rel=1e-9)  # perfectly balanced: 2 flows' worth per path
@@ -296,6 +319,10 @@ def test_every_simulate_option_changes_what_is_simulated(capsys):
     assert halves["formula_seconds"] != pairs["formula_seconds"]  # the formula follows --node-size too
     native = _simulate_json(capsys, "--ranks", "8", "--topology", "nvswitch", "--algorithm", "native", "--bytes", "16M")
     assert native["algorithm"] == "ring"
+    shared = ["--ranks", "2", "--stride", "8", "--nodes-per-leaf", "2", "--oversubscription", "16", "--jobs", "2"]
+    packed, dealt = _simulate_json(capsys, *shared), _simulate_json(capsys, *shared, "--placement", "interleaved")
+    assert packed["jobs"] == 2 and len(packed["job_seconds"]) == 2 and packed["placement"] == "packed"
+    assert max(dealt["job_seconds"]) > 1.9 * dealt["alone_seconds"] > 1.9 * max(packed["job_seconds"]) / 1.01
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -311,6 +338,7 @@ def test_every_simulate_option_changes_what_is_simulated(capsys):
     (["--ranks", "16", "--topology", "nvswitch"], "one node"), (["--ranks", "6", "--topology", "torus_2d"], "torus"),
     (["--ranks", "8", "--collective", "broadcast", "--algorithm", "ring"], "broadcast/ring"),
     (["--ranks", "8", "--cluster", "no-such-cluster"], "--cluster"),
+    (["--ranks", "8", "--jobs", "0"], "--jobs 0"), (["--gpus", "2", "--jobs", "2"], "--jobs and --placement"),
 ])
 def test_simulate_rejects_bad_input_in_one_line(argv, message, capsys):
     from fivefold.cli import main

@@ -15,3 +15,4 @@ COLLECTIVE_ALGORITHMS = {
     "all_to_all": ("pairwise",),
     "broadcast": ("binomial",),
 }
+PLACEMENTS = ("packed", "interleaved")  # collective.py: where several jobs' ranks go

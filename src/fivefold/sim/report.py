@@ -14,7 +14,7 @@ from pathlib import Path
 from fivefold.errors import ConfigError
 from fivefold.plan.efficiency import add_efficiency_arguments, efficiency_from
 from fivefold.units import parse_bytes
-from fivefold.sim.names import COLLECTIVE_ALGORITHMS, FIDELITIES, ROUTINGS, TOPOLOGY_KINDS
+from fivefold.sim.names import COLLECTIVE_ALGORITHMS, FIDELITIES, PLACEMENTS, ROUTINGS, TOPOLOGY_KINDS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="accelerators between consecutive members (8 on 8-GPU nodes: one rank per node)")
     one.add_argument("--bytes", default="256M", help="bytes per rank (the whole vector), e.g. 64M, 1G")
     one.add_argument("--node-size", type=int, default=0, help="hierarchical: ranks per node (default: per node)")
+    one.add_argument("--jobs", type=int, default=1,
+                     help="jobs running the same collective at once on their own accelerators (sharing the fabric)")
+    one.add_argument("--placement", default="packed", choices=PLACEMENTS,
+                     help="packed: each job on a contiguous block; interleaved: the jobs take --stride slots in turn")
     parser.add_argument("--topology", choices=TOPOLOGY_KINDS, help="override the cluster file's topology.kind")
     parser.add_argument("--routing", choices=ROUTINGS, help="override topology.routing")
     parser.add_argument("--oversubscription", type=float, help="override topology.oversubscription")
@@ -78,6 +82,9 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
                           "collective")
     if args.ranks is not None and (args.config or overrides):
         raise ConfigError("--config and --section.key overrides describe a training step: use --gpus, not --ranks")
+    if args.gpus is not None and (args.jobs != 1 or args.placement != "packed"):
+        raise ConfigError("--jobs and --placement place several jobs' collectives (--ranks); a simulated step "
+                          "(--gpus) is one job")
     if args.gpus is not None:
         return run_step(args, overrides or [])
     return run_collective(args)
@@ -177,7 +184,7 @@ def run_collective(args: argparse.Namespace) -> int:
     nbytes = parse_bytes(args.bytes)
     cluster = cluster_with_overrides(args)
     run_ = simulate_collective(cluster, args.collective, args.algorithm, args.ranks, nbytes, args.stride,
-                               args.node_size, record_spans=bool(args.trace))
+                               args.node_size, record_spans=bool(args.trace), jobs=args.jobs, placement=args.placement)
     links = run_.link_utilisation()
     mean = sum(u for _, u in links) / len(links) if links else 0.0
     spec = cluster.topology
@@ -188,7 +195,8 @@ def run_collective(args: argparse.Namespace) -> int:
         "oversubscription": spec.oversubscription, "seconds": run_.time, "formula_seconds": run_.formula,
         "busbw_gbs": run_.bus_bandwidth() / 1e9, "busiest_links": links[:args.top_links],
         "mean_link_utilisation": mean, "bytes_sent": sum(run_.result.pair_bytes.values()),
-        "simulation_wall_seconds": run_.wall_seconds,
+        "simulation_wall_seconds": run_.wall_seconds, "jobs": args.jobs, "placement": args.placement,
+        "job_seconds": run_.job_times, "alone_seconds": run_.alone,
     }
     if args.trace:
         _write_trace(run_.result, args.trace)
@@ -201,6 +209,10 @@ def run_collective(args: argparse.Namespace) -> int:
     print(f"  fabric       {run_.topology.describe()}; routing {spec.routing}, oversubscription {spec.oversubscription:g}")
     print(f"  simulated    {run_.time * 1e3:.3f} ms   bus bandwidth {run_.bus_bandwidth() / 1e9:.1f} GB/s")
     print(f"  alpha-beta   {run_.formula * 1e3:.3f} ms   (comm/cost.py, no contention)   simulated / formula {ratio:.3f}")
+    if args.jobs > 1:
+        times = ", ".join(f"{t * 1e3:.3f}" for t in run_.job_times)
+        print(f"  jobs         {args.jobs} {args.placement}: {times} ms; alone {run_.alone * 1e3:.3f} ms, "
+              f"slowest {max(run_.job_times) / run_.alone:.2f}x alone")
     print(f"  links        {len(links)} used, mean utilisation {mean:.0%}; busiest:")
     for name, utilisation in links[:args.top_links]:
         print(f"    {name:<28} {utilisation:6.1%}")
@@ -208,5 +220,5 @@ def run_collective(args: argparse.Namespace) -> int:
         print(f"  trace        {args.trace} (chrome://tracing or ui.perfetto.dev)")
     print(f"RESULT name=simulate collective={args.collective} algorithm={args.algorithm} ranks={args.ranks} "
           f"seconds={run_.time:.6g} formula_seconds={run_.formula:.6g} ratio={ratio:.4f} "
-          f"wall_seconds={run_.wall_seconds:.3f}")
+          f"jobs={args.jobs} alone_seconds={run_.alone:.6g} wall_seconds={run_.wall_seconds:.3f}")
     return 0
