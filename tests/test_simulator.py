@@ -161,8 +161,6 @@ def test_two_jobs_share_an_oversubscribed_uplink_only_when_interleaved():
     NIC speed (16:1). Packed, each job stays under its own leaf and takes exactly its time alone; interleaved,
     both jobs' flows cross the same uplinks, each gets half of them, and its bandwidth term doubles: the time
     alone plus the bandwidth share again (2x alone but for the latency, which is not shared)."""
-    from fivefold.sim.collective import simulate_collective
-
     h100 = PRESETS["h100-sxm"]
     thin = dataclasses.replace(h100, topology=dataclasses.replace(h100.topology, nodes_per_leaf=2, oversubscription=16))
     nbytes = 256 << 20
@@ -177,6 +175,43 @@ def test_two_jobs_share_an_oversubscribed_uplink_only_when_interleaved():
     assert interleaved.job_times == pytest.approx([2 * alone - latency] * 2, rel=1e-3)
     single = simulate_collective(thin, "all_reduce", "ring", 2, nbytes, 16)
     assert single.time == pytest.approx(alone, rel=1e-9)  # alone is the job by itself on the same nodes
+
+
+def test_aimd_one_flow_averages_three_quarters_of_its_link():
+    """Chiu and Jain's AIMD alone on a link: the rate climbs from half the link to all of it by 1% per interval,
+    halves when it overshoots, and so averages (1 + 1/2) / 2 = 3/4 of the link; max-min gives the whole link."""
+    from fivefold.sim.network import AimdNetwork
+
+    def transfer(network) -> float:
+        programs = {(0, "c"): [Send(1, 1e9, 0), Wait((0,))], (1, "c"): [Recv(0, 1e9, 0), Wait((0,))]}
+        return simulate(programs, network).time
+
+    router = Router(nvswitch(2, 1e9, 0.0))
+    assert transfer(FlowNetwork(router)) == pytest.approx(1.0, rel=1e-9)
+    assert transfer(AimdNetwork(router, interval=1e-3, increase=0.01)) == pytest.approx(4 / 3, rel=2e-3)
+
+
+def test_aimd_flows_sharing_a_link_converge_to_equal_rates():
+    """A flow that starts while another holds the link starts slower; each overshoot halves both rates, and so
+    the gap between them, while additive increase keeps it: the rates become equal (Chiu and Jain 1989)."""
+    from fivefold.sim.network import AimdNetwork
+
+    network = AimdNetwork(Router(nvswitch(3, 1e9, 0.0)), interval=1e-3, increase=0.01)
+    first = network.send(0, 2, 10e9)
+
+    def run_until(t: float) -> dict[int, float]:
+        while network.next_event() < t:
+            network.advance(network.next_event())
+        network.advance(t)
+        return network.rates()
+
+    run_until(0.3)
+    second = network.send(1, 2, 10e9)
+    early = run_until(0.31)
+    assert early[first] > 1.5 * early[second]
+    late = run_until(1.0)
+    assert late[first] == pytest.approx(late[second], rel=1e-6)
+    assert late[first] + late[second] <= 1e9 * (1 + 1e-9)
 
 
 def test_spraying_and_path_variation_beat_flow_hashing():
@@ -323,6 +358,9 @@ def test_every_simulate_option_changes_what_is_simulated(capsys):
     packed, dealt = _simulate_json(capsys, *shared), _simulate_json(capsys, *shared, "--placement", "interleaved")
     assert packed["jobs"] == 2 and len(packed["job_seconds"]) == 2 and packed["placement"] == "packed"
     assert max(dealt["job_seconds"]) > 1.9 * dealt["alone_seconds"] > 1.9 * max(packed["job_seconds"]) / 1.01
+    controlled = _simulate_json(capsys, "--ranks", "2", "--stride", "8", "--congestion", "aimd")
+    assert controlled["congestion"] == "aimd"
+    assert controlled["seconds"] > 1.2 * _simulate_json(capsys, "--ranks", "2", "--stride", "8")["seconds"]
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -339,6 +377,7 @@ def test_every_simulate_option_changes_what_is_simulated(capsys):
     (["--ranks", "8", "--collective", "broadcast", "--algorithm", "ring"], "broadcast/ring"),
     (["--ranks", "8", "--cluster", "no-such-cluster"], "--cluster"),
     (["--ranks", "8", "--jobs", "0"], "--jobs 0"), (["--gpus", "2", "--jobs", "2"], "--jobs and --placement"),
+    (["--gpus", "2", "--fidelity", "analytical", "--congestion", "aimd"], "no shared links"),
 ])
 def test_simulate_rejects_bad_input_in_one_line(argv, message, capsys):
     from fivefold.cli import main

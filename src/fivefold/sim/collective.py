@@ -24,7 +24,7 @@ from fivefold.errors import ConfigError
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.sim.engine import SimResult, simulate
 from fivefold.sim.names import PLACEMENTS
-from fivefold.sim.network import FlowNetwork
+from fivefold.sim.network import flow_network
 from fivefold.sim.routing import cluster_router
 from fivefold.sim.topology import Topology
 from fivefold.sim.trace import as_streams, collective_programs, resolve_algorithm
@@ -80,7 +80,7 @@ def job_placement(ranks: int, stride: int, jobs: int, placement: str) -> list[tu
 
 def simulate_collective(cluster: ClusterSpec, collective: str, algorithm: str, ranks: int, nbytes: int,
                         stride: int = 1, node_size: int = 0, record_spans: bool = True, jobs: int = 1,
-                        placement: str = "packed") -> CollectiveRun:
+                        placement: str = "packed", congestion: str = "none") -> CollectiveRun:
     """Simulate one fp32 collective of `nbytes` per rank over `ranks` ranks placed `stride` accelerators apart,
     run by each of `jobs` jobs at once (placed as `placement` says; see the module docstring).
 
@@ -101,12 +101,12 @@ def simulate_collective(cluster: ClusterSpec, collective: str, algorithm: str, r
     for job in placed:
         programs.update(as_streams(collective_programs(collective, algorithm, job, nbytes, node_size=node_size)))
     start = time.perf_counter()
-    result = simulate(programs, FlowNetwork(router), record_spans)
+    result = simulate(programs, flow_network(router, congestion), record_spans)
     wall = time.perf_counter() - start
     job_times = [max(result.finish[(rank, "comm")] for rank in job) for job in placed]
     alone = result.time if jobs == 1 else simulate(
         as_streams(collective_programs(collective, algorithm, members, nbytes, node_size=node_size)),
-        FlowNetwork(router), False).time
+        flow_network(router, congestion), False).time
     links = replace(cluster.links(), node_size=node_size if algorithm == "hierarchical" else per_node)
     try:
         formula = predict_collective(collective, algorithm, nbytes, ranks, links)

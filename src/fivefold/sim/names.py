@@ -15,4 +15,5 @@ COLLECTIVE_ALGORITHMS = {
     "all_to_all": ("pairwise",),
     "broadcast": ("binomial",),
 }
+CONGESTION = ("none", "aimd")  # network.py: max-min fair at once, or AIMD rate control
 PLACEMENTS = ("packed", "interleaved")  # collective.py: where several jobs' ranks go

@@ -7,7 +7,8 @@ together until some link is full; the flows crossing it are frozen at that rate;
 rising until every flow crosses a full link. A sprayed flow uses each link in proportion to the
 share of it the link carries (weighted progressive filling). Rates are recomputed whenever a flow
 starts or ends, the standard flow-level approximation of a packet network (what SimGrid and
-ASTRA-sim's analytical backend do): no packets, no queues, no congestion control.
+ASTRA-sim's analytical backend do): no packets, no queues. `AimdNetwork` replaces the instant
+max-min rates by a rate-based congestion controller (additive increase, multiplicative decrease).
 
 In isolation a message of n bytes takes latency + n / bandwidth over its slowest link: the alpha-
 beta model. The network also counts the bytes each link carried, for utilisation.
@@ -207,6 +208,16 @@ class FlowNetwork:
         return out
 
 
+def flow_network(router: Router, congestion: str = "none") -> FlowNetwork:
+    """The flow-level network with the rate law `congestion` names (CONGESTION in names.py)."""
+    from fivefold.errors import ConfigError
+    from fivefold.sim.names import CONGESTION
+
+    if congestion not in CONGESTION:
+        raise ConfigError(f"--congestion {congestion!r}: use one of {', '.join(CONGESTION)}")
+    return AimdNetwork(router) if congestion == "aimd" else FlowNetwork(router)
+
+
 def max_min_rates(flow_of: np.ndarray, link_of: np.ndarray, weight: np.ndarray, capacity: np.ndarray,
                   flows: int) -> np.ndarray:
     """Weighted max-min fair rates by progressive filling.
@@ -279,3 +290,91 @@ class DedicatedNetwork:
     @property
     def busy(self) -> bool:
         return bool(self._arrivals)
+
+
+@dataclass
+class AimdNetwork(FlowNetwork):
+    """FlowNetwork with rate-based congestion control in place of instant max-min fairness (the AIMD law of
+    Chiu and Jain 1989, as rate-based controllers such as DCQCN apply it per flow).
+
+    Each flow sends at its own rate. Every `interval` seconds each flow whose path crossed an overloaded
+    link (offered load above capacity) cuts its rate by the factor `decrease`; every other flow adds
+    `increase` times its path's slowest link. A link offered more than its capacity delivers it, shared
+    in proportion to the offered rates, so a flow gets its rate times its most overloaded link's
+    capacity / load. A new flow starts at `decrease` times its path's slowest link. Known behaviours
+    (tests/test_simulator.py): one flow alone saws between `decrease` x and 1 x the link, so it averages
+    (1 + decrease) / 2 of it; flows sharing a link converge to equal rates."""
+
+    interval: float = 10e-6
+    increase: float = 0.01
+    decrease: float = 0.5
+    _tick: float = field(default=float("inf"), init=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, value, ok in (("interval", self.interval, self.interval > 0),
+                                ("increase", self.increase, 0 < self.increase <= 1),
+                                ("decrease", self.decrease, 0 < self.decrease < 1)):
+            if not ok:
+                raise ValueError(f"AIMD {name} = {value}: interval > 0, 0 < increase <= 1, 0 < decrease < 1")
+        self._window = np.zeros(0)  # offered rate per slot
+        self._line = np.zeros(0)  # the path's slowest link per slot
+
+    def _slot(self) -> int:
+        slot = super()._slot()
+        if len(self._window) < len(self._left):
+            grown = len(self._left) - len(self._window)
+            self._window = np.concatenate([self._window, np.zeros(grown)])
+            self._line = np.concatenate([self._line, np.zeros(grown)])
+        self._new.append(slot)
+        return slot
+
+    def _start(self, flows: list[_Flow]) -> None:
+        self._new: list[int] = []
+        super()._start(flows)
+        new = np.array(self._new, dtype=np.int64)
+        line = np.full(len(self._rate), np.inf)
+        np.minimum.at(line, self._pair_slot, self._capacity[self._pair_link] / self._pair_weight)
+        self._line[new] = line[new]
+        self._window[new] = self.decrease * line[new]
+        if self._tick == float("inf"):
+            self._tick = self.now + self.interval
+
+    def _loads(self) -> np.ndarray:
+        return np.bincount(self._pair_link, self._pair_weight * self._window[self._pair_slot],
+                           minlength=len(self._capacity))
+
+    def _update_rates(self) -> None:
+        """Each flow's delivered rate: its offered rate, thinned by its most overloaded link."""
+        self._rate[:] = 0.0
+        self._next_end = float("inf")
+        if len(self._pair_slot):
+            load = self._loads()
+            share = np.ones(len(load))
+            over = load > self._capacity
+            share[over] = self._capacity[over] / load[over]
+            factor = np.ones(len(self._rate))
+            np.minimum.at(factor, self._pair_slot, share[self._pair_link])
+            self._rate[:] = np.where(self._active, self._window * factor, 0.0)
+            self._schedule_end()
+
+    def next_event(self) -> float:
+        return min(super().next_event(), self._tick if len(self._pair_slot) else float("inf"))
+
+    def advance(self, until: float) -> list[int]:
+        control = until >= self._tick and len(self._pair_slot) > 0
+        delivered = super().advance(until)
+        if not len(self._pair_slot):
+            self._tick = float("inf")
+        elif control:
+            self._sync()
+            congested = np.zeros(len(self._rate), dtype=bool)
+            over = self._loads() > self._capacity * (1 + 1e-9)
+            congested[self._pair_slot[over[self._pair_link]]] = True
+            active = self._active
+            self._window[active & congested] *= self.decrease
+            grow = active & ~congested
+            self._window[grow] += self.increase * self._line[grow]
+            self._tick = self.now + self.interval
+            self._update_rates()
+        return delivered

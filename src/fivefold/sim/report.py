@@ -14,7 +14,7 @@ from pathlib import Path
 from fivefold.errors import ConfigError
 from fivefold.plan.efficiency import add_efficiency_arguments, efficiency_from
 from fivefold.units import parse_bytes
-from fivefold.sim.names import COLLECTIVE_ALGORITHMS, FIDELITIES, PLACEMENTS, ROUTINGS, TOPOLOGY_KINDS
+from fivefold.sim.names import COLLECTIVE_ALGORITHMS, CONGESTION, FIDELITIES, PLACEMENTS, ROUTINGS, TOPOLOGY_KINDS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spines", type=int, help="override topology.spines")
     parser.add_argument("--subflows", type=int, help="override topology.subflows (ecmp_paths)")
     parser.add_argument("--seed", type=int, help="override topology.seed (the ECMP hash)")
+    parser.add_argument("--congestion", default="none", choices=CONGESTION,
+                        help="none: flows share links max-min fairly at once; aimd: each flow's rate is set by "
+                             "additive increase / multiplicative decrease every 10 us (sim/network.py AimdNetwork)")
     parser.add_argument("--trace", help="write the simulated timeline as a Chrome trace (JSON) here")
     parser.add_argument("--top-links", type=int, default=5, help="busiest links to list")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
@@ -107,13 +110,14 @@ def run_step(args: argparse.Namespace, overrides: list[str]) -> int:
     cluster = cluster_with_overrides(args)
     efficiency = efficiency_from(args)
     run_ = simulate_step(config, args.gpus, cluster, efficiency, args.fidelity, args.vocab_size,
-                         record_spans=bool(args.trace or args.plot))
+                         record_spans=bool(args.trace or args.plot), congestion=args.congestion)
     phases = run_.breakdown()
     links = run_.link_utilisation()
     work, spec = run_.workload, cluster.topology
     summary = {
         "gpus": args.gpus, "layout": work.degrees.describe(), "cluster": cluster.name, "topology": spec.kind,
         "fabric": run_.topology.describe(), "routing": spec.routing, "fidelity": args.fidelity,
+        "congestion": args.congestion,
         "efficiency": efficiency.matmul, "attention_efficiency": efficiency.core, "seconds": run_.time,
         "phases_seconds": phases,
         "slowest_rank": run_.slowest_rank, "simulated_ranks": len(work.simulated),
@@ -184,14 +188,15 @@ def run_collective(args: argparse.Namespace) -> int:
     nbytes = parse_bytes(args.bytes)
     cluster = cluster_with_overrides(args)
     run_ = simulate_collective(cluster, args.collective, args.algorithm, args.ranks, nbytes, args.stride,
-                               args.node_size, record_spans=bool(args.trace), jobs=args.jobs, placement=args.placement)
+                               args.node_size, record_spans=bool(args.trace), jobs=args.jobs, placement=args.placement,
+                               congestion=args.congestion)
     links = run_.link_utilisation()
     mean = sum(u for _, u in links) / len(links) if links else 0.0
     spec = cluster.topology
     summary = {
         "collective": args.collective, "algorithm": run_.algorithm, "ranks": args.ranks, "stride": args.stride,
         "bytes": run_.nbytes, "cluster": cluster.name, "topology": spec.kind, "fabric": run_.topology.describe(),
-        "routing": spec.routing, "subflows": spec.subflows, "seed": spec.seed,
+        "routing": spec.routing, "subflows": spec.subflows, "seed": spec.seed, "congestion": args.congestion,
         "oversubscription": spec.oversubscription, "seconds": run_.time, "formula_seconds": run_.formula,
         "busbw_gbs": run_.bus_bandwidth() / 1e9, "busiest_links": links[:args.top_links],
         "mean_link_utilisation": mean, "bytes_sent": sum(run_.result.pair_bytes.values()),

@@ -19,11 +19,12 @@ import time
 from dataclasses import dataclass
 
 from fivefold.config.schema import JobConfig
+from fivefold.errors import ConfigError
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency
 from fivefold.sim.collective import link_utilisation
 from fivefold.sim.engine import SimResult, simulate
-from fivefold.sim.network import DedicatedNetwork, FlowNetwork
+from fivefold.sim.network import DedicatedNetwork, flow_network
 from fivefold.sim.routing import cluster_router
 from fivefold.sim.topology import Topology
 from fivefold.sim.workload import COMPUTE, Workload, build_workload
@@ -66,13 +67,17 @@ class StepRun:
 
 
 def simulate_step(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency = 0.5,
-                  fidelity: str = "hybrid", vocab_size: int = 0, record_spans: bool = True) -> StepRun:
+                  fidelity: str = "hybrid", vocab_size: int = 0, record_spans: bool = True,
+                  congestion: str = "none") -> StepRun:
     """Simulate one optimizer step of `config` on `gpus` accelerators of `cluster` (see workload.py);
     record_spans=False keeps each stream's seconds per label (the breakdown) but not every span (the trace)."""
     start = time.perf_counter()
     router = cluster_router(cluster, gpus)
     workload = build_workload(config, gpus, cluster, efficiency, fidelity, vocab_size, router)
-    network = DedicatedNetwork(router) if fidelity == "analytical" else FlowNetwork(router)
+    if fidelity == "analytical" and congestion != "none":
+        raise ConfigError(f"--congestion {congestion}: the analytical path has no shared links to control; use "
+                          "--fidelity flow, hybrid or aggregate")
+    network = DedicatedNetwork(router) if fidelity == "analytical" else flow_network(router, congestion)
     built = time.perf_counter()
     result = simulate(workload.programs, network, record_spans)
     return StepRun(workload, router.topology, result, built - start, time.perf_counter() - built)
