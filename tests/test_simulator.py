@@ -377,6 +377,7 @@ def test_every_simulate_option_changes_what_is_simulated(capsys):
     (["--ranks", "8", "--collective", "broadcast", "--algorithm", "ring"], "broadcast/ring"),
     (["--ranks", "8", "--cluster", "no-such-cluster"], "--cluster"),
     (["--ranks", "8", "--jobs", "0"], "--jobs 0"), (["--gpus", "2", "--jobs", "2"], "--jobs and --placement"),
+    (["--ranks", "8", "--placement", "interleaved"], "give --jobs 2 or more"),
     (["--gpus", "2", "--fidelity", "analytical", "--congestion", "aimd"], "no shared links"),
 ])
 def test_simulate_rejects_bad_input_in_one_line(argv, message, capsys):

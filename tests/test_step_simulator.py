@@ -246,6 +246,8 @@ def test_every_step_option_changes_what_is_simulated(capsys):
     thin = _step_json(capsys, *base, "--oversubscription", "8", "--nodes-per-leaf", "1")
     assert thin["phases_seconds"]["dp"] > plain["phases_seconds"]["dp"]  # cluster overrides reach the step too
     assert _step_json(capsys, *base, "--routing", "spray")["routing"] == "spray"
+    controlled = _step_json(capsys, *base, "--fidelity", "flow", "--congestion", "aimd")
+    assert controlled["congestion"] == "aimd" and controlled["seconds"] > flow["seconds"]
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -241,7 +241,8 @@ def _block_activations(model: ModelConfig, layer: int, shape: ActivationShape, d
 
 
 class PipelineRuns:
-    """The schedules' instruction streams and their simulations, shared by the estimates of one search.
+    """The schedules' instruction streams and their simulations, shared by the estimates of one search (with the
+    search's model FLOP count and pipeline ranks' parameter counts).
 
     A makespan scales with its costs, so runs are kept per schedule shape and cost *ratios* (rounded
     to 0.1%): candidates that differ only in ZeRO stage or offload, or in absolute speed, share one run."""
@@ -343,6 +344,7 @@ def logits_bytes(tokens: int, vocab: int, held: int, chunk: int = 0) -> int:
 def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]],
                     runs: PipelineRuns | None = None) -> list[RankMemory]:
     t = config.train
+    runs = runs or PipelineRuns()
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
     shape = ActivationShape(t.micro_batch_size, t.seq_len // d.cp, d.tp, sp, t.recompute)
     element = 2 if compute_dtype(config) == "bf16" else 4
@@ -374,7 +376,7 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
         if key not in states or z.nvme_path:
             layers = layers if layers is not None else [layer for s in stages for layer in split[s]]
         if key not in states:
-            params = (runs or PipelineRuns()).rank_parameters(config, model, key, layers, first, last, d)
+            params = runs.rank_parameters(config, model, key, layers, first, last, d)
             states[key] = (*_model_states(params, config, d), _buffers(config, model, d, layers, moe, sp), params.total,
                            ddp_bucket_bytes(config, params, d))
         p, g, o, buffers, count, buckets = states[key]
@@ -503,6 +505,21 @@ class PassCosts:
     head: float
 
 
+def dispatch_rows(model: ModelConfig, config: JobConfig, d: Degrees) -> int:
+    """Rows one rank sends to the experts per MoE layer and micro-batch under balanced routing: k per token it
+    holds, fewer where the capacity factor (model/moe.py, per whole sequence) keeps less than k/E of a sequence
+    per expert."""
+    from fivefold.model.moe import expert_capacity
+
+    t = config.train
+    sp = config.tensor_parallel.sequence_parallel and d.tp > 1
+    wanted = model.moe_top_k * t.micro_batch_size * (t.seq_len // d.cp) // (d.tp if sp else 1)
+    capacity = expert_capacity(model, t.seq_len)
+    if capacity:
+        return min(wanted, wanted * capacity * model.n_experts // (model.moe_top_k * t.seq_len))
+    return wanted
+
+
 def _expert_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, element: int,
                            cluster: ClusterSpec) -> tuple[float, float]:
     """(forward, backward) seconds of one MoE block's exchanges (parallel/expert_parallel.py), balanced routing:
@@ -511,8 +528,8 @@ def _expert_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, el
     the ETP group (etp x the rows each way)."""
     if not model.n_experts or d.ep * d.etp == 1:
         return 0.0, 0.0
-    t, sp = config.train, config.tensor_parallel.sequence_parallel and d.tp > 1
-    rows = model.moe_top_k * t.micro_batch_size * (t.seq_len // d.cp) // (d.tp if sp else 1) * model.dim * element
+    sp = config.tensor_parallel.sequence_parallel and d.tp > 1
+    rows = dispatch_rows(model, config, d) * model.dim * element
     stride = 1 if sp else d.tp  # the EP group's ranks are etp apart in the token fiber
     seconds, counts = 0.0, 0.0
     if d.ep > 1:

@@ -90,6 +90,8 @@ def simulate_collective(cluster: ClusterSpec, collective: str, algorithm: str, r
                              ("--node-size", node_size, 0), ("--jobs", jobs, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(f"{name} {value!r}: must be an integer >= {low}")
+    if placement != "packed" and jobs == 1:
+        raise ConfigError(f"--placement {placement} places several jobs: give --jobs 2 or more")
     algorithm = resolve_algorithm(collective, algorithm)
     placed = job_placement(ranks, stride, jobs, placement)
     members = placed[0]

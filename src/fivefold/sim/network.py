@@ -319,6 +319,7 @@ class AimdNetwork(FlowNetwork):
                 raise ValueError(f"AIMD {name} = {value}: interval > 0, 0 < increase <= 1, 0 < decrease < 1")
         self._window = np.zeros(0)  # offered rate per slot
         self._line = np.zeros(0)  # the path's slowest link per slot
+        self._new: list[int] = []  # slots taken by the flows `_start` is starting
 
     def _slot(self) -> int:
         slot = super()._slot()
@@ -330,7 +331,7 @@ class AimdNetwork(FlowNetwork):
         return slot
 
     def _start(self, flows: list[_Flow]) -> None:
-        self._new: list[int] = []
+        self._new = []
         super()._start(flows)
         new = np.array(self._new, dtype=np.int64)
         line = np.full(len(self._rate), np.inf)

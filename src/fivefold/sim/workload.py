@@ -69,8 +69,8 @@ from fivefold.parallel.mesh import MESH_DIMS
 from fivefold.parallel.shard_layout import GROUP_KINDS
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
-from fivefold.plan.estimate import (Degrees, PassCosts, compute_dtype, degrees_of, model_for, offload_seconds, zero_degrees,
-                                    pass_costs)
+from fivefold.plan.estimate import (Degrees, PassCosts, compute_dtype, degrees_of, dispatch_rows, model_for, offload_seconds,
+                                    pass_costs, zero_degrees)
 from fivefold.plan.parameters import padded_vocab
 from fivefold.plan.zero_traffic import quantized_parts
 from fivefold.sim.names import FIDELITIES
@@ -299,7 +299,7 @@ class _Builder:
             fibers = self.grid.token_fibers(self.sp or d.tp == 1)
             for kind, rows in expert_rows(fibers, d.ep, d.etp).items():
                 self.expert_groups[kind] = {r: tuple(row) for row in rows for r in row}
-            self.dispatch_bytes = _dispatch_rows(self.model, config, d, self.sp) * self.model.dim * self.element
+            self.dispatch_bytes = dispatch_rows(self.model, config, d) * self.model.dim * self.element
             self.alltoall = "pairwise" if config.expert_parallel.alltoall == "pairwise" else "native"
         if fidelity == "analytical":
             self.simulated = tuple(self.grid.rank(pp=p) for p in range(d.pp))
@@ -503,11 +503,15 @@ class _Builder:
         m, t = self.model, self.config.train
         split = ("tp",) if self.sp else ()
         if m.moe_aux_loss == "switch":
-            group = self.grid.group(rank, ("dp_replicate", "dp_shard", "cp") + split)
+            group = self.token_group(rank)
             self.collective(rank, COMPUTE, "all_reduce", group, 8 * m.n_experts, "ep")
         else:
             group = self.grid.group(rank, ("cp",) + split)
             self.collective(rank, COMPUTE, "all_reduce", group, 4 * t.micro_batch_size * m.n_experts, "ep")
+
+    def token_group(self, rank: int) -> tuple[int, ...]:
+        """The ranks holding the distinct tokens of `rank`'s micro-batch (RoutingGroups.tokens)."""
+        return self.grid.group(rank, ("dp_replicate", "dp_shard", "cp") + (("tp",) if self.sp else ()))
 
     def routing_report(self, rank: int) -> None:
         """train/routing_report.py: after the step, the stage's MoE layers' loads and counts ((E + 4) float64
@@ -515,8 +519,8 @@ class _Builder:
         stages = range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp)
         layers = sum(unit.moe for s in stages for unit in self.units[s])
         if layers:
-            group = self.grid.group(rank, ("dp_replicate", "dp_shard", "cp") + (("tp",) if self.sp else ()))
-            self.collective(rank, COMPUTE, "all_reduce", group, layers * (self.model.n_experts + 4) * 8, "ep")
+            self.collective(rank, COMPUTE, "all_reduce", self.token_group(rank), layers * (self.model.n_experts + 4) * 8,
+                            "ep")
 
     def overlapped_half(self, rank: int, half: str, forward: float, core: float, scale: float, label: str,
                         backward: bool) -> None:
@@ -974,21 +978,6 @@ class _Builder:
             elif ins.op == P.OPTIMIZER_STEP:
                 self.optimizer(rank)
                 self.routing_report(rank)
-
-
-def _dispatch_rows(model: ModelConfig, config: JobConfig, d: Degrees, sp: bool) -> int:
-    """Rows one rank sends to the experts per MoE layer and micro-batch under balanced routing: k per token it
-    holds, fewer where the capacity factor (model/moe.py, per whole sequence) keeps less than k/E of a sequence
-    per expert."""
-    from fivefold.model.moe import expert_capacity
-
-    t = config.train
-    tokens = t.micro_batch_size * (t.seq_len // d.cp) // (d.tp if sp else 1)
-    wanted = model.moe_top_k * tokens
-    capacity = expert_capacity(model, t.seq_len)
-    if capacity:
-        return min(wanted, wanted * capacity * model.n_experts // (model.moe_top_k * t.seq_len))
-    return wanted
 
 
 def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:
