@@ -2,21 +2,26 @@
 on this machine.
 
 For each world size the ranks first describe this machine as the planner sees it: links fitted by
-ping-pong (comm/measure.py), each gloo collective's own link (comm/bench.py measure_native_links) and the matmul rate each rank achieves while the others compute too
-and memory bandwidth (comm/bench.py matmul_tflops, memory_gbs), so the cluster file is fitted with the contention the layouts meet.
-Then each layout builds the real Trainer (configs/tiny.toml's model on the embedded corpus, shrunk
-by the options), takes warm-up steps and times more (wall clock, slowest rank, median), and the
-planner predicts the same config on that cluster. The achieved share of the matmul rate (the
-planner's --efficiency) is fitted once, on the one-rank layout with no recomputation, and used for
-every other layout, so the table checks everything the planner adds: parallel splits, communication,
-recomputation, the pipeline bubble.
+ping-pong (comm/measure.py) and each gloo collective's own link (comm/bench.py measure_native_links,
+at the sizes a step sends). Then every layout builds the real Trainer (configs/tiny.toml's model on the
+embedded corpus, shrunk by the options), takes warm-up steps, and is timed in rotating rounds: one step
+of each layout per round, the order rotated, and the matmul rate and memory bandwidth each rank
+achieves while the others compute too (comm/bench.py matmul_tflops, memory_gbs) measured again each
+round; a layout's time is the median over rounds of its slowest rank's step. Rounds put a slow spell of
+this shared machine on every layout alike. The planner predicts each config on that cluster with two
+compute constants fitted on the one-rank layouts only (`fit_compute`): the achieved share of the
+matmul rate (--efficiency) and a block pass's fixed host cost (accelerator.pass_overhead_us; one
+thread's work, so it grows by ranks / cores once the ranks outnumber the cores). Every multi-rank
+layout is predicted with no further fitting, so those rows check everything the planner adds:
+parallel splits, communication, recomputation, the pipeline bubble.
 
     python benchmarks/plan_vs_measured.py                    # the table of docs/planner.md
     python benchmarks/plan_vs_measured.py --steps 2 --quick  # a few layouts (the test's run)
     python benchmarks/plan_vs_measured.py --replay rows.json # predict an earlier run's --json again
 
 Prints one row per layout (predicted, measured, error) and
-RESULT name=plan_vs_measured layouts=N median_abs_error=... worst_abs_error=... kendall_tau=... best_gap=...
+RESULT name=plan_vs_measured layouts=N efficiency=... overhead_us=... median_abs_error=...
+       multi_rank_median_abs_error=... within_10pct=... worst_abs_error=... kendall_tau=... best_gap=...
        sim_median_abs_error=... sim_worst_abs_error=... sim_within_10pct=...
 (the sim_ figures: `fivefold simulate`'s step, sim/step.py at flow level, on the same fitted cluster and
 efficiency: the same compute model, the runtime's own collectives and their overlap played out)
@@ -102,7 +107,9 @@ QUICK = {"single", "single-full", "dp2", "tp2", "pp2-1f1b"}
 
 
 def _measure(rank: int, world_size: int, job) -> dict:
-    """On every rank: fit the links and the matmul rate, then time each layout's steps."""
+    """On every rank: fit the links, then time every layout's steps in rotating rounds (one step of each
+    layout per round, the order rotated, the matmul rate and memory bandwidth measured again each round)
+    so that a slow spell of this shared machine lands on all layouts and rates alike; medians over rounds."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch
     import torch.distributed as dist
@@ -116,24 +123,30 @@ def _measure(rank: int, world_size: int, job) -> dict:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     links = measure_cluster(Ranks.world(), world_size) if world_size > 1 else None
     native = measure_native_links(torch.device("cpu")) if world_size > 1 else {}
-    rates = {dtype: matmul_tflops(dtype, torch.device("cpu")) for dtype in ("fp32", "bf16")}
-    bandwidth = memory_gbs(torch.device("cpu"))
-    times = {}
-    for name, config in configs:
-        trainer = Trainer(config)
-        samples = []
-        for step in range(warmup + steps):
+    trainers = {name: Trainer(config) for name, config in configs}
+    for trainer in trainers.values():
+        for _ in range(warmup):
+            trainer.train_step()
+    samples: dict[str, list[float]] = {name: [] for name in trainers}
+    rates: dict[str, list[float]] = {"fp32": [], "bf16": []}
+    bandwidths = []
+    names = list(trainers)
+    for round_ in range(steps):
+        for dtype in rates:
+            rates[dtype].append(matmul_tflops(dtype, torch.device("cpu"), seconds=0.2))
+        bandwidths.append(memory_gbs(torch.device("cpu"), seconds=0.2))
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
             dist.barrier()
             start = time.perf_counter()
-            trainer.train_step()
+            trainers[name].train_step()
             elapsed = torch.tensor(time.perf_counter() - start)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if step >= warmup:
-                samples.append(float(elapsed))
-        times[name] = statistics.median(samples)
+            samples[name].append(float(elapsed))
     return {"links": dataclasses.asdict(links) if links else None,
             "native": {name: dataclasses.asdict(link) for name, link in native.items()},
-            "rates": rates, "memory_gbs": bandwidth, "times": times}
+            "rates": {dtype: statistics.median(values) for dtype, values in rates.items()},
+            "memory_gbs": statistics.median(bandwidths),
+            "times": {name: statistics.median(values) for name, values in samples.items()}, "cores": os.cpu_count() or 1}
 
 
 def _cluster(world_size: int, measured: dict):
@@ -148,17 +161,41 @@ def _cluster(world_size: int, measured: dict):
                        collectives={name: spec(native) for name, native in measured.get("native", {}).items()})
 
 
-def fit_efficiency(rows: list[dict]) -> tuple[float, dict]:
-    """The achieved share of the matmul rate, fitted on the one-rank plain layout (or the first row). The
-    planner's step is t(e) = M / e + R (the matmul seconds M at full rate and the rest R, read off two
-    estimates); solve t(e) = measured."""
+def fit_compute(rows: list[dict]) -> tuple[float, float, list[dict]]:
+    """The planner's two compute constants, fitted on the one-rank layouts only: the achieved share e of the
+    matmul rate (--efficiency) and the fixed host cost o of a block's forward pass (the cluster's
+    accelerator.pass_overhead_us). The planner's one-rank step is linear in 1/e and o,
+    t = M / e + O o + R (M, O and R read off three estimates), so the relative errors' least squares
+    has a closed form. Multi-rank layouts then predict with no further fitting."""
     from fivefold.plan.estimate import estimate
 
-    anchor = next((r for r in rows if r["name"] == "single"), rows[0])
-    full = estimate(anchor["config"], anchor["world_size"], anchor["cluster"], 1.0, vocab_size=257).time.total
-    half = estimate(anchor["config"], anchor["world_size"], anchor["cluster"], 0.5, vocab_size=257).time.total
-    matmuls, rest = half - full, 2 * full - half
-    return min(1.0, matmuls / max(anchor["measured"] - rest, 1e-12)), anchor
+    anchors = [r for r in rows if r["world_size"] == 1] or rows[:1]
+    system = []
+    for row in anchors:
+        def at(e: float, o: float) -> float:
+            cluster = with_overhead(row["cluster"], o)
+            return estimate(row["config"], row["world_size"], cluster, e, vocab_size=257).time.total
+        base = at(1.0, 0.0)
+        matmuls, overhead = at(0.5, 0.0) - base, at(1.0, 1.0) - base  # seconds per unit of 1/e - 1, per us of o
+        system.append((matmuls, overhead, base - matmuls, row["measured"]))
+    if len(system) == 1:  # one layout: the share alone
+        m, _, r, t = system[0]
+        return min(1.0, m / max(t - r, 1e-12)), 0.0, anchors
+    # minimise sum ((m x + v o + r - t) / t)^2 over x = 1/e and o
+    sxx = sum((m / t) ** 2 for m, v, r, t in system)
+    sxo = sum(m * v / t**2 for m, v, r, t in system)
+    soo = sum((v / t) ** 2 for m, v, r, t in system)
+    sxy = sum(m * (t - r) / t**2 for m, v, r, t in system)
+    soy = sum(v * (t - r) / t**2 for m, v, r, t in system)
+    det = sxx * soo - sxo**2
+    x, o = (sxy * soo - soy * sxo) / det, (soy * sxx - sxy * sxo) / det
+    if o < 0:  # no fixed cost to find: the share alone
+        x, o = sxy / sxx, 0.0
+    return min(1.0, 1 / max(x, 1e-12)), o, anchors
+
+
+def with_overhead(cluster, overhead_us: float):
+    return dataclasses.replace(cluster, accelerator=dataclasses.replace(cluster.accelerator, pass_overhead_us=overhead_us))
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -193,7 +230,7 @@ def plot_scatter(rows: list[dict], output: str) -> Path:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per layout")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps (rounds) per layout")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=4)
@@ -227,18 +264,22 @@ def main() -> int:
         if args.replay:
             for name, config in configs:
                 rows.append({"world_size": world_size, "name": name, "config": config,
-                             "cluster": cluster_from_dict(stored[name]["cluster"]), "measured": stored[name]["measured"]})
+                             "cluster": cluster_from_dict(stored[name]["cluster"]), "measured": stored[name]["measured"],
+                             "cores": stored[name].get("cores", os.cpu_count() or 1)})
             continue
         measured = spawn(_measure, world_size, (configs, args.steps, args.warmup), args.timeout)
         cluster = _cluster(world_size, measured)
         for name, config in configs:
             rows.append({"world_size": world_size, "name": name, "config": config, "cluster": cluster,
-                         "measured": measured["times"][name]})
-    efficiency, anchor = fit_efficiency(rows)
+                         "measured": measured["times"][name], "cores": measured["cores"]})
+    efficiency, overhead, anchors = fit_compute(rows)
+    for row in rows:  # the dispatch overhead is one thread's work: it slows once the ranks outnumber the cores
+        row["cluster"] = with_overhead(row["cluster"], overhead * max(1.0, row["world_size"] / row["cores"]))
     from fivefold.sim.step import simulate_step
 
-    errors, sim_errors = [], []
-    print(f"# efficiency {efficiency:.3f} (fitted on {anchor['name']}); seq {args.seq_len}, micro-batch {args.micro_batch}, "
+    errors, sim_errors, multi = [], [], []
+    print(f"# efficiency {efficiency:.3f}, block pass overhead {overhead:.0f} us (fitted on the {len(anchors)} one-rank "
+          f"layouts); seq {args.seq_len}, micro-batch {args.micro_batch}, "
           f"{args.layers} layers of tiny")
     print(f"# {'layout':<18}{'ranks':>6}{'predicted(s)':>14}{'simulated(s)':>14}{'measured(s)':>13}{'plan err':>10}"
           f"{'sim err':>9}")
@@ -248,9 +289,10 @@ def main() -> int:
                                   vocab_size=257, record_spans=False).time
         error, sim_error = predicted / row["measured"] - 1, simulated / row["measured"] - 1
         row.update(predicted=predicted, error=error, simulated=simulated, sim_error=sim_error)
-        if row is not anchor:
-            errors.append(abs(error))
-            sim_errors.append(abs(sim_error))
+        errors.append(abs(error))
+        sim_errors.append(abs(sim_error))
+        if row["world_size"] > 1:
+            multi.append(abs(error))
         print(f"  {row['name']:<18}{row['world_size']:>6}{predicted:>14.4f}{simulated:>14.4f}{row['measured']:>13.4f}"
               f"{100 * error:>9.1f}%{100 * sim_error:>8.1f}%")
     four = [r for r in rows if r["world_size"] == max(w for w, _, _ in layouts)]
@@ -265,8 +307,9 @@ def main() -> int:
         Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "config"} |
                                                {"cluster": r["cluster"].to_dict()} for r in rows], indent=2))
     median = statistics.median(errors) if errors else 0.0
-    print(f"RESULT name=plan_vs_measured layouts={len(rows)} efficiency={efficiency:.4f} "
-          f"median_abs_error={median:.4f} worst_abs_error={max(errors, default=0.0):.4f} kendall_tau={tau:.4f} "
+    print(f"RESULT name=plan_vs_measured layouts={len(rows)} efficiency={efficiency:.4f} overhead_us={overhead:.1f} "
+          f"median_abs_error={median:.4f} multi_rank_median_abs_error={statistics.median(multi) if multi else 0.0:.4f} "
+          f"within_10pct={sum(e <= 0.10 for e in errors)} worst_abs_error={max(errors, default=0.0):.4f} kendall_tau={tau:.4f} "
           f"best_gap={best_gap:.4f} sim_median_abs_error={statistics.median(sim_errors) if sim_errors else 0.0:.4f} "
           f"sim_worst_abs_error={max(sim_errors, default=0.0):.4f} "
           f"sim_within_10pct={sum(e <= 0.10 for e in sim_errors)}")

@@ -39,6 +39,21 @@ def test_fit_recovers_alpha_and_beta():
         fit_link([1e3], [1e-5])
 
 
+def test_relative_fit_keeps_small_messages_right():
+    """Sizes spanning decades: plain least squares follows the large messages and misses the small ones'
+    fixed cost; the relative fit keeps every size within a few percent."""
+    sizes = [16e3, 128e3, 1e6, 4e6]
+    link = fit_link(sizes, [1e-3 + n * 1e-9 for n in sizes], relative=True)
+    assert link.alpha == pytest.approx(1e-3) and link.beta == pytest.approx(1e-9)
+    measured = [0.3e-3, 0.5e-3, 2.0e-3, 6.2e-3]  # not quite linear, as measured times are
+    plain, relative = fit_link(sizes, measured), fit_link(sizes, measured, relative=True)
+
+    def worst(link):
+        return max(abs(link.alpha + n * link.beta - t) / t for n, t in zip(sizes, measured))
+
+    assert worst(relative) < 0.1 < 0.25 < worst(plain)
+
+
 def test_uneven_all_to_all_prices_each_step_by_its_larger_message():
     from fivefold.comm.cost import Link, dispatch_bytes, uneven_all_to_all
 

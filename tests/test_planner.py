@@ -374,6 +374,26 @@ def test_attention_core_runs_at_its_own_share_of_peak():
                      "--attention-efficiency", bad]) == 2
 
 
+def test_block_pass_overhead_is_paid_once_per_block_pass(tmp_path):
+    """accelerator.pass_overhead_us adds a fixed cost to every block forward: 3 passes per block and micro-batch
+    (forward, backward twice), 4 under full recomputation (the forward again); it round-trips through the
+    cluster file, and a negative one is refused naming the key."""
+    h100 = CLUSTERS["h100-sxm"]
+    slow = dataclasses.replace(h100, accelerator=dataclasses.replace(h100.accelerator, pass_overhead_us=250.0))
+    for recompute, passes in (("none", 3), ("selective", 3), ("full", 4)):
+        config = load_config(None, ["--model.preset", "tiny", "--model.vocab_size", "257", "--train.seq_len", "256",
+                                    "--train.grad_accum_steps", "2", "--train.recompute", recompute])
+        extra = estimate(config, 1, slow).time.compute - estimate(config, 1, h100).time.compute
+        assert extra == pytest.approx(passes * 2 * config.model.n_layers * 250e-6, rel=1e-9)
+    path = tmp_path / "slow.toml"
+    path.write_text(cluster_toml(slow))
+    assert load_cluster(str(path)) == slow
+    data = json.loads(json.dumps(slow.to_dict()))
+    data["accelerator"]["pass_overhead_us"] = -1
+    with pytest.raises(ConfigError, match="pass_overhead_us"):
+        cluster_from_dict(data)
+
+
 def test_sharding_degrees_are_chosen_by_predicted_time_under_the_memory_cap():
     """AMSP's scale-aware choice (plan/search.py choose_degrees): Llama-3 8B on 8 nodes of 8 H100s with 8 micro-
     batches. With room, parameters and gradients sharded within a node and optimizer states over all 64 ranks are

@@ -150,15 +150,20 @@ def fit_native_links(rows: list[Row], p: int) -> dict[str, Link]:
     return fitted
 
 
-def measure_native_links(device: torch.device, sizes: tuple[int, ...] = (256 << 10, 1 << 20, 4 << 20),
-                         iterations: int = 5) -> dict[str, Link]:
-    """Time the backend's own collectives over the world at `sizes` bytes per rank and fit their links (collective)."""
+def measure_native_links(device: torch.device, sizes: tuple[int, ...] = (16 << 10, 128 << 10, 1 << 20, 4 << 20),
+                         iterations: int = 20) -> dict[str, Link]:
+    """Time the backend's own collectives over the world at `sizes` bytes per rank and fit their links (collective).
+
+    The sizes span what a training step sends (a tensor-parallel all-reduce of a small model is tens
+    of KB, a DDP bucket MBs) and the fit weighs them alike (`fit_link(relative=True)`): on a shared
+    CPU a gloo collective's fixed cost is milliseconds, which a fit ruled by the large sizes misses.
+    """
     ranks, rows = Ranks.world(), []
     for collective in NATIVE_COLLECTIVES:
         for size in sizes:
             count = max(ranks.size, size // 4 // ranks.size * ranks.size)
             x = torch.zeros(count, dtype=torch.float32, device=device)
-            seconds = time_call(operation(collective, "native", x, ranks, ranks.size), iterations, 1, device)
+            seconds = time_call(operation(collective, "native", x, ranks, ranks.size), iterations, 2, device)
             rows.append(Row(collective, "native", count * 4, count, "float32", seconds * 1e6, 0.0, 0.0, None))
     return fit_native_links(rows, ranks.size)
 

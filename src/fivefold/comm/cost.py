@@ -150,14 +150,21 @@ def best_all_reduce(n: float, p: int, cluster: Cluster, candidates: tuple[str, .
     return min(names, key=lambda name: (predict(name, n, p, cluster), name))
 
 
-def fit_link(sizes: list[float], seconds: list[float]) -> Link:
-    """Least-squares alpha and beta of t = alpha + n beta from one-way message times."""
+def fit_link(sizes: list[float], seconds: list[float], relative: bool = False) -> Link:
+    """Least-squares alpha and beta of t = alpha + n beta from one-way message times.
+
+    relative: minimise the squared *relative* errors (weights 1 / t^2), so that sizes spanning
+    decades all count; plain least squares is ruled by the largest messages and can miss the
+    small ones' cost by several times.
+    """
     if len(sizes) < 2 or len(set(sizes)) < 2:
         raise ValueError("fitting alpha and beta needs times at two or more message sizes")
-    count = len(sizes)
-    mean_n, mean_t = sum(sizes) / count, sum(seconds) / count
-    covariance = sum((n - mean_n) * (t - mean_t) for n, t in zip(sizes, seconds))
-    variance = sum((n - mean_n) ** 2 for n in sizes)
+    weights = [1 / max(t, 1e-12) ** 2 if relative else 1.0 for t in seconds]
+    total = sum(weights)
+    mean_n = sum(w * n for w, n in zip(weights, sizes)) / total
+    mean_t = sum(w * t for w, t in zip(weights, seconds)) / total
+    covariance = sum(w * (n - mean_n) * (t - mean_t) for w, n, t in zip(weights, sizes, seconds))
+    variance = sum(w * (n - mean_n) ** 2 for w, n in zip(weights, sizes))
     beta = covariance / variance
     return Link(alpha=max(mean_t - beta * mean_n, 0.0), beta=max(beta, 0.0))
 
@@ -267,7 +274,7 @@ def native_collective(collective: str, n: float, p: int, link: Link) -> float:
 def fit_native_link(collective: str, p: int, sizes: list[float], seconds: list[float]) -> Link:
     """The link on which `native_collective` reproduces measured (bytes, seconds) at p ranks, by least squares."""
     messages, volume = ring_form(collective, p)
-    return fit_link([volume * n / messages for n in sizes], [t / messages for t in seconds])
+    return fit_link([volume * n / messages for n in sizes], [t / messages for t in seconds], relative=True)
 
 
 def _tree_links(p: int, position: int) -> int:

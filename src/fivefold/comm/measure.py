@@ -61,8 +61,8 @@ def measure_cluster(ranks: Ranks, node_size: int, sizes: tuple[int, ...] = DEFAU
     p = ranks.size
     node_size = node_size if 0 < node_size <= p and p % node_size == 0 else p
     gamma = measure_gamma()
-    intra = fit_link(list(sizes), exchange_times(ranks, 0, 1, sizes)) if p > 1 else Link(0.0, 0.0)
-    inter = fit_link(list(sizes), exchange_times(ranks, 0, node_size, sizes)) if node_size < p else intra
+    intra = fit_link(list(sizes), exchange_times(ranks, 0, 1, sizes), relative=True) if p > 1 else Link(0.0, 0.0)
+    inter = fit_link(list(sizes), exchange_times(ranks, 0, node_size, sizes), relative=True) if node_size < p else intra
     figures = torch.tensor([intra.alpha, intra.beta, inter.alpha, inter.beta, gamma], dtype=torch.float64)
     dist.broadcast(figures, ranks.global_rank(0), group=ranks.group)
     a1, b1, a2, b2, g = figures.tolist()

@@ -24,6 +24,7 @@ A cluster file is TOML, read without running anything:
     memory_gib = 80
     tflops = {fp32 = 67, bf16 = 989.5}
     memory_bandwidth_gbs = 3350      # optional: memory-bound work (kept activations, the optimizer step)
+    pass_overhead_us = 0             # optional: fixed host cost of a block's forward (backward: twice)
     [intra]                          # inside a node, per accelerator and direction
     bandwidth_gbs = 450
     latency_us = 3
@@ -74,6 +75,11 @@ class Accelerator:
     memory_gib: float  # usable memory per accelerator
     tflops: dict[str, float] = field(default_factory=dict)  # dense peak TFLOP/s per compute dtype
     memory_bandwidth_gbs: float = 0.0  # HBM (or DRAM) GB/s for memory-bound work; 0 = not modelled
+    # fixed seconds (us) a transformer block's forward pass costs beyond its FLOPs and bytes: the host
+    # dispatching its few dozen operators one by one (eager mode); backward counts it twice. 0 where
+    # launches run ahead of the device and hide (the GPU presets); fitted for a CPU by
+    # benchmarks/plan_vs_measured.py
+    pass_overhead_us: float = 0.0
 
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.tflops:
@@ -256,6 +262,7 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
         table = _section(data, key, source)
         links[key] = LinkSpec(_number(table, "bandwidth_gbs", key), _number(table, "latency_us", key, positive=False))
     bandwidth = _number(acc, "memory_bandwidth_gbs", "accelerator", positive=False) if "memory_bandwidth_gbs" in acc else 0.0
+    overhead = _number(acc, "pass_overhead_us", "accelerator", positive=False) if "pass_overhead_us" in acc else 0.0
     collectives = data.get("collectives", {})
     if not isinstance(collectives, dict) or any(k not in NATIVE_COLLECTIVES or not isinstance(v, dict)
                                                 for k, v in collectives.items()):
@@ -265,7 +272,7 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
                           _number(v, "latency_us", f"collectives.{k}", positive=False)) for k, v in collectives.items()}
     return ClusterSpec(str(data.get("name", Path(source).stem)),
                        Accelerator(str(acc.get("name", "accelerator")), _number(acc, "memory_gib", "accelerator"), rates,
-                                   bandwidth),
+                                   bandwidth, overhead),
                        per_node, links["intra"], links["inter"], nodes, str(data.get("source", source)),
                        _number(data, "host_bandwidth_gbs", "(top level)") if "host_bandwidth_gbs" in data else 32.0,
                        _number(data, "nvme_bandwidth_gbs", "(top level)") if "nvme_bandwidth_gbs" in data else 25.0,
@@ -300,6 +307,7 @@ def cluster_toml(spec: ClusterSpec) -> str:
         f"nvme_bandwidth_gbs = {spec.nvme_bandwidth_gbs!r}",
         "", "[accelerator]", f"name = {json.dumps(acc.name)}", f"memory_gib = {acc.memory_gib!r}", f"tflops = {{{rates}}}",
         f"memory_bandwidth_gbs = {acc.memory_bandwidth_gbs!r}",
+        f"pass_overhead_us = {acc.pass_overhead_us!r}",
         "", "[intra]", f"bandwidth_gbs = {intra.bandwidth_gbs!r}", f"latency_us = {intra.latency_us!r}",
         "", "[inter]", f"bandwidth_gbs = {inter.bandwidth_gbs!r}", f"latency_us = {inter.latency_us!r}", "",
         *(line for name, link in spec.collectives.items()

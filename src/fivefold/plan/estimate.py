@@ -556,7 +556,7 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
     written = _written_per_block(model, config, d) if bandwidth else {}
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
     block = {moe: (_block_forward_flops(model, layer, tokens, seq, d, sp) - core_flops) / rate + core
-             + (written[moe] / bandwidth if bandwidth else 0.0)
+             + (written[moe] / bandwidth if bandwidth else 0.0) + cluster.accelerator.pass_overhead_us * 1e-6
              for moe in (False, True) if (layer := first_block(model, moe)) >= 0}
     head = 2 * padded_vocab(model.vocab_size, d.tp) * model.dim * tokens / (d.tp * d.cp) / rate
     if bandwidth:
