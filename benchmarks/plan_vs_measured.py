@@ -9,7 +9,7 @@ of each layout per round, the order rotated, and the matmul rate and memory band
 achieves while the others compute too (comm/bench.py matmul_tflops, memory_gbs) measured again each
 round; a layout's time is the median over rounds of its slowest rank's step. Rounds put a slow spell of
 this shared machine on every layout alike. The planner predicts each config on that cluster with two
-compute constants fitted on the one-rank layouts only (`fit_compute`): the achieved share of the
+compute constants fitted on the dense one-rank layouts only (`fit_compute`): the achieved share of the
 matmul rate (--efficiency) and a block pass's fixed host cost (accelerator.pass_overhead_us; one
 thread's work, so it grows by ranks / cores once the ranks outnumber the cores). Every multi-rank
 layout is predicted with no further fitting, so those rows check everything the planner adds:
@@ -102,6 +102,12 @@ LAYOUTS = [
     (4, "dp2-pp2-zero1", ["--pipeline_parallel.degree", "2", "--train.grad_accum_steps", "4", "--data_parallel.zero_stage", "1",
                           "--data_parallel.shard", "2"]),
     (4, "dp2-cp2-zero3", ["--context_parallel.degree", "2", "--data_parallel.zero_stage", "3", "--data_parallel.shard", "2"]),
+    # mixture of experts (tiny-moe: 8 experts, top-2, one shared expert), experts split by expert parallelism
+    (1, "single-moe", ["--model.preset", "tiny-moe"]),
+    (2, "dp2-moe", ["--model.preset", "tiny-moe"]),
+    (2, "ep2", ["--model.preset", "tiny-moe", "--expert_parallel.degree", "2"]),
+    (4, "ep4", ["--model.preset", "tiny-moe", "--expert_parallel.degree", "4"]),
+    (4, "dp2-ep2", ["--model.preset", "tiny-moe", "--expert_parallel.degree", "2"]),
 ]
 QUICK = {"single", "single-full", "dp2", "tp2", "pp2-1f1b"}
 
@@ -162,14 +168,14 @@ def _cluster(world_size: int, measured: dict):
 
 
 def fit_compute(rows: list[dict]) -> tuple[float, float, list[dict]]:
-    """The planner's two compute constants, fitted on the one-rank layouts only: the achieved share e of the
+    """The planner's two compute constants, fitted on the dense one-rank layouts only: the achieved share e of the
     matmul rate (--efficiency) and the fixed host cost o of a block's forward pass (the cluster's
     accelerator.pass_overhead_us). The planner's one-rank step is linear in 1/e and o,
     t = M / e + O o + R (M, O and R read off three estimates), so the relative errors' least squares
     has a closed form. Multi-rank layouts then predict with no further fitting."""
     from fivefold.plan.estimate import estimate
 
-    anchors = [r for r in rows if r["world_size"] == 1] or rows[:1]
+    anchors = [r for r in rows if r["world_size"] == 1 and not r["config"].model.n_experts] or rows[:1]
     system = []
     for row in anchors:
         def at(e: float, o: float) -> float:
@@ -236,6 +242,7 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(sorted(QUICK))}")
+    parser.add_argument("--only", default="", help="comma-separated layout names to run (default: all)")
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--plot", help="draw predicted vs measured (PNG)")
     parser.add_argument("--timeout", type=float, default=1800)
@@ -252,7 +259,11 @@ def main() -> int:
             "--train.eval_every", "0", "--checkpoint.enabled", "false", "--logging.progress", "false",
             "--logging.tensorboard", "false", "--logging.plot", "false", "--logging.sample_tokens", "0",
             "--train.log_every", "1000"]
-    layouts = [row for row in LAYOUTS if not args.quick or row[1] in QUICK]
+    only = {name for name in args.only.split(",") if name}
+    unknown = only - {name for _, name, _ in LAYOUTS}
+    if unknown:
+        parser.error(f"--only: unknown layout(s) {', '.join(sorted(unknown))}")
+    layouts = [row for row in LAYOUTS if (not args.quick or row[1] in QUICK) and (not only or row[1] in only)]
     if args.replay:  # the stored measurements of an earlier run (its --json), predicted again
         stored = {r["name"]: r for r in json.loads(Path(args.replay).read_text())}
         layouts = [row for row in layouts if row[1] in stored]
@@ -278,7 +289,7 @@ def main() -> int:
     from fivefold.sim.step import simulate_step
 
     errors, sim_errors, multi = [], [], []
-    print(f"# efficiency {efficiency:.3f}, block pass overhead {overhead:.0f} us (fitted on the {len(anchors)} one-rank "
+    print(f"# efficiency {efficiency:.3f}, block pass overhead {overhead:.0f} us (fitted on the {len(anchors)} dense one-rank "
           f"layouts); seq {args.seq_len}, micro-batch {args.micro_batch}, "
           f"{args.layers} layers of tiny")
     print(f"# {'layout':<18}{'ranks':>6}{'predicted(s)':>14}{'simulated(s)':>14}{'measured(s)':>13}{'plan err':>10}"
