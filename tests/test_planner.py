@@ -228,6 +228,27 @@ def test_pipeline_stages_are_moved_to_fit_memory():
     assert fit_stages(config, estimate(config, 4, tight), 4, tight) is None  # the ranks' total is over their caps
 
 
+def test_interleaved_stages_are_moved_to_fit_memory():
+    """Interleaved (v = 2, stage s on rank s mod 4): a rank's activations are bounded by its largest stage, so
+    blocks leave the over-full rank's largest stage for the neighbouring stage of another rank; under an 88 GiB
+    cap the balanced 4 x 8 split of Llama-3 8B does not fit and the moved one does, as the runtime accepts it."""
+    from fivefold.parallel.validate import check_config
+    from fivefold.plan.search import fit_stages
+
+    config = _config("--train.seq_len", "4096", "--train.micro_batch_size", "2", "--pipeline_parallel.degree", "4",
+                     "--pipeline_parallel.schedule", "interleaved", "--pipeline_parallel.virtual", "2",
+                     "--pipeline_parallel.layers_per_stage", "4,4,4,4,4,4,4,4", "--train.grad_accum_steps", "8")
+    h100 = CLUSTERS["h100-sxm"]
+    capped = dataclasses.replace(h100, accelerator=dataclasses.replace(h100.accelerator, memory_gib=88))
+    balanced = estimate(config, 4, capped)
+    assert not balanced.fits and balanced.memory_rank == 0
+    moved, found = fit_stages(config, balanced, 4, capped)
+    split = moved.pipeline_parallel.layers_per_stage
+    assert found.fits and len(split) == 8 and sum(split) == 32 and max(split[0], split[4]) < 4
+    assert estimate(moved, 4, capped).memory.total == found.memory.total
+    check_config(moved)
+
+
 def test_plan_command_estimate_and_calculator(capsys, tmp_path):
     assert main(["plan", "--config", "configs/tiny.toml", "--gpus", "1", "--cluster", "a100-80gb"]) == 0
     out = capsys.readouterr().out

@@ -146,26 +146,30 @@ def _member(family: JobConfig, pp: int, recompute: str, micro: int, accum: int, 
 
 def fit_stages(config: JobConfig, found: Estimate, gpus: int, cluster: ClusterSpec, efficiency: float = 0.5,
                vocab_size: int = 0, runs: PipelineRuns | None = None) -> tuple[JobConfig, Estimate] | None:
-    """Pipeline planning under a memory cap: move blocks, one at a time, from the pipeline rank furthest over the
-    accelerator's memory to its neighbour with the most room (1F1B's first ranks hold the most micro-batches in
-    flight, the last the logits), until every rank fits. Returns the uneven split (as an explicit
+    """Pipeline planning under a memory cap: move blocks, one at a time, off the pipeline rank furthest over the
+    accelerator's memory (1F1B's first ranks hold the most micro-batches in flight, the last the logits) to the
+    neighbouring stage whose rank has the most room, until every rank fits. With interleaving (v virtual stages
+    per rank, stage s on rank s mod p) the block leaves the over-full rank's largest stage for the stage before
+    or after it, which another rank holds. Returns the uneven split (as an explicit
     pipeline_parallel.layers_per_stage, which the runtime runs as written) with its estimate, or None.
 
-    Tried only where it can work: one stage per rank, some rank with room, and the ranks' total within their caps."""
+    Tried only where it can work: an explicit split, some rank with room, and the ranks' total within their caps."""
     pipe = config.pipeline_parallel
     cap, ranks = found.capacity, found.per_pp_rank
-    if pipe.degree == 1 or pipe.virtual != 1 or not pipe.layers_per_stage or min(m.total for m in ranks) >= cap \
+    if pipe.degree == 1 or not pipe.layers_per_stage or min(m.total for m in ranks) >= cap \
             or sum(m.total for m in ranks) > cap * len(ranks):
         return None
-    split, seen = list(pipe.layers_per_stage), set()
+    pp, split, seen = pipe.degree, list(pipe.layers_per_stage), set()
     while tuple(split) not in seen:
         seen.add(tuple(split))
         over = max(range(len(ranks)), key=lambda r: ranks[r].total)
-        if split[over] <= 1:
+        moves = [(stage, to) for stage in range(over, len(split), pp) if split[stage] > 1
+                 for to in (stage - 1, stage + 1) if 0 <= to < len(split) and to % pp != over]
+        if not moves:
             return None
-        target = min((n for n in (over - 1, over + 1) if 0 <= n < len(ranks)), key=lambda n: ranks[n].total)
-        split[over] -= 1
-        split[target] += 1
+        stage, to = min(moves, key=lambda move: (-split[move[0]], ranks[move[1] % pp].total))
+        split[stage] -= 1
+        split[to] += 1
         moved = dataclasses.replace(config, pipeline_parallel=dataclasses.replace(pipe, layers_per_stage=list(split)))
         found = estimate(moved, gpus, cluster, efficiency, vocab_size, runs, time_if_over=False, simulate=False)
         if found.fits:
