@@ -18,6 +18,7 @@ parallel splits, communication, recomputation, the pipeline bubble.
     python benchmarks/plan_vs_measured.py                    # the table of docs/planner.md
     python benchmarks/plan_vs_measured.py --steps 2 --quick  # a few layouts (the test's run)
     python benchmarks/plan_vs_measured.py --replay rows.json # predict an earlier run's --json again
+    python benchmarks/plan_vs_measured.py --only single,ep2  # the named layouts only
 
 Prints one row per layout (predicted, measured, error) and
 RESULT name=plan_vs_measured layouts=N efficiency=... overhead_us=... median_abs_error=...

@@ -49,8 +49,8 @@ def test_benchmark_runs_and_prints_result(script, extra, expected):
     ("faults.py", ["--heartbeat", "1", "--steps", "6", "--fail-every", "3", "--ckpt-every", "2", "--saves", "1",
                    "--dim", "32"], "hung_rank_heartbeats="),
     ("diagnosis.py", ["--per-class", "1", "--classes", "completed,disk_full"], "accuracy="),
-    ("plan_vs_measured.py", ["--quick", "--steps", "1", "--warmup", "1", "--layers", "2", "--seq-len", "64"],
-     "median_abs_error="),
+    ("plan_vs_measured.py", ["--quick", "--only", "single,tp2,pp2-1f1b", "--steps", "1", "--warmup", "1", "--layers", "2",
+                             "--seq-len", "64"], "layouts=3 efficiency="),
     ("plan_published.py", ["--rows", "3"], "median_abs_error="),
     ("sim_published.py", ["--sc21-rows", "2", "--korthikanti-rows", "1"], "within_10pct="),
 ])
@@ -64,6 +64,12 @@ def test_reliability_benchmark_runs_and_prints_result(script, args, expected):
     assert len(result) == 1 and expected in result[0]
     numbers = {k: float(v) for k, v in (item.split("=", 1) for item in result[0].split()[1:]) if k != "name"}
     assert numbers and all(math.isfinite(v) and v >= 0 for v in numbers.values()), numbers
+
+
+def test_plan_vs_measured_refuses_an_unknown_layout_name():
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_vs_measured.py"), "--only", "single,tp9"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--only: unknown layout(s) tp9" in done.stderr
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="on a GPU this would run the whole benchmark")

@@ -210,43 +210,47 @@ def test_pipeline_stages_are_moved_to_fit_memory():
     """1F1B's first rank keeps the most micro-batches in flight: under a 64 GiB cap the balanced 8/8/8/8 split of
     Llama-3 8B does not fit, and moving blocks off the fullest ranks gives an uneven split that does, which the
     runtime's own checks accept as written."""
-    from fivefold.parallel.validate import check_config
     from fivefold.plan.search import fit_stages
 
     config = _config("--train.seq_len", "4096", "--train.micro_batch_size", "2", "--pipeline_parallel.degree", "4",
                      "--pipeline_parallel.layers_per_stage", "8,8,8,8", "--train.grad_accum_steps", "8")
+    split = _moved_to_fit(config, 64)
+    assert split[0] < 8 and split != [8, 8, 8, 8]
+    tight = _capped(55)
+    assert fit_stages(config, estimate(config, 4, tight), 4, tight) is None  # the ranks' total is over their caps
+
+
+def _capped(gib: float):
     h100 = CLUSTERS["h100-sxm"]
-    capped = dataclasses.replace(h100, accelerator=dataclasses.replace(h100.accelerator, memory_gib=64))
+    return dataclasses.replace(h100, accelerator=dataclasses.replace(h100.accelerator, memory_gib=gib))
+
+
+def _moved_to_fit(config, gib: float) -> list[int]:
+    """The split fit_stages moves a 4-rank Llama-3 8B layout to under a `gib` cap, checked: the balanced split is
+    over on rank 0, the moved one fits with every block placed, its estimate agrees, the runtime accepts it."""
+    from fivefold.parallel.validate import check_config
+    from fivefold.plan.search import fit_stages
+
+    capped = _capped(gib)
     balanced = estimate(config, 4, capped)
     assert not balanced.fits and balanced.memory_rank == 0
     moved, found = fit_stages(config, balanced, 4, capped)
     split = moved.pipeline_parallel.layers_per_stage
-    assert found.fits and sum(split) == 32 and split[0] < 8 and split != [8, 8, 8, 8]
+    assert found.fits and sum(split) == 32 and len(split) == len(config.pipeline_parallel.layers_per_stage)
     assert estimate(moved, 4, capped).memory.total == found.memory.total
     check_config(moved)
-    tight = dataclasses.replace(h100, accelerator=dataclasses.replace(h100.accelerator, memory_gib=55))
-    assert fit_stages(config, estimate(config, 4, tight), 4, tight) is None  # the ranks' total is over their caps
+    return split
 
 
 def test_interleaved_stages_are_moved_to_fit_memory():
     """Interleaved (v = 2, stage s on rank s mod 4): a rank's activations are bounded by its largest stage, so
     blocks leave the over-full rank's largest stage for the neighbouring stage of another rank; under an 88 GiB
     cap the balanced 4 x 8 split of Llama-3 8B does not fit and the moved one does, as the runtime accepts it."""
-    from fivefold.parallel.validate import check_config
-    from fivefold.plan.search import fit_stages
-
     config = _config("--train.seq_len", "4096", "--train.micro_batch_size", "2", "--pipeline_parallel.degree", "4",
                      "--pipeline_parallel.schedule", "interleaved", "--pipeline_parallel.virtual", "2",
                      "--pipeline_parallel.layers_per_stage", "4,4,4,4,4,4,4,4", "--train.grad_accum_steps", "8")
-    h100 = CLUSTERS["h100-sxm"]
-    capped = dataclasses.replace(h100, accelerator=dataclasses.replace(h100.accelerator, memory_gib=88))
-    balanced = estimate(config, 4, capped)
-    assert not balanced.fits and balanced.memory_rank == 0
-    moved, found = fit_stages(config, balanced, 4, capped)
-    split = moved.pipeline_parallel.layers_per_stage
-    assert found.fits and len(split) == 8 and sum(split) == 32 and max(split[0], split[4]) < 4
-    assert estimate(moved, 4, capped).memory.total == found.memory.total
-    check_config(moved)
+    split = _moved_to_fit(config, 88)
+    assert len(split) == 8 and max(split[0], split[4]) < 4
 
 
 def test_plan_command_estimate_and_calculator(capsys, tmp_path):
@@ -398,7 +402,7 @@ def test_attention_core_runs_at_its_own_share_of_peak():
 def test_block_pass_overhead_is_paid_once_per_block_pass(tmp_path):
     """accelerator.pass_overhead_us adds a fixed cost to every block forward: 3 passes per block and micro-batch
     (forward, backward twice), 4 under full recomputation (the forward again); it round-trips through the
-    cluster file, and a negative one is refused naming the key."""
+    cluster file, and a negative, nan, infinite or non-numeric one is refused naming the key."""
     h100 = CLUSTERS["h100-sxm"]
     slow = dataclasses.replace(h100, accelerator=dataclasses.replace(h100.accelerator, pass_overhead_us=250.0))
     for recompute, passes in (("none", 3), ("selective", 3), ("full", 4)):
@@ -410,9 +414,10 @@ def test_block_pass_overhead_is_paid_once_per_block_pass(tmp_path):
     path.write_text(cluster_toml(slow))
     assert load_cluster(str(path)) == slow
     data = json.loads(json.dumps(slow.to_dict()))
-    data["accelerator"]["pass_overhead_us"] = -1
-    with pytest.raises(ConfigError, match="pass_overhead_us"):
-        cluster_from_dict(data)
+    for bad in (-1, float("nan"), float("inf"), "10"):
+        data["accelerator"]["pass_overhead_us"] = bad
+        with pytest.raises(ConfigError, match="accelerator.pass_overhead_us"):
+            cluster_from_dict(data)
 
 
 def test_sharding_degrees_are_chosen_by_predicted_time_under_the_memory_cap():

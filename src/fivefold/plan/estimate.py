@@ -28,8 +28,9 @@ Step time (seconds) = pipeline makespan + exposed data-parallel communication:
                 accelerator's peak x efficiency, the attention core 4 q s per token at peak x the
                 attention efficiency, split by tp and cp; the head on the last stage), plus the bytes the blocks write outside their
                 matmuls (the kept activations, the logits) at its memory bandwidth, plus the
-                accelerator's fixed pass_overhead_us per block; backward twice the forward; `full` recompute adds a forward to every backward, `selective` the
-                attention core's
+                accelerator's fixed pass_overhead_us per block; backward twice the forward;
+                `full` recompute adds a forward to every backward, `selective` the attention
+                core's
     optimizer   AdamW reads 16 and writes 12 bytes per parameter it updates (its ZeRO shard),
                 at the memory bandwidth
     tp          4 all-reduces of b s/cp h per block and micro-batch (ring, on the link the tp group
