@@ -86,6 +86,7 @@ class FlatGroup:
     norm_weights: torch.Tensor | None = None  # per element of this rank's shard: its weight in the norm
     host_grad: torch.Tensor | None = None  # offload from a GPU: the pinned host buffer the gradient shard lands in
     secondary: torch.Tensor | None = None  # hpZ: this rank's 1/h of the weights gathered in forward, for backward
+    gathered: torch.Tensor | None = None  # stage 3: the whole weights, one tensor whose storage is released when freed
 
     def views(self, flat: torch.Tensor):
         for param, shape, offset in zip(self.params, self.shapes, self.offsets):
@@ -156,6 +157,7 @@ class ZeroDataParallel(SkipOnAccumulation):
             self._groups_of_unit.setdefault(g.unit, []).append(g)
         self._slot = {id(p): g for g in self.groups for p in g.params}
         self._gathered: dict[int, list] = {}  # unit -> pending all-gather works (stage 3)
+        self._in_backward: set[int] = set()  # units whose backward has begun and whose weights are not yet freed
         for g in self.groups:
             g.norm_weights = self._norm_weights(g)
             self._shard_group(g)
@@ -241,6 +243,7 @@ class ZeroDataParallel(SkipOnAccumulation):
 
     def _pre_backward(self, index: int):
         def hook(module, grad_output):
+            self._in_backward.add(index)
             self._gather(index, wait=True, backward=True)
             if index > 0:
                 self._gather(index - 1, wait=False, backward=True)  # backward runs blocks in reverse
@@ -252,7 +255,7 @@ class ZeroDataParallel(SkipOnAccumulation):
             works = []
             name = "backward all-gather" if backward else "forward all-gather"
             for g in self._groups_of_unit.get(unit, []):
-                full = torch.empty(g.padded_numel, dtype=self.param_dtype, device=self.device)
+                full = self._gather_buffer(g)
                 works.append(self._gather_group(g, full, name))
                 for param, view in g.views(full):
                     param.data = view
@@ -262,6 +265,23 @@ class ZeroDataParallel(SkipOnAccumulation):
                 for work in self._gathered[unit]:
                     work.wait()
             self._gathered[unit] = []
+
+    def _gather_buffer(self, g: FlatGroup) -> torch.Tensor:
+        """The group's gathered weights: one tensor for the whole run, its storage released when the unit is freed
+        and grown again for the next gather (FSDP's way). The weights a matmul saves for backward are views of
+        it, so freeing really returns the memory, and backward sees them gathered again."""
+        if g.gathered is None:
+            g.gathered = torch.empty(g.padded_numel, dtype=self.param_dtype, device=self.device)
+        storage = g.gathered.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(g.padded_numel * g.gathered.element_size())
+        return g.gathered
+
+    def holds_gathered(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` lies in one of the stage-3 gathered buffers now held (a weight a matmul saved)."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(g.gathered is not None and g.gathered.untyped_storage().nbytes() > 0
+                   and g.gathered.untyped_storage().data_ptr() == ptr for g in self.groups)
 
     def _gather_group(self, g: FlatGroup, full: torch.Tensor, name: str):
         """Start gathering one flat group into `full`: from the hpZ secondary shards within the node when
@@ -278,7 +298,10 @@ class ZeroDataParallel(SkipOnAccumulation):
 
     def _after_forward(self, unit: int) -> None:
         """hpZ: keep this rank's 1/h of the gathered weights for the backward gather; then free them.
-        (Only in a forward that will have a backward: not in evaluation or generation.)"""
+        (Only in a forward that will have a backward: not in evaluation or generation.) A forward that
+        recomputation runs inside the unit's backward keeps them: the reduction frees them after that backward."""
+        if unit in self._in_backward:
+            return
         if self.hpz_size > 1 and torch.is_grad_enabled():
             self._wait_gathered(unit)
             with torch.no_grad():
@@ -297,9 +320,12 @@ class ZeroDataParallel(SkipOnAccumulation):
 
     def _free(self, unit: int) -> None:
         self._wait_gathered(unit)
+        self._in_backward.discard(unit)
         for g in self._groups_of_unit.get(unit, []):
             for param in g.params:
                 param.data = torch.empty(0, dtype=self.param_dtype, device=self.device)
+            if g.gathered is not None:
+                g.gathered.untyped_storage().resize_(0)
 
     # ------------------------------------------------------ gradient reduction
     @torch.no_grad()

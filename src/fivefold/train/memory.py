@@ -68,11 +68,14 @@ class PeakSavedBytes:
     over their life: a storage counts from the first time a node saves it until the last node
     holding it is freed (after its backward, or with its graph). This is the activation memory a
     pipeline schedule needs, which depends on how many micro-batches are in flight at once.
-    Parameters in `exclude` are not counted.
+    Parameters in `exclude` are not counted, nor tensors for which `skip` says so (ZeRO-3's gathered
+    weights, which matmuls save as views: `ZeroOptimizer.holds_gathered`; their storage is released
+    after the forward and grown again for backward, so they are ZeRO-3's buffers, not activations).
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), skip: Callable[[torch.Tensor], bool] | None = None):
         self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._skip = skip
         self._holders: dict[int, int] = {}
         self.live = 0
         self.peak = 0
@@ -81,7 +84,7 @@ class PeakSavedBytes:
     def _pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr in self._excluded or storage.nbytes() == 0:
+        if ptr in self._excluded or storage.nbytes() == 0 or (self._skip is not None and self._skip(tensor)):
             return tensor
         if self._holders.get(ptr, 0) == 0:
             self.live += storage.nbytes()
