@@ -4,9 +4,11 @@ The formula (plan/activations.py, docs/activation_memory.md) is checked for no p
 tensor parallelism at t = 2 (kv heads split) and t = 4 (kv heads replicated), with and without
 sequence parallelism, and for each recomputation mode; and for a head width set explicitly
 (head_dim 24: queries 96 wide on a 64-wide model, as Qwen3 does); for per-head and per-projection
-q/k norms (one process, tp 2 with SP, tp 4 with replicated key heads); and for mixture-of-experts blocks
-(routing options, capacity drops, both expert kernels, recomputation, EP 2, EP 4, EP 2 x ETP 2 with
-the rows each rank's experts computed).
+q/k norms (one process, tp 2 with SP, tp 4 with replicated key heads); for multi-latent attention (values
+narrower than, as wide as and wider than q/k; with and without query compression; tp 2, tp 2 with SP); and
+for mixture-of-experts blocks
+(routing options, capacity drops, both expert kernels, recomputation, MLA beside the experts, tp 2 with and
+without SP, EP 2, EP 4, EP 2 x ETP 2 with the rows each rank's experts computed).
 """
 
 import dataclasses
@@ -24,6 +26,10 @@ MODEL = ModelConfig(name="act", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, mul
 WIDE_HEADS = dataclasses.replace(MODEL, name="act-head-dim", head_dim=24)
 QK_HEAD = dataclasses.replace(MODEL, name="act-qk-head", qk_norm="head")
 QK_PROJECTION = dataclasses.replace(MODEL, name="act-qk-projection", qk_norm="projection")
+MLA = dataclasses.replace(MODEL, name="act-mla", attention="mla", n_kv_heads=0, q_lora_rank=24, kv_lora_rank=16,
+                          qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)  # values narrower than q/k: padded
+MLA_EQUAL = dataclasses.replace(MLA, name="act-mla-equal", q_lora_rank=0, v_head_dim=12)  # no query compression
+MLA_WIDE_VALUES = dataclasses.replace(MLA, name="act-mla-wide-values", qk_nope_head_dim=4, v_head_dim=16)  # q, k padded
 BATCH, SEQ = 2, 32
 MODES = ("none", "selective", "full")
 
@@ -48,8 +54,9 @@ def _expected(tp: int, sp: bool, recompute: str, config: ModelConfig = MODEL) ->
     return 4 * block_activation_elements(config, ActivationShape(BATCH, SEQ, tp, sp, recompute))  # fp32
 
 
-@pytest.mark.parametrize("config", [MODEL, WIDE_HEADS, QK_HEAD, QK_PROJECTION],
-                         ids=["plain", "head_dim", "qk_norm_head", "qk_norm_projection"])
+@pytest.mark.parametrize("config", [MODEL, WIDE_HEADS, QK_HEAD, QK_PROJECTION, MLA, MLA_EQUAL, MLA_WIDE_VALUES],
+                         ids=["plain", "head_dim", "qk_norm_head", "qk_norm_projection", "mla", "mla_equal_widths",
+                              "mla_wide_values"])
 @pytest.mark.parametrize("recompute", MODES)
 def test_single_process(recompute, config):
     assert _measure(1, False, recompute, config=config) == _expected(1, False, recompute, config)
@@ -64,9 +71,9 @@ def _tp_rank(rank, world_size, sp, config):
 
 @pytest.mark.parametrize("tp,sp,config", [(2, False, MODEL), (2, True, MODEL), (4, False, MODEL), (4, True, MODEL),
                                           (2, False, WIDE_HEADS), (2, True, WIDE_HEADS), (2, True, QK_HEAD),
-                                          (4, False, QK_PROJECTION)],
+                                          (4, False, QK_PROJECTION), (2, False, MLA), (2, True, MLA_WIDE_VALUES)],
                          ids=["tp2", "tp2-sp", "tp4", "tp4-sp", "tp2-head_dim", "tp2-sp-head_dim", "tp2-sp-qk_norm_head",
-                              "tp4-qk_norm_projection"])
+                              "tp4-qk_norm_projection", "tp2-mla", "tp2-sp-mla_wide_values"])
 def test_tensor_parallel(tp, sp, config):
     for measured in run_distributed(_tp_rank, tp, sp, config):
         assert measured == {mode: _expected(tp, sp, mode, config) for mode in MODES}
@@ -89,8 +96,10 @@ MOE_VARIANTS = {
 }
 
 
-def _measure_moe_block(config: ModelConfig, kernel: str, recompute: str = "none", seed: int = 0, setup=None):
+def _measure_moe_block(config: ModelConfig, kernel: str, recompute: str = "none", seed: int = 0, setup=None,
+                       mesh=None, tp: int = 1, sp: bool = False):
     """(saved bytes of block 0's forward, its MoE layer's kept assignments, rows its experts computed)."""
+    from fivefold.config import TensorParallelConfig
     from fivefold.model.moe import ExpertKernel
     from fivefold.parallel.mesh import Mesh
     from fivefold.parallel.parallelize import apply_model_parallel
@@ -99,10 +108,11 @@ def _measure_moe_block(config: ModelConfig, kernel: str, recompute: str = "none"
     model = materialize(build_model(config), "cpu", seed=0)
     if setup is not None:
         setup(model)
-    apply_model_parallel(model, Mesh.single(), recompute=recompute)
+    apply_model_parallel(model, mesh or Mesh.single(), TensorParallelConfig(tp, sp), recompute=recompute)
     moe = model.layers["0"].feed_forward
     moe.kernel = ExpertKernel(kernel)
-    x = torch.randn(BATCH, SEQ, config.dim, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+    seq = SEQ // tp if sp else SEQ
+    x = torch.randn(BATCH, seq, config.dim, generator=torch.Generator().manual_seed(seed)).requires_grad_()
     positions = torch.arange(SEQ)
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]
     outputs = []
@@ -127,6 +137,38 @@ def test_moe_block_single_process(variant, kernel):
         assert kept < MOE.moe_top_k * BATCH * SEQ  # some assignments were dropped
     rows = ExpertRows(assignments=kept, rows=kept, kernel=kernel)
     assert measured == 4 * moe_block_activation_elements(config, ActivationShape(BATCH, SEQ), rows)
+
+
+def test_moe_block_with_multi_latent_attention():
+    """DeepSeek's block: MLA beside the MoE layer (the dense count's attention part is MLA's)."""
+    from fivefold.plan.activations import ExpertRows, moe_block_activation_elements
+
+    config = dataclasses.replace(MOE, name="act-mla-moe", attention="mla", n_kv_heads=0, q_lora_rank=24,
+                                 kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+    config.validate()
+    for recompute in MODES:
+        measured, kept, _ = _measure_moe_block(config, "loop", recompute)
+        rows = ExpertRows(assignments=kept, rows=kept)
+        assert measured == 4 * moe_block_activation_elements(config, ActivationShape(BATCH, SEQ, recompute=recompute), rows)
+
+
+def _moe_tp_rank(rank, world_size, sp):
+    from fivefold.parallel.mesh import ParallelDims, build_mesh
+
+    mesh = build_mesh(ParallelDims(tp=world_size, world_size=world_size), "cpu")
+    return [_measure_moe_block(MOE, "loop", mode, mesh=mesh, tp=world_size, sp=sp) for mode in MODES]
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_moe_block_under_tensor_parallelism(sp):
+    """The MoE layer outside the TP region: on the whole sequence, or with SP on the rank's half of it."""
+    from fivefold.plan.activations import ExpertRows, moe_block_activation_elements
+
+    for per_mode in run_distributed(_moe_tp_rank, 2, sp):
+        for mode, (measured, kept, _) in zip(MODES, per_mode):
+            assert kept == MOE.moe_top_k * BATCH * SEQ // (2 if sp else 1)  # dropless, the tokens this rank routes
+            shape = ActivationShape(BATCH, SEQ, 2, sp, mode)
+            assert measured == 4 * moe_block_activation_elements(MOE, shape, ExpertRows(kept, kept)), mode
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])

@@ -92,8 +92,21 @@ class MultiLatentAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int = 0, window: int = 0) -> torch.Tensor:
-        """softmax(q k^T / sqrt(n + r) + causal mask) v (a method, so recomputation can wrap it)."""
+        """softmax(q k^T / sqrt(n + r) + causal mask) v (a method, so recomputation can wrap it).
+
+        The fused kernels (flash on CPU and GPU) need one head width for q, k and v; with n + r != v_head_dim
+        SDPA would fall back to its unfused path, which keeps the heads x s x s probabilities for backward.
+        So the narrower side is zero-padded (zeros add nothing to q k^T, and padded value columns give output
+        columns that are cut off), as Hugging Face's DeepSeek models do for FlashAttention-2.
+        """
+        width, value_width = q.shape[-1], v.shape[-1]
+        if width < value_width:
+            q, k = F.pad(q, (0, value_width - width)), F.pad(k, (0, value_width - width))
+        elif value_width < width:
+            v = F.pad(v, (0, width - value_width))
         mask = attention_mask(q.shape[2], past, window, q.device)
         if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=self.scale)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=self.scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return out[..., :value_width]

@@ -32,7 +32,18 @@ bytes in fp32):
 
 Derived and measured for the plain Llama block, an explicit head_dim (q != h) and both q/k
 norms; the other options of the open families (biases, post norms, a sliding window's explicit
-mask) change what autograd keeps and are not counted yet; neither is multi-latent attention.
+mask) change what autograd keeps and are not counted yet.
+
+Multi-latent attention (model/mla.py; n, r, v its nope, rope and value head widths, c the latent rank,
+q' the query rank, W = max(n + r, v), a_t = a / t heads on the rank) keeps in place of q, k, v, output
+and lse (`_mla_elements`):
+
+    query path   q' > 0: the q norm's input, 1/rms, normalised, output           3sbq' + sb
+    latent       W_kva's output sb(c + r), the norm's normalised and output 2sbc, 1/rms sb
+    RoPE         cos, sin of width r                                           2sr
+    core         q, k padded to W, values padded to W (or, when v = W, the view of W_kvb's output
+                 sb a_t (n + v)), the kernel's output sb a_t W, lse a_t sb, wo's input sb a_t v
+    selective    q, k (sb a_t (n + r) each), W_kvb's output sb a_t (n + v), wo's input sb a_t v
 
 A mixture-of-experts block (model/moe.py) keeps, in place of the SwiGLU's 4sbf, for the T = sb
 tokens of the rank, its A kept (token, choice) assignments (kT when dropless) and the R rows its
@@ -51,7 +62,9 @@ ETP all-gather with expert tensor parallelism), experts of width f_e / etp, E_l 
 
 (one process: the rows' input is the gathered tokens, so the regrouping indices are absent). Which
 experts are chosen is computed without gradient, so the selection bias and group-limited routing
-keep nothing. Counted for tp = 1 and multi-head attention (`moe_block_activation_elements`).
+keep nothing (`moe_block_activation_elements`). Under tensor parallelism the layer runs outside the
+region: on all s b tokens, or with sequence parallelism on the rank's s b / t, keeping the norm's local
+output (s b h / t) where the SwiGLU kept its all-gathered input (s b h).
 """
 
 from __future__ import annotations
@@ -73,22 +86,43 @@ class ActivationShape:
 def block_activation_elements(model: ModelConfig, shape: ActivationShape) -> int:
     """Elements one transformer block keeps for backward on one rank (see the module docstring)."""
     s, b, t = shape.seq_len, shape.micro_batch, shape.tp
-    h, f, a, d = model.dim, model.ffn_hidden_dim, model.n_heads, model.head_size
-    kv = max(model.kv_heads // t, 1)
-    sbh, sb, sbq = s * b * h, s * b, s * b * model.q_dim
+    h, f, d = model.dim, model.ffn_hidden_dim, model.rope_dim
+    sbh, sb = s * b * h, s * b
     if shape.recompute == "full":
         return (sbh // t if shape.sequence_parallel else sbh) + 2 * s * d
     if t == 1:
-        total = 6 * sbh + 2 * sbq + 4 * sb * f + 2 * sb * kv * d + 2 * sb + a * sb + 2 * s * d
+        total = 6 * sbh + 4 * sb * f + 2 * sb
     elif shape.sequence_parallel:
-        total = 2 * sbh + 2 * s * d + (4 * sbh + 2 * sbq + 2 * sb + 4 * sb * f + a * sb) // t + 2 * sb * kv * d
+        total = 2 * sbh + (4 * sbh + 2 * sb + 4 * sb * f) // t
     else:
-        total = 6 * sbh + 2 * sb + 2 * s * d + (2 * sbq + 4 * sb * f + a * sb) // t + 2 * sb * kv * d
+        total = 6 * sbh + 2 * sb + 4 * sb * f // t
+    total += 2 * s * d  # the RoPE tables
+    if model.attention == "mla":
+        return total + _mla_elements(model, sb, t, shape.recompute)
+    kv = max(model.kv_heads // t, 1)
+    a, sbq = model.n_heads, sb * model.q_dim
+    total += (2 * sbq + a * sb) // t + 2 * sb * kv * model.head_size
     if model.qk_norm != "none":
-        total += _qk_norm_elements(model, sb, t, kv, d)
+        total += _qk_norm_elements(model, sb, t, kv, model.head_size)
     if shape.recompute == "selective":
         total -= a * sb // t
     return total
+
+
+def _mla_elements(model: ModelConfig, sb: int, t: int, recompute: str) -> int:
+    """Multi-latent attention's own tensors (model/mla.py), for the a / t heads of the rank (see the module
+    docstring); the down-projections and their norms are whole on every tensor-parallel rank."""
+    heads, nope, rope, v = model.n_heads // t, model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
+    c, ql = model.kv_lora_rank, model.q_lora_rank
+    total = (3 * sb * ql + sb if ql else 0) + sb * (c + rope) + 2 * sb * c + sb
+    qk, width = nope + rope, max(nope + rope, v)
+    out = sb * heads * v  # wo's input
+    if recompute == "selective":  # the core's inputs: q, k and the up-projection whose view v is
+        return total + 2 * sb * heads * qk + sb * heads * (nope + v) + out
+    values = sb * heads * (width if v < width else nope + v)  # padded values, or the view v
+    # q, k (padded to the width), the values, the kernel's output (its heads-first layout is copied for wo)
+    # and its log-sum-exp
+    return total + 3 * sb * heads * width + values + out + heads * sb
 
 
 def _qk_norm_elements(model: ModelConfig, sb: int, t: int, kv: int, d: int) -> int:
@@ -150,12 +184,16 @@ def moe_mlp_elements(model: ModelConfig, tokens: int, micro_batch: int, rows: Ex
 
 
 def moe_block_activation_elements(model: ModelConfig, shape: ActivationShape, rows: ExpertRows = ExpertRows()) -> int:
-    """Elements a MoE block keeps for backward on one rank: the dense block's count with the MoE MLP in place of
-    the SwiGLU (tp = 1, multi-head attention; full recomputation keeps only the block input either way)."""
-    if shape.tp != 1 or model.attention != "mha":
-        raise ValueError("the MoE block's activation count is derived for tp = 1 and multi-head attention")
+    """Elements a MoE block keeps for backward on one rank: the dense block's count (either attention) with the MoE
+    MLP in place of the SwiGLU. Under tensor parallelism the MoE layer runs outside the region, on the whole
+    sequence, or with sequence parallelism on the rank's s / t positions: it keeps the norm's local output where
+    the SwiGLU kept its all-gathered input. Full recomputation keeps only the block input either way."""
     dense = block_activation_elements(model, shape)
     if shape.recompute == "full":
         return dense
-    tokens = shape.seq_len * shape.micro_batch
-    return dense - 4 * tokens * model.ffn_hidden_dim + moe_mlp_elements(model, tokens, shape.micro_batch, rows)
+    s, b, t = shape.seq_len, shape.micro_batch, shape.tp
+    tokens = s * b // t if shape.sequence_parallel else s * b
+    swiglu = 4 * s * b * model.ffn_hidden_dim // t
+    if shape.sequence_parallel and t > 1:
+        swiglu += s * b * model.dim - tokens * model.dim  # the gathered input, in place of the local one
+    return dense - swiglu + moe_mlp_elements(model, tokens, shape.micro_batch, rows)

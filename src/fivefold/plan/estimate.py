@@ -63,7 +63,8 @@ from fivefold.comm.cost import native_collective
 from fivefold.config.schema import JobConfig
 from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
-from fivefold.plan.activations import ActivationShape, block_activation_elements, moe_block_activation_elements
+from fivefold.plan.activations import (ActivationShape, ExpertRows, block_activation_elements,
+                                      moe_block_activation_elements)
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.flops import flops_per_token
@@ -235,10 +236,26 @@ def _model_states(params: RankParameters, config: JobConfig, d: Degrees) -> tupl
     return (dense.parameters + routed.parameters, dense.gradients + routed.gradients, dense.optimizer + routed.optimizer)
 
 
-def _block_activations(model: ModelConfig, layer: int, shape: ActivationShape, d: Degrees) -> int:
-    if model.is_moe_layer(layer) and shape.tp == 1 and model.attention == "mha":
-        return moe_block_activation_elements(model, shape)
+def _block_activations(model: ModelConfig, layer: int, shape: ActivationShape, rows: ExpertRows) -> int:
+    if model.is_moe_layer(layer):
+        return moe_block_activation_elements(model, shape, rows)
     return block_activation_elements(model, shape)
+
+
+def expert_rows(config: JobConfig, model: ModelConfig, d: Degrees) -> ExpertRows:
+    """What one rank's MoE layer keeps and computes per micro-batch under balanced routing: its assignments
+    (`dispatch_rows`), as many rows received by its experts (etp x them after the ETP gather), and the expert
+    kernel the runtime resolves (model/moe.py ExpertKernel: `auto` is grouped where the widths are 16-byte
+    aligned, assuming torch has its grouped GEMM)."""
+    if not model.n_experts:
+        return ExpertRows()
+    assignments = dispatch_rows(model, config, d)
+    kernel = config.expert_parallel.kernel
+    if kernel == "auto":
+        align = 16 // (2 if compute_dtype(config) == "bf16" else 4)
+        aligned = model.dim % align == 0 and (model.expert_hidden_dim // d.etp) % align == 0
+        kernel = "grouped" if aligned else "loop"
+    return ExpertRows(assignments, assignments * d.etp, d.ep, d.etp, kernel)
 
 
 class PipelineRuns:
@@ -342,6 +359,13 @@ def logits_bytes(tokens: int, vocab: int, held: int, chunk: int = 0) -> int:
     return (held + 1) * 4 * tokens * vocab
 
 
+def final_norm_bytes(tokens: int, dim: int, held: int, sp_degree: int = 1) -> int:
+    """Bytes the final RMSNorm keeps for each of the `held` micro-batches on the last stage (fp32, as it computes):
+    its input, 1/rms and normalised output on this rank's tokens (1/t of them under sequence parallelism), and
+    its output as the head's input (all the tokens, gathered under sequence parallelism)."""
+    return held * 4 * ((2 * dim + 1) * (tokens // sp_degree) + dim * tokens)
+
+
 def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]],
                     runs: PipelineRuns | None = None) -> list[RankMemory]:
     t = config.train
@@ -353,7 +377,8 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     # the last stage keeps each finished micro-batch's fp32 log-probabilities until its backward (GPipe: all m
     # of them), and one logits gradient is live while a backward runs
     held = t.grad_accum_steps if d.pp > 1 and config.pipeline_parallel.schedule == "gpipe" else 1
-    kinds = {moe: _block_activations(model, layer, shape, d) for moe in (False, True)
+    rows = expert_rows(config, model, d)
+    kinds = {moe: _block_activations(model, layer, shape, rows) for moe in (False, True)
              if (layer := first_block(model, moe)) >= 0}
     states: dict[tuple, tuple[int, int, int, int]] = {}  # pipeline ranks holding alike blocks hold alike states
     out = []
@@ -388,8 +413,9 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
                                             z.nvme_sub_group)
         # with interleaving a rank's peak (micro-batch, stage) pairs spread over its stages: the largest bounds each
         activations = element * per_stage * in_flight[rank]
-        logits = logits_bytes(t.micro_batch_size * (t.seq_len // d.cp), padded_vocab(model.vocab_size, d.tp) // d.tp,
-                              held, t.loss_chunk_tokens) if last else 0
+        tokens = t.micro_batch_size * (t.seq_len // d.cp)
+        logits = (logits_bytes(tokens, padded_vocab(model.vocab_size, d.tp) // d.tp, held, t.loss_chunk_tokens)
+                  + final_norm_bytes(tokens, model.dim, held, d.tp if sp else 1)) if last else 0
         out.append(RankMemory(p, g, 0 if z.offload else o, activations, logits, buffers, host, count, buckets, nvme))
     return out
 
@@ -487,9 +513,10 @@ def _block_forward_flops(model: ModelConfig, layer: int, tokens: int, seq: int, 
 
 
 def _attention_core_flops(model: ModelConfig, tokens: int, seq: int, d: Degrees) -> float:
-    """Forward FLOPs of one block's attention core on one rank: q k^T and the product with v."""
+    """Forward FLOPs of one block's attention core on one rank: q k^T and the product with v (MLA: both on the
+    one width the core pads q, k and v to, model/mla.py; MFU counts the unpadded model FLOPs)."""
     if model.attention == "mla":
-        width = model.n_heads * (model.qk_nope_head_dim + model.qk_rope_head_dim + model.v_head_dim)
+        width = 2 * model.n_heads * max(model.qk_nope_head_dim + model.qk_rope_head_dim, model.v_head_dim)
         return 2 * width * seq * tokens / (d.tp * d.cp)
     return 4 * model.q_dim * seq * tokens / (d.tp * d.cp)
 
@@ -690,7 +717,8 @@ def _written_per_block(model: ModelConfig, config: JobConfig, d: Degrees) -> dic
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
     shape = ActivationShape(t.micro_batch_size, t.seq_len // d.cp, d.tp, sp, "none")
     element = 2 if compute_dtype(config) == "bf16" else 4
-    return {moe: element * _block_activations(model, layer, shape, d) for moe in (False, True)
+    rows = expert_rows(config, model, d)
+    return {moe: element * _block_activations(model, layer, shape, rows) for moe in (False, True)
             if (layer := first_block(model, moe)) >= 0}
 
 
