@@ -403,7 +403,8 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
             layers = layers if layers is not None else [layer for s in stages for layer in split[s]]
         if key not in states:
             params = runs.rank_parameters(config, model, key, layers, first, last, d)
-            states[key] = (*_model_states(params, config, d), _buffers(config, model, d, layers, moe, sp), params.total,
+            states[key] = (*_model_states(params, config, d), _buffers(config, model, d, layers, moe, sp, first, last),
+                           params.total,
                            ddp_bucket_bytes(config, params, d))
         p, g, o, buffers, count, buckets = states[key]
         host = o if z.offload else 0
@@ -474,8 +475,10 @@ def ddp_bucket_bytes(config: JobConfig, params: RankParameters, d: Degrees) -> i
     return element * ((params.dense if d.dp * d.cp > 1 else 0) + (params.experts if edp > 1 else 0))
 
 
-def _buffers(config: JobConfig, model: ModelConfig, d: Degrees, layers: list[int], moe: list[int], sp: bool) -> int:
-    """ZeRO-3's gathered blocks (the current and the prefetched one) and the MoE dispatch rows in and out."""
+def _buffers(config: JobConfig, model: ModelConfig, d: Degrees, layers: list[int], moe: list[int], sp: bool,
+             first: bool, last: bool) -> int:
+    """ZeRO-3's gathered weights: the current and the prefetched block, and the rest of the model (embedding,
+    final norm, head: gathered before the forward, freed after the step); and the MoE dispatch rows in and out."""
     t, buffers = config.train, 0
     if config.data_parallel.mode == "ps":  # the step's flat push (gradients) and pull (new weights) copies
         buffers += 2 * 4 * rank_parameters(model, layers, True, True).total
@@ -485,6 +488,7 @@ def _buffers(config: JobConfig, model: ModelConfig, d: Degrees, layers: list[int
         kinds = ({False} if len(moe) < len(layers) else set()) | ({True} if moe else set())
         biggest = max(block_parameters(model, first_block(model, k), d.tp, d.ep, d.etp).total for k in kinds)
         buffers += 2 * weight * biggest
+        buffers += weight * rank_parameters(model, [], first, last, d.tp, d.ep, d.etp, d.pp > 1).total
         if config.data_parallel.hpz_partition > 1:  # hpZ: 1/h of every block's weights, from its forward to its backward
             blocks = sum(block_parameters(model, layer, d.tp, d.ep, d.etp).total for layer in layers)
             buffers += weight * blocks // config.data_parallel.hpz_partition
