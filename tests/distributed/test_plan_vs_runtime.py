@@ -87,7 +87,9 @@ def _measure(rank, world_size, configs):
         groups = sum(len(z.groups) for z in zero)
         planned = estimate(config, world_size, PRESETS["h100-sxm"], vocab_size=trainer.model_config.vocab_size)
         mine = planned.per_pp_rank[trainer.mesh.local_rank("pp")]
-        gathered = lambda tensor: any(z.holds_gathered(tensor) for z in zero)  # noqa: E731 (ZeRO-3's buffers)
+        def gathered(tensor) -> bool:  # ZeRO-3's buffers, not activations
+            return any(z.holds_gathered(tensor) for z in zero)
+
         with PeakSavedBytes(trainer.model.parameters(), gathered) as saved:  # a second step: the activations at their peak
             trainer.train_step()
         ddps = [getattr(trainer.sync, name, None) for name in ("ddp", "expert_ddp")]

@@ -157,6 +157,13 @@ def expert_capacity(config: ModelConfig, seq: int) -> int:
     return math.ceil(config.moe_capacity_factor * seq * config.moe_top_k / config.n_experts)
 
 
+def auto_expert_kernel(dim: int, hidden: int, element_size: int) -> str:
+    """`auto`'s choice where torch has its grouped GEMM: `grouped` when the experts' widths meet its 16-byte
+    alignment, else `loop` (the planner asks the same, plan/estimate.py expert_rows)."""
+    align = 16 // element_size
+    return "grouped" if dim % align == 0 and hidden % align == 0 else "loop"
+
+
 class ExpertKernel:
     """Runs a list of experts over rows already sorted by expert (`counts[i]` rows for expert i).
 
@@ -176,9 +183,7 @@ class ExpertKernel:
             return self.kind
         if not hasattr(torch, "_grouped_mm") or not experts:
             return "loop"
-        align = 16 // x.element_size()
-        dim, hidden = experts[0].w1.in_features, experts[0].w1.out_features
-        return "grouped" if dim % align == 0 and hidden % align == 0 else "loop"
+        return auto_expert_kernel(experts[0].w1.in_features, experts[0].w1.out_features, x.element_size())
 
     def __call__(self, x: torch.Tensor, counts: list[int], experts: list[FeedForward]) -> torch.Tensor:
         if x.shape[0] == 0:

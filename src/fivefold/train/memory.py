@@ -69,7 +69,7 @@ class PeakSavedBytes:
     holding it is freed (after its backward, or with its graph). This is the activation memory a
     pipeline schedule needs, which depends on how many micro-batches are in flight at once.
     Parameters in `exclude` are not counted, nor tensors for which `skip` says so (ZeRO-3's gathered
-    weights, which matmuls save as views: `ZeroOptimizer.holds_gathered`; their storage is released
+    weights, which matmuls save as views: `ZeroDataParallel.holds_gathered`; their storage is released
     after the forward and grown again for backward, so they are ZeRO-3's buffers, not activations).
     """
 
