@@ -19,12 +19,15 @@ Consistency models (Ho et al. 2013 for SSP):
          one by one.)
 In asp and ssp a worker's gradient is the mean over its own tokens, and the learning rate of a
 push is the schedule's at the pusher's step. Servers record every worker's clock at each answered
-pull (`clock_log`), so tests can check the bound.
+pull (`clock_log`), so tests can check the bound. After each update (gradients set, AdamW stepped,
+before the gradients are dropped: the server's fullest moment) it calls `after_update`, if set, which
+may read what it holds (`model_state_tensors`, `receiving`): the runtime's measure of a server's memory.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -93,6 +96,14 @@ class ParameterServer:
         self.optimizer = build_adamw(decay, no_decay, optim) if self.params else None
         self.clocks = [0] * layout.workers  # pushes received from each worker
         self.clock_log: list[tuple[int, list[int]]] = []  # (worker answered, every clock then)
+        self.receiving: list[torch.Tensor] = []  # the pushes' receive buffers and bsp's sum, while serving
+        self.after_update: Callable[[], None] | None = None
+
+    def model_state_tensors(self) -> tuple[list, list, list]:
+        """(weights, gradients, AdamW states) held now; the gradients exist only during an update."""
+        states = [t for state in (self.optimizer.state.values() if self.optimizer else []) for t in state.values()
+                  if isinstance(t, torch.Tensor)]
+        return self.params, [p.grad for p in self.params], states
 
     def _step(self, grad: torch.Tensor, step: int, clip: bool) -> None:
         if self.optimizer is None:
@@ -109,6 +120,8 @@ class ParameterServer:
                     p.grad.mul_(self.max_grad_norm / (norm + 1e-6))
         set_lr(self.optimizer, lr_at(step, self.optim_config, self.total_steps))
         self.optimizer.step()
+        if self.after_update is not None:
+            self.after_update()
         self.optimizer.zero_grad(set_to_none=True)
 
     def _answer(self, worker: int) -> dist.Work:
@@ -132,6 +145,7 @@ class ParameterServer:
             total = buffers[0].clone()
             for b in buffers[1:]:
                 total += b
+            self.receiving = buffers + [total]
             self._step(total, step, clip=True)
             self.clocks = [step + 1] * self.layout.workers
             for work in [self._answer(w) for w in range(self.layout.workers)]:
@@ -140,6 +154,7 @@ class ParameterServer:
     def _serve_asynchronous(self) -> None:
         bound = self.staleness if self.sync == "ssp" else None
         buffer = torch.empty(self.numel)
+        self.receiving = [buffer]
         waiting: list[int] = []  # workers whose pull is held back by the staleness bound
         sends: list[dist.Work] = []
         for _ in range(self.total_steps * self.layout.workers):
@@ -244,10 +259,3 @@ class ParameterServerSync(GradientSync):
 
     def load_pieces(self, pieces: dict[str, dict[str, torch.Tensor]]) -> None:
         self.load_state_dict({}, None)
-
-
-def serve(model: nn.Module, layout: ServerLayout, index: int, optim: OptimConfig, total_steps: int, sync: str,
-          staleness: int, max_grad_norm: float, server_group: dist.ProcessGroup | None) -> list[tuple[int, list[int]]]:
-    """A server rank's whole life: hold its shard of `model`, answer every push and pull; returns the clock log."""
-    return ParameterServer(model, layout, index, optim, total_steps, sync, staleness, max_grad_norm,
-                           server_group).serve()

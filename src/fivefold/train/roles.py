@@ -4,7 +4,9 @@
     server    with parameter servers (data_parallel.mode = ps) the last ps_servers ranks, which hold
               parameter shards and their optimizer and answer pushes and pulls until the workers'
               last step (parallel/parameter_server.py); they build the model only to take their
-              shards of its initial weights
+              shards of its initial weights; each reports the most bytes it held (after an update:
+              weights, gradients, AdamW states, receive buffers), which the planner's server memory
+              is checked against
 
 `run(config)` is what `fivefold train` and `python -m fivefold.train` call in every rank: it caps
 the rank's CPU threads, builds the mesh (the groups of both roles, in the same order on every
@@ -21,11 +23,12 @@ import torch
 
 from fivefold.config import JobConfig
 from fivefold.parallel.mesh import Mesh, collective_timeout, mesh_for
-from fivefold.parallel.parameter_server import ServerLayout, serve
+from fivefold.parallel.parameter_server import ParameterServer, ServerLayout
 from fivefold.parallel.validate import check_config
 from fivefold.model import build_model, materialize
 from fivefold.reliability.supervisor import Supervisor, shared_attempt_id
 from fivefold.train.distributed import init_distributed, local_device
+from fivefold.train.memory import measure_model_states
 from fivefold.train.setup import cap_threads, prepare_data_once, resolve_device, resolve_model_config
 from fivefold.train.trainer import Trainer
 
@@ -36,6 +39,7 @@ class ServerResult:
 
     server: int
     clock_log: list[tuple[int, list[int]]]
+    peak_bytes: dict[str, int]  # parameters, gradients, optimizer, buffers: measured at the fullest update
 
 
 def run_server(config: JobConfig, mesh: Mesh, rank: int, device: torch.device, supervisor: Supervisor) -> ServerResult:
@@ -49,10 +53,21 @@ def run_server(config: JobConfig, mesh: Mesh, rank: int, device: torch.device, s
     sizes = [p.numel() for p in model.parameters() if p.requires_grad]
     layout = ServerLayout.balance(sizes, workers, ps.servers)
     index = rank - workers
-    clock_log = serve(model, layout, index, config.optim, config.train.steps, ps.sync, ps.staleness,
-                      config.train.max_grad_norm, mesh.group("servers"))
+    server = ParameterServer(model, layout, index, config.optim, config.train.steps, ps.sync, ps.staleness,
+                             config.train.max_grad_norm, mesh.group("servers"))
+    peak = {"parameters": 0, "gradients": 0, "optimizer": 0, "buffers": 0}
+
+    def measure() -> None:
+        states = measure_model_states(server)
+        now = {"parameters": states.parameters, "gradients": states.gradients, "optimizer": states.optimizer,
+               "buffers": sum(t.numel() * t.element_size() for t in server.receiving)}
+        if sum(now.values()) > sum(peak.values()):
+            peak.update(now)
+
+    server.after_update = measure
+    clock_log = server.serve()
     supervisor.finish()
-    return ServerResult(index, clock_log)
+    return ServerResult(index, clock_log, peak)
 
 
 def run(config: JobConfig):
