@@ -363,6 +363,23 @@ def test_every_simulate_option_changes_what_is_simulated(capsys):
     assert controlled["seconds"] > 1.2 * _simulate_json(capsys, "--ranks", "2", "--stride", "8")["seconds"]
 
 
+def test_simulate_cli_routes_experts_by_a_runs_measured_load(tmp_path, capsys):
+    """--expert-load reads a run's moe_load records (the mean of the last 10 logged steps, as EPLB does)."""
+    moe = ["--gpus", "4", "--config", "configs/tiny.toml", "--model.n_experts", "8", "--model.n_layers", "2",
+           "--expert_parallel.degree", "4", "--train.seq_len", "128", "--vocab-size", "257"]
+    records = [{"step": step, "moe_load": {"0": [8, 1, 1, 1, 1, 1, 1, 1], "1": [1] * 8}} for step in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    balanced = _simulate_json(capsys, *moe)
+    measured = _simulate_json(capsys, *moe, "--expert-load", str(tmp_path))
+    assert balanced["expert_load"] == "balanced" and balanced["expert_imbalance"] == 1.0
+    assert measured["expert_load"] == str(tmp_path) and measured["expert_imbalance"] == pytest.approx(2.4)
+    assert measured["seconds"] > balanced["seconds"]
+    from fivefold.cli import main
+
+    assert main(["simulate", "--cluster", "h100-sxm", *moe, "--expert-load", str(tmp_path / "none")]) == 2
+    assert "--expert-load" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--ranks", "0"], "--ranks 0"), (["--ranks", "8", "--stride", "0"], "--stride 0"),
     (["--ranks", "8", "--bytes", "nan"], "--bytes"), (["--ranks", "8", "--bytes", "0"], "--bytes"),
@@ -378,6 +395,7 @@ def test_every_simulate_option_changes_what_is_simulated(capsys):
     (["--ranks", "8", "--cluster", "no-such-cluster"], "--cluster"),
     (["--ranks", "8", "--jobs", "0"], "--jobs 0"), (["--gpus", "2", "--jobs", "2"], "--jobs and --placement"),
     (["--ranks", "8", "--placement", "interleaved"], "give --jobs 2 or more"),
+    (["--ranks", "8", "--expert-load", "runs/x"], "use --gpus, not --ranks"),
     (["--gpus", "2", "--fidelity", "analytical", "--congestion", "aimd"], "no shared links"),
 ])
 def test_simulate_rejects_bad_input_in_one_line(argv, message, capsys):

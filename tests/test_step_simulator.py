@@ -90,6 +90,62 @@ def test_expert_exchanges_are_priced_as_the_planner_prices_them(overrides):
     assert run.breakdown()["ep"] == pytest.approx(planned.ep + report, rel=1e-9)
 
 
+def _moe_load(model, per_expert) -> dict[str, list[float]]:
+    return {str(layer): list(per_expert) for layer in model.moe_layers}
+
+
+MOE4 = ("--model.n_experts", "8", "--train.grad_accum_steps", "2", "--expert_parallel.degree", "4")
+
+
+def test_measured_expert_load_sends_each_rank_its_experts_share():
+    """A measured load (expert_load): every rank sends each EP rank the load's share of its k rows per token
+    (contiguous placement: EP rank j holds experts 2j and 2j + 1 of 8) and gets them back the same way; an even
+    load is balanced routing exactly; the busiest rank's routed-expert compute grows with the rows it gets;
+    the step priced by formula inside the node equals the runtime's pairwise messages played (flow)."""
+    from fivefold.plan.estimate import degrees_of, dispatch_rows, model_for, pass_costs
+
+    config = _config(*MOE4)
+    model, d = model_for(config, 257), degrees_of(config, 4)
+    even = simulate_step(config, 4, H100, vocab_size=257)
+    assert simulate_step(config, 4, H100, vocab_size=257, expert_load=_moe_load(model, [3] * 8)).time == even.time
+    skew = _moe_load(model, [8, 1, 1, 1, 1, 1, 1, 1])
+    hybrid = simulate_step(config, 4, H100, vocab_size=257, expert_load=skew)
+    flow = simulate_step(config, 4, H100, vocab_size=257, expert_load=skew, fidelity="flow")
+    assert hybrid.workload.expert_imbalance == pytest.approx(9 / 15 * 4)  # rank 0's experts take 9 of 15
+    assert flow.time == pytest.approx(hybrid.time, rel=1e-9) and hybrid.time > even.time
+    rows, row = dispatch_rows(model, config, d), model.dim * 4
+    sent = tuple(round(rows * share / 15) * row for share in (9, 2, 2, 2))
+    dispatch = (sent,) * 4
+    home = tuple(zip(*dispatch))
+    for rank in range(4):
+        uneven = [matrix for _, _, _, _, matrix in hybrid.workload.log[rank] if matrix is not None]
+        # forward and backward, a dispatch and a return each, per MoE layer and micro-batch
+        assert uneven == [dispatch, home] * (2 * len(model.moe_layers) * 2)
+    routed = pass_costs(config, model, d, H100, 0.5).routed
+    passes = 3 * len(model.moe_layers) * 2  # forward (1x) and backward (2x) per layer and micro-batch
+    extra = hybrid.breakdown()["compute"] - even.breakdown()["compute"]
+    assert routed > 0 and extra == pytest.approx(routed * (4 * sent[0] / (rows * row) - 1) * passes, rel=1e-6)
+
+
+def test_measured_expert_load_under_a_capacity_factor_and_bad_loads():
+    """With a capacity factor no expert takes more than its capacity, so a hot expert's rows are dropped; a load
+    without every MoE layer, of the wrong width, or on a layout without expert parallelism is refused."""
+    from fivefold.plan.estimate import degrees_of, dispatch_rows, model_for
+
+    config = _config(*MOE4, "--model.moe_capacity_factor", "1.0")
+    model = model_for(config, 257)
+    run = simulate_step(config, 4, H100, vocab_size=257, expert_load=_moe_load(model, [8, 1, 1, 1, 1, 1, 1, 1]))
+    matrix = next(m for _, _, _, _, m in run.workload.log[0] if m is not None)
+    assert sum(matrix[0]) < dispatch_rows(model, config, degrees_of(config, 4)) * model.dim * 4
+    assert run.workload.expert_imbalance < 9 / 15 * 4
+    for load, message in [({}, "MoE layer 0"), (_moe_load(model, [1] * 4), "8 experts"),
+                          (_moe_load(model, [0] * 8), "8 experts")]:
+        with pytest.raises(ConfigError, match=message):
+            simulate_step(config, 4, H100, vocab_size=257, expert_load=load)
+    with pytest.raises(ConfigError, match="expert_parallel.degree >= 2"):
+        simulate_step(_config("--model.n_experts", "8"), 4, H100, vocab_size=257, expert_load=_moe_load(model, [1] * 8))
+
+
 @pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
 def test_pipeline_on_a_free_network_is_the_schedule_makespan(schedule, virtual):
     config = _config("--pipeline_parallel.degree", "4", "--pipeline_parallel.schedule", schedule,

@@ -73,13 +73,14 @@ def contiguous_placement(n_experts: int, ep: int) -> list[list[int]]:
     return [list(range(r * per, (r + 1) * per)) for r in range(ep)]
 
 
-def load_from_metrics(path: str | Path, last: int = 10) -> dict[str, list[float]]:
-    """Each MoE layer's mean load over the last `last` logged steps of a run's metrics.jsonl."""
+def load_from_metrics(path: str | Path, last: int = 10, setting: str = "expert_parallel.load_from") -> dict[str, list[float]]:
+    """Each MoE layer's mean load over the last `last` logged steps of a run's metrics.jsonl (`setting`: the
+    option that named it, for the errors)."""
     path = Path(path)
     if path.is_dir():
         path = path / "metrics.jsonl"
     if not path.is_file():
-        raise ConfigError(f"expert_parallel.load_from = {path}: no such metrics.jsonl (a run's output folder or its "
+        raise ConfigError(f"{setting} = {path}: no such metrics.jsonl (a run's output folder or its "
                           "metrics.jsonl, from a run of the same model)")
     records = []
     for line in path.read_text().splitlines():
@@ -90,7 +91,7 @@ def load_from_metrics(path: str | Path, last: int = 10) -> dict[str, list[float]
         if isinstance(record, dict) and isinstance(record.get("moe_load"), dict):
             records.append(record["moe_load"])
     if not records:
-        raise ConfigError(f"expert_parallel.load_from = {path} holds no moe_load records (log a MoE run first)")
+        raise ConfigError(f"{setting} = {path} holds no moe_load records (log a MoE run first)")
     records = records[-last:]
     out = {}
     for layer in records[-1]:

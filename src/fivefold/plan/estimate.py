@@ -529,11 +529,13 @@ class PassCosts:
     """Seconds of one micro-batch's forward pass on one rank, before any communication: a block's
     (matmuls at the achieved rate, the attention core at its own, plus the bytes it writes outside them at
     the memory bandwidth) by kind (False: dense, True: MoE), the attention core's share of it, and the last
-    stage's head and loss."""
+    stage's head and loss; `routed`: the routed experts' matmuls within a MoE block, at balanced routing (the
+    part that grows on a rank that receives more rows)."""
 
     block: dict[bool, float]
     core: float
     head: float
+    routed: float = 0.0
 
 
 def dispatch_rows(model: ModelConfig, config: JobConfig, d: Degrees) -> int:
@@ -592,7 +594,11 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
     head = 2 * padded_vocab(model.vocab_size, d.tp) * model.dim * tokens / (d.tp * d.cp) / rate
     if bandwidth:
         head += 2 * 4 * tokens // d.cp * padded_vocab(model.vocab_size, d.tp) // d.tp / bandwidth
-    return PassCosts(block, core, head)
+    routed = 0.0
+    if model.n_experts:
+        per_token = block_parameters(model, first_block(model, True)).experts * model.moe_top_k / model.n_experts
+        routed = 2 * per_token * tokens / (d.cp * (d.tp if sp else 1)) / rate
+    return PassCosts(block, core, head, routed)
 
 
 def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], cluster: ClusterSpec,

@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "analytical: all by formula, one rank per pipeline stage (for tens of thousands of GPUs)")
     step.add_argument("--vocab-size", type=int, default=0, help="for a model whose vocabulary comes from the tokenizer")
     step.add_argument("--plot", help="draw the simulated timeline of the first ranks (PNG)")
+    step.add_argument("--expert-load", metavar="RUN",
+                      help="a MoE run's folder or metrics.jsonl: its measured expert load (moe_load, last 10 logged "
+                           "steps) routes the rows unevenly, as they went in that run (default: balanced routing)")
     one = parser.add_argument_group("one collective (--ranks)")
     one.add_argument("--collective", default="all_reduce", choices=collectives)
     one.add_argument("--algorithm", default="ring", choices=algorithms,
@@ -83,8 +86,9 @@ def run(args: argparse.Namespace, overrides: list[str] | None = None) -> int:
     if (args.gpus is None) == (args.ranks is None):
         raise ConfigError("give --gpus N (and --config) to simulate a training step, or --ranks N to simulate one "
                           "collective")
-    if args.ranks is not None and (args.config or overrides):
-        raise ConfigError("--config and --section.key overrides describe a training step: use --gpus, not --ranks")
+    if args.ranks is not None and (args.config or overrides or args.expert_load):
+        raise ConfigError("--config, --expert-load and --section.key overrides describe a training step: use --gpus, "
+                          "not --ranks")
     if args.gpus is not None and (args.jobs != 1 or args.placement != "packed"):
         raise ConfigError("--jobs and --placement place several jobs' collectives (--ranks); a simulated step "
                           "(--gpus) is one job")
@@ -109,8 +113,13 @@ def run_step(args: argparse.Namespace, overrides: list[str]) -> int:
     config = load_config(args.config, overrides)
     cluster = cluster_with_overrides(args)
     efficiency = efficiency_from(args)
+    load = None
+    if args.expert_load:
+        from fivefold.parallel.expert_placement import load_from_metrics
+
+        load = load_from_metrics(args.expert_load, setting="--expert-load")
     run_ = simulate_step(config, args.gpus, cluster, efficiency, args.fidelity, args.vocab_size,
-                         record_spans=bool(args.trace or args.plot), congestion=args.congestion)
+                         record_spans=bool(args.trace or args.plot), congestion=args.congestion, expert_load=load)
     phases = run_.breakdown()
     links = run_.link_utilisation()
     work, spec = run_.workload, cluster.topology
@@ -119,7 +128,8 @@ def run_step(args: argparse.Namespace, overrides: list[str]) -> int:
         "fabric": run_.topology.describe(), "routing": spec.routing, "fidelity": args.fidelity,
         "congestion": args.congestion,
         "efficiency": efficiency.matmul, "attention_efficiency": efficiency.core, "seconds": run_.time,
-        "phases_seconds": phases,
+        "phases_seconds": phases, "expert_load": args.expert_load or "balanced",
+        "expert_imbalance": work.expert_imbalance,
         "slowest_rank": run_.slowest_rank, "simulated_ranks": len(work.simulated),
         "collectives_as_messages": work.recorded, "collectives_by_formula": work.analytical,
         "bytes_sent": sum(run_.result.pair_bytes.values()), "busiest_links": links[:args.top_links],
@@ -137,6 +147,9 @@ def run_step(args: argparse.Namespace, overrides: list[str]) -> int:
     print(f"  fabric       {run_.topology.describe()}; routing {spec.routing}")
     print(f"  step         {run_.time * 1e3:.3f} ms   (slowest rank {run_.slowest_rank}; "
           f"{len(work.simulated)} ranks simulated)")
+    if args.expert_load:
+        print(f"  experts      routed as measured in {args.expert_load}: the busiest expert-parallel rank receives "
+              f"{work.expert_imbalance:.2f} x the mean rows")
     for phase in PHASES:
         if phases[phase] > 0:
             print(f"    {phase:<11}{phases[phase] * 1e3:12.3f} ms {phases[phase] / run_.time:7.1%}")

@@ -68,12 +68,13 @@ class StepRun:
 
 def simulate_step(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency = 0.5,
                   fidelity: str = "hybrid", vocab_size: int = 0, record_spans: bool = True,
-                  congestion: str = "none") -> StepRun:
+                  congestion: str = "none", expert_load: dict[str, list[float]] | None = None) -> StepRun:
     """Simulate one optimizer step of `config` on `gpus` accelerators of `cluster` (see workload.py);
-    record_spans=False keeps each stream's seconds per label (the breakdown) but not every span (the trace)."""
+    record_spans=False keeps each stream's seconds per label (the breakdown) but not every span (the trace);
+    expert_load: each MoE layer's measured assignments per expert (uneven dispatch), default balanced."""
     start = time.perf_counter()
     router = cluster_router(cluster, gpus)
-    workload = build_workload(config, gpus, cluster, efficiency, fidelity, vocab_size, router)
+    workload = build_workload(config, gpus, cluster, efficiency, fidelity, vocab_size, router, expert_load)
     if fidelity == "analytical" and congestion != "none":
         raise ConfigError(f"--congestion {congestion}: the analytical path has no shared links to control; use "
                           "--fidelity flow, hybrid or aggregate")

@@ -6,7 +6,9 @@ receive and wait as an engine operation. Running an algorithm once per rank posi
 tensor (shape and dtype, no storage) yields each rank's program: exactly the messages, sizes and
 order the runtime would produce, for any number of ranks, in one process and without memory.
 The backend's native collectives (gloo, NCCL) are not our code: algorithm "native" models them
-as NCCL's ring, i.e. the messages of our ring algorithm (pairwise exchange for all-to-all).
+as NCCL's ring, i.e. the messages of our ring algorithm (pairwise exchange for all-to-all). An
+uneven all-to-all (an expert dispatch under measured routing) is recorded from the runtime's
+`pairwise_all_to_all_v` with the bytes of every rank pair.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 
 from fivefold.comm import ALL_REDUCE
-from fivefold.comm.alltoall import pairwise_all_to_all
+from fivefold.comm.alltoall import pairwise_all_to_all, pairwise_all_to_all_v
 from fivefold.comm.p2p import Ranks
 from fivefold.comm.recursive import recursive_all_gather, recursive_reduce_scatter
 from fivefold.comm.ring import ring_all_gather, ring_reduce_scatter
@@ -101,6 +103,24 @@ def collective_programs(collective: str, algorithm: str, members: Sequence[int],
         numel = max(len(members), numel - numel % len(members))
     kwargs = {"node_size": node_size or len(members)} if algorithm == "hierarchical" else {}
     return record(ALGORITHMS[(collective, algorithm)], members, numel, dtype, first_handle, **kwargs)
+
+
+def uneven_all_to_all_programs(matrix: Sequence[Sequence[int]], dtype: torch.dtype = torch.float32,
+                               first_handle: int = 0) -> dict[int, list[Op]]:
+    """Each position's operations in the runtime's uneven pairwise all-to-all (comm/alltoall.py
+    `pairwise_all_to_all_v`, the expert dispatch's), matrix[i][j] the bytes position i sends position j."""
+    element = torch.empty((), dtype=dtype).element_size()
+    members = tuple(range(len(matrix)))
+    programs = {}
+    for i in members:
+        sends = [matrix[i][j] // element for j in members]
+        receives = [matrix[j][i] // element for j in members]
+        transport = RecordingTransport(i, first_handle)
+        output = torch.empty(sum(receives), dtype=dtype, device="meta")
+        pairwise_all_to_all_v(output, torch.empty(sum(sends), dtype=dtype, device="meta"), receives, sends,
+                              Ranks(members, None, transport))
+        programs[i] = transport.ops
+    return programs
 
 
 def as_streams(programs: dict[int, list[Op]], stream: str = "comm") -> dict[StreamKey, list[Op]]:

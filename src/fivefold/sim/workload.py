@@ -28,7 +28,12 @@ the runtime runs them:
 A MoE layer (parallel/expert_parallel.py) replaces its block's MLP half: the count and row
 all-to-alls over the expert-parallel group, the expert-tensor-parallel gather and reduce-scatter,
 the experts, the rows home, the routing statistics' all-reduce; backward the row exchanges in
-reverse. Routing is taken as balanced: every rank sends and receives k rows per token it holds.
+reverse. Routing is balanced (every rank sends and receives k rows per token it holds) unless a
+measured expert load is given (`expert_load`: each MoE layer's assignments per expert, as a run's
+metrics.jsonl logs them and EPLB reads them): then every rank sends each expert-parallel rank the
+load's share of its rows for the experts that rank holds, the row exchanges become uneven
+all-to-alls of exactly those bytes per rank pair, and a rank's routed-expert compute grows with the
+rows it receives.
 
 Ranks are laid out as the mesh lays them out (parallel/mesh.py: pp, dp_replicate, dp_shard, cp,
 tp, tp innermost). Compute seconds come from the planner (plan/estimate.py `pass_costs`: FLOPs at
@@ -47,7 +52,7 @@ fast path, one `Collective` op priced by comm/cost.py:
                 rank per pipeline stage simulated (without contention the ranks of a stage are
                 identical): the path for tens of thousands of accelerators
 
-Not modelled (stated in docs/simulator.md): uneven routing and EPLB's replicated experts, gradient
+Not modelled (stated in docs/simulator.md): EPLB's replicated experts, gradient
 compression and priority scheduling, parameter servers, the gradient-norm all-reduce, tied
 embeddings across pipeline stages.
 """
@@ -61,7 +66,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fivefold.comm.cost import best_all_reduce, native_collective, predict, ring_form
+from fivefold.comm.cost import best_all_reduce, native_collective, predict, ring_form, uneven_all_to_all
 from fivefold.config.schema import JobConfig
 from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
@@ -76,9 +81,10 @@ from fivefold.plan.zero_traffic import quantized_parts
 from fivefold.sim.names import FIDELITIES
 from fivefold.sim.routing import Router, cluster_router
 from fivefold.sim.engine import Await, Collective, Compute, Notify, Op, Recv, Send, StreamKey, Wait
-from fivefold.sim.trace import collective_programs, resolve_algorithm
+from fivefold.sim.trace import collective_programs, resolve_algorithm, uneven_all_to_all_programs
 
 COMPUTE, DP = "compute", "dp"
+Matrix = tuple[tuple[int, ...], ...]  # an uneven all-to-all: [i][j] the bytes member i sends member j
 _RING_FLOWS = ("all_reduce", "reduce_scatter", "all_gather")  # aggregate: the ring collectives played as flows
 _TP_SPLIT = (".attention.", ".feed_forward.w")  # column/row-parallel weights
 _WHOLE = (".wq_a.", ".wkv_a.")  # multi-latent attention's down-projections are replicated
@@ -167,22 +173,22 @@ class Workload:
     split: list[list[int]]
     simulated: tuple[int, ...]  # the ranks with programs (all, or one per pipeline stage on the analytical path)
     fidelity: str
-    log: dict[int, list[tuple[str, tuple[int, ...], int, str]]] = field(default_factory=dict)  # rank -> its calls
-    notes: list[str] = field(default_factory=list)
+    log: dict[int, list[tuple[str, tuple[int, ...], int, str, Matrix | None]]] = field(default_factory=dict)  # rank -> its calls
+    expert_imbalance: float = 1.0  # under a measured expert load: the most rows an EP rank receives / the mean
     recorded: int = 0  # collectives expanded into messages
     analytical: int = 0  # collectives priced by formula
-    expand: Callable[[str, str, int, int], dict[int, list[Op]]] | None = field(default=None, repr=False)
+    expand: Callable[..., dict[int, list[Op]]] | None = field(default=None, repr=False)
 
     def calls(self, rank: int) -> list[tuple[str, tuple[int, ...], int]]:
         """`rank`'s torch.distributed calls, as sim/observe.py records the runtime's: (kind, group ranks, bytes)
         per backend collective, ("send", (rank, peer), bytes) per message, including every message of a
         hand-written algorithm (comm/, which posts them itself)."""
         out = []
-        for kind, members, nbytes, algorithm in self.log.get(rank, []):
+        for kind, members, nbytes, algorithm, matrix in self.log.get(rank, []):
             if kind == "send" or algorithm == "native":
                 out.append((kind, members, nbytes))
             else:
-                program = self.expand(kind, algorithm, len(members), nbytes)[members.index(rank)]
+                program = self.expand(kind, algorithm, len(members), nbytes, matrix)[members.index(rank)]
                 out += [("send", (rank, members[op.peer]), op.nbytes) for op in program if isinstance(op, Send)]
         return out
 
@@ -265,7 +271,8 @@ class _ZeroPart:
 
 class _Builder:
     def __init__(self, config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency,
-                 fidelity: str, vocab_size: int, router: Router | None = None):
+                 fidelity: str, vocab_size: int, router: Router | None = None,
+                 expert_load: dict[str, list[float]] | None = None):
         from fivefold.parallel.pipeline.stages import plan_stages
 
         if fidelity not in FIDELITIES:
@@ -301,6 +308,7 @@ class _Builder:
                 self.expert_groups[kind] = {r: tuple(row) for row in rows for r in row}
             self.dispatch_bytes = dispatch_rows(self.model, config, d) * self.model.dim * self.element
             self.alltoall = "pairwise" if config.expert_parallel.alltoall == "pairwise" else "native"
+        self.expert_rows = expert_rows_by_load(self.model, config, d, expert_load) if expert_load is not None else {}
         if fidelity == "analytical":
             self.simulated = tuple(self.grid.rank(pp=p) for p in range(d.pp))
         else:
@@ -316,7 +324,11 @@ class _Builder:
         self.router = (router or cluster_router(cluster, gpus)) if fidelity == "aggregate" else None
         self._events: dict[int, int] = defaultdict(int)
         self.recorded = self.analytical = 0
-        self.log: dict[int, list[tuple[str, tuple[int, ...], int, str]]] = defaultdict(list)  # + the algorithm
+        self.log: dict[int, list[tuple[str, tuple[int, ...], int, str, Matrix | None]]] = defaultdict(list)
+
+    def expert_imbalance(self) -> float:
+        """The most rows one expert-parallel rank receives over the mean, over the MoE layers (1: balanced)."""
+        return max((max(rows) * len(rows) / sum(rows) for rows in self.expert_rows.values() if sum(rows)), default=1.0)
 
     # ------------------------------------------------------------------ primitives
     def _handle(self, key: StreamKey) -> int:
@@ -331,8 +343,9 @@ class _Builder:
         return members[0] // self.per_node == members[-1] // self.per_node
 
     def collective(self, rank: int, stream: str, kind: str, members: tuple[int, ...], nbytes: int, label: str,
-                   algorithm: str = "native") -> None:
-        """Append `rank`'s part of one collective over `members` (nbytes: a rank's whole vector)."""
+                   algorithm: str = "native", matrix: Matrix | None = None) -> None:
+        """Append `rank`'s part of one collective over `members` (nbytes: a rank's whole vector; an uneven
+        all-to-all gives `matrix`, the bytes of every pair of members, and nbytes is what this rank sends)."""
         p = len(members)
         if p == 1 or nbytes <= 0:
             return
@@ -340,9 +353,11 @@ class _Builder:
         ops = self.programs[key]
         sequence_key = (stream, members, rank)
         sequence = self._sequence[sequence_key] = self._sequence[sequence_key] + 1
-        self.log[rank].append((kind, members, nbytes, algorithm))
+        self.log[rank].append((kind, members, nbytes, algorithm, matrix))
         if self.fidelity == "analytical" or (self.fidelity != "flow" and self._inside_node(members)):
-            seconds = self._formula(kind, algorithm, nbytes, p, members[-1] - members[0] + 1)
+            span = members[-1] - members[0] + 1
+            seconds = self._formula(kind, algorithm, nbytes, p, span) if matrix is None else \
+                self._uneven_formula(matrix, span)
             if members not in self._simulated_members:
                 self._simulated_members[members] = sum(m in self._simulated for m in members)
             ops.append(Collective((stream, members, sequence), self._simulated_members[members], seconds, label))
@@ -353,7 +368,7 @@ class _Builder:
             return
         offset = self._handles[key]
         top = offset
-        for op in self._recording(kind, algorithm, p, nbytes)[members.index(rank)]:
+        for op in self._recording(kind, algorithm, p, nbytes, matrix)[members.index(rank)]:
             if isinstance(op, Send):
                 ops.append(Send(members[op.peer], op.nbytes, op.handle + offset))
                 top = max(top, op.handle + offset + 1)
@@ -397,8 +412,22 @@ class _Builder:
             self._formulas[key] = seconds
         return self._formulas[key]
 
-    def _recording(self, kind: str, algorithm: str, p: int, nbytes: int) -> dict[int, list[Op]]:
-        """The runtime algorithm's programs over positions 0..p-1 (recorded once per shape and size)."""
+    def _uneven_formula(self, matrix: Matrix, span: int) -> float:
+        """Seconds of an uneven all-to-all by the cost model (comm/cost.py `uneven_all_to_all`)."""
+        key = ("uneven", matrix, span)
+        if key not in self._formulas:
+            self._formulas[key] = uneven_all_to_all([list(row) for row in matrix],
+                                                    self.cluster.collective_link("all_to_all", span))
+        return self._formulas[key]
+
+    def _recording(self, kind: str, algorithm: str, p: int, nbytes: int,
+                   matrix: Matrix | None = None) -> dict[int, list[Op]]:
+        """The runtime algorithm's programs over positions 0..p-1 (recorded once per shape and size; an uneven
+        all-to-all, whatever `algorithm`, as the runtime's pairwise exchange of `matrix`)."""
+        if matrix is not None:
+            if ("uneven", matrix) not in self._recordings:
+                self._recordings[("uneven", matrix)] = uneven_all_to_all_programs(matrix)
+            return self._recordings[("uneven", matrix)]
         algorithm = resolve_algorithm(kind, algorithm)
         cache = (kind, algorithm, p, nbytes, self._node_size(p))
         if cache not in self._recordings:
@@ -415,7 +444,7 @@ class _Builder:
         returns what to wait on. With the neighbours off the simulated ranks (the analytical path) the
         transfer is its alpha-beta time on a stream of its own, so it still overlaps the compute."""
         key = (rank, COMPUTE)
-        self.log[rank].append(("send", (rank, peers[0]), nbytes, ""))
+        self.log[rank].append(("send", (rank, peers[0]), nbytes, "", None))
         if peers[0] in self._simulated and peers[1] in self._simulated:
             send, recv = Send(peers[0], nbytes, self._handle(key)), Recv(peers[1], nbytes, self._handle(key))
             self.programs[key] += [send, recv]
@@ -447,7 +476,7 @@ class _Builder:
         halves = ("mlp", "attention") if backward else ("attention", "mlp")
         for half in halves:
             if half == "mlp" and unit.moe:  # outside the tensor-parallel region (parallel/tensor_parallel.py)
-                self.experts(rank, forward / 2 * scale, label, backward)
+                self.experts(rank, forward / 2 * scale, label, backward, unit.index, scale)
                 if backward:
                     self.norm_gradient(rank)
                 continue
@@ -462,7 +491,7 @@ class _Builder:
             if backward:
                 self.norm_gradient(rank)
 
-    def experts(self, rank: int, seconds: float, label: str, backward: bool) -> None:
+    def experts(self, rank: int, seconds: float, label: str, backward: bool, layer: int, scale: float) -> None:
         """A MoE layer as parallel/expert_parallel.py runs it: route; all-to-all the per-expert counts and then the
         rows over the EP group; with etp > 1 all-gather the count tables and the rows over the ETP group; the
         experts (`seconds`, with the router and shared experts); the ETP reduce-scatter and the all-to-all home.
@@ -471,26 +500,36 @@ class _Builder:
         shared experts' weight gradients over the tensor-parallel group. The routing statistics of the balancing
         loss are all-reduced over the ranks sharing the micro-batch (or the sequence) in a forward that keeps
         the graph (with full recomputation only its re-run does). Balanced routing: every rank sends and
-        receives k tokens' rows (fewer if the capacity factor drops some)."""
+        receives k tokens' rows (fewer if the capacity factor drops some). Under a measured load
+        (`expert_rows`) the row exchanges are uneven: each rank sends every EP rank the rows bound for its
+        experts and gets its own rows back the same way, and the routed experts' compute (`scale` x
+        `costs.routed` at balanced routing) follows the rows this rank receives."""
         ep, etp = self.expert_groups["ep"][rank], self.expert_groups["etp"][rank]
         rows, counts = self.dispatch_bytes, 8 * self.model.n_experts  # int64 per (EP rank, slot)
         a2a = self.alltoall
+        out = home = None  # uneven: [i][j] the bytes EP rank i sends EP rank j, to the experts and back home
+        received = rows
+        if layer in self.expert_rows:
+            sent = tuple(round(r) * self.model.dim * self.element for r in self.expert_rows[layer])
+            out = tuple(sent for _ in ep)
+            home = tuple(zip(*out))
+            received = len(ep) * sent[ep.index(rank)]
+            seconds += scale * self.costs.routed * (received / rows - 1) if rows else 0.0
+        there, back = sum(out[0]) if out else rows, received if out else rows  # this rank's bytes each way
+        gathered = received * len(etp)
         if not backward:
             self.collective(rank, COMPUTE, "all_to_all", ep, counts, "ep")
-            self.collective(rank, COMPUTE, "all_to_all", ep, rows, "ep", a2a)
+        self.collective(rank, COMPUTE, "all_to_all", ep, there, "ep", a2a, out)
+        if not backward:
             self.collective(rank, COMPUTE, "all_gather", etp, counts * len(etp), "ep")
-            self.collective(rank, COMPUTE, "all_to_all", etp, rows * len(etp), "ep", a2a)
-            self.compute(rank, seconds, label)
-            self.collective(rank, COMPUTE, "all_to_all", etp, rows * len(etp), "ep", a2a)
-            self.collective(rank, COMPUTE, "all_to_all", ep, rows, "ep", a2a)
+        self.collective(rank, COMPUTE, "all_to_all", etp, gathered, "ep", a2a)
+        self.compute(rank, seconds, label)
+        self.collective(rank, COMPUTE, "all_to_all", etp, gathered, "ep", a2a)
+        self.collective(rank, COMPUTE, "all_to_all", ep, back, "ep", a2a, home)
+        if not backward:
             if self.model.moe_aux_loss != "none" and (label == "recompute" or self.config.train.recompute != "full"):
                 self.routing_statistics(rank)
             return
-        self.collective(rank, COMPUTE, "all_to_all", ep, rows, "ep", a2a)
-        self.collective(rank, COMPUTE, "all_to_all", etp, rows * len(etp), "ep", a2a)
-        self.compute(rank, seconds, label)
-        self.collective(rank, COMPUTE, "all_to_all", etp, rows * len(etp), "ep", a2a)
-        self.collective(rank, COMPUTE, "all_to_all", ep, rows, "ep", a2a)
         if self.sp:  # _ReplicaGradSum: one all-reduce per replicated weight
             m, group = self.model, self.grid.group(rank, ("tp",))
             shared = [m.shared_hidden_dim * m.dim] * 3 if m.shared_hidden_dim else []
@@ -862,7 +901,7 @@ class _Builder:
     def half_block_backward(self, rank: int, unit: Unit) -> None:
         forward, core = self.costs.block[unit.moe], self.costs.core
         if unit.moe:
-            self.experts(rank, forward / 2, "backward", backward=True)
+            self.experts(rank, forward / 2, "backward", True, unit.index, 1.0)
         else:
             self.compute(rank, forward / 2, "backward")
             self.tensor_parallel(rank)
@@ -958,7 +997,7 @@ class _Builder:
                 else:
                     posts.append(Send(peer, wire, handle))
                     sends.append(handle)
-                    self.log[rank].append(("send", (rank, peer), wire, ""))
+                    self.log[rank].append(("send", (rank, peer), wire, "", None))
                 continue
             self.programs[key].extend(posts)  # the executor's batch_isend_irecv at the next compute
             if receives:
@@ -980,6 +1019,35 @@ class _Builder:
                 self.routing_report(rank)
 
 
+def expert_rows_by_load(model: ModelConfig, config: JobConfig, d: Degrees,
+                        load: dict[str, list[float]]) -> dict[int, list[float]]:
+    """Per MoE layer, the rows one rank sends each expert-parallel rank when its tokens choose experts in
+    proportion to a measured `load` (layer -> assignments per expert: a run's `moe_load`, as
+    parallel/expert_placement.py `load_from_metrics` reads it), under the runtime's contiguous placement.
+    A rank holds k rows per token; with a capacity factor no expert takes more than its capacity's share
+    of them (model/moe.py `expert_capacity`, per whole sequence), which balanced routing never reaches."""
+    from fivefold.model.moe import expert_capacity
+    from fivefold.parallel.expert_placement import contiguous_placement
+
+    if not model.n_experts or d.ep < 2:
+        raise ConfigError("--expert-load changes only how rows cross expert-parallel ranks: it needs a MoE model "
+                          "with expert_parallel.degree >= 2")
+    t = config.train
+    sp = config.tensor_parallel.sequence_parallel and d.tp > 1
+    wanted = model.moe_top_k * t.micro_batch_size * (t.seq_len // d.cp) // (d.tp if sp else 1)
+    capacity = expert_capacity(model, t.seq_len)
+    cap = wanted * capacity / (model.moe_top_k * t.seq_len) if capacity else float("inf")
+    out = {}
+    for layer in model.moe_layers:
+        values = load.get(str(layer))
+        if values is None or len(values) != model.n_experts or min(values) < 0 or not sum(values) > 0:
+            raise ConfigError(f"--expert-load has no load of {model.n_experts} experts for MoE layer {layer}: use "
+                              "the metrics of a run of the same model (moe_load records)")
+        per_expert = [min(wanted * v / sum(values), cap) for v in values]
+        out[layer] = [sum(per_expert[e] for e in experts) for experts in contiguous_placement(model.n_experts, d.ep)]
+    return out
+
+
 def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:
     z, g, ep = config.data_parallel, config.gradient_comm, config.expert_parallel
     reasons = []
@@ -997,13 +1065,14 @@ def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:
 
 
 def build_workload(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency = 0.5,
-                   fidelity: str = "hybrid", vocab_size: int = 0, router: Router | None = None) -> Workload:
+                   fidelity: str = "hybrid", vocab_size: int = 0, router: Router | None = None,
+                   expert_load: dict[str, list[float]] | None = None) -> Workload:
     """Every simulated rank's program for one optimizer step of `config` on `gpus` accelerators of `cluster`
     (router: the fabric the programs will run on, for the aggregate fidelity's latencies; default the
-    cluster's own)."""
-    builder = _Builder(config, gpus, cluster, efficiency, fidelity, vocab_size, router)
+    cluster's own; expert_load: each MoE layer's measured assignments per expert, default balanced)."""
+    builder = _Builder(config, gpus, cluster, efficiency, fidelity, vocab_size, router, expert_load)
     for rank in builder.simulated:
         builder.rank_program(rank)
     return Workload(dict(builder.programs), builder.grid, builder.d, builder.split, builder.simulated, fidelity,
-                    dict(builder.log), recorded=builder.recorded, analytical=builder.analytical,
+                    dict(builder.log), builder.expert_imbalance(), recorded=builder.recorded, analytical=builder.analytical,
                     expand=builder._recording)
