@@ -378,6 +378,15 @@ def test_simulate_cli_routes_experts_by_a_runs_measured_load(tmp_path, capsys):
 
     assert main(["simulate", "--cluster", "h100-sxm", *moe, "--expert-load", str(tmp_path / "none")]) == 2
     assert "--expert-load" in capsys.readouterr().err
+    for bad in ("NaN", "Infinity", "-1", '"x"', "true"):  # json reads NaN and Infinity: refused, as is any non-count
+        (tmp_path / "metrics.jsonl").write_text('{"moe_load": {"0": [1, 1, 1, 1, 1, 1, 1, %s], "1": [1, 1, 1, 1, 1, 1, '
+                                                '1, 1]}}\n' % bad)
+        assert main(["simulate", "--cluster", "h100-sxm", *moe, "--expert-load", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert "--expert-load" in err and "finite, non-negative counts" in err and err.count("\n") == 1, (bad, err)
+    (tmp_path / "metrics.jsonl").write_bytes(b"\xff\xfe\x00garbage")
+    assert main(["simulate", "--cluster", "h100-sxm", *moe, "--expert-load", str(tmp_path)]) == 2
+    assert "cannot read it" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,message", [

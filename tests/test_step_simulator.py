@@ -139,7 +139,8 @@ def test_measured_expert_load_under_a_capacity_factor_and_bad_loads():
     assert sum(matrix[0]) < dispatch_rows(model, config, degrees_of(config, 4)) * model.dim * 4
     assert run.workload.expert_imbalance < 9 / 15 * 4
     for load, message in [({}, "MoE layer 0"), (_moe_load(model, [1] * 4), "8 experts"),
-                          (_moe_load(model, [0] * 8), "8 experts")]:
+                          (_moe_load(model, [0] * 8), "8 experts"), (_moe_load(model, [1] * 7 + [float("nan")]), "finite"),
+                          (_moe_load(model, [1] * 7 + [float("inf")]), "finite"), (_moe_load(model, [1] * 7 + [-1]), "finite")]:
         with pytest.raises(ConfigError, match=message):
             simulate_step(config, 4, H100, vocab_size=257, expert_load=load)
     with pytest.raises(ConfigError, match="expert_parallel.degree >= 2"):

@@ -19,6 +19,7 @@ ranks' expected load: the figure the placement is judged by.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from fivefold.errors import ConfigError
@@ -82,8 +83,12 @@ def load_from_metrics(path: str | Path, last: int = 10, setting: str = "expert_p
     if not path.is_file():
         raise ConfigError(f"{setting} = {path}: no such metrics.jsonl (a run's output folder or its "
                           "metrics.jsonl, from a run of the same model)")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{setting} = {path}: cannot read it as a metrics.jsonl ({exc})") from exc
     records = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
@@ -96,8 +101,16 @@ def load_from_metrics(path: str | Path, last: int = 10, setting: str = "expert_p
     out = {}
     for layer in records[-1]:
         rows = [r[layer] for r in records if layer in r]
+        if not all(_is_load(row) and len(row) == len(rows[0]) for row in rows):
+            raise ConfigError(f"{setting} = {path}: the moe_load of layer {layer} is not one list of finite, "
+                              "non-negative counts per expert in every record: use an unedited metrics.jsonl")
         out[layer] = [sum(values) / len(rows) for values in zip(*rows)]
     return out
+
+
+def _is_load(row: object) -> bool:
+    return isinstance(row, list) and bool(row) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in row)
 
 
 def placements_for(layers: list[int], n_experts: int, ep: int, replicas: int, load_from: str) -> dict[int, list[list[int]]]:

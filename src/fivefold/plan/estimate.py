@@ -510,9 +510,14 @@ def _block_forward_flops(model: ModelConfig, layer: int, tokens: int, seq: int, 
         replicated = model.dim * model.n_experts + 3 * model.dim * model.shared_hidden_dim + \
             (model.dim if model.moe_shared_gate else 0)
         matmul -= replicated
-        outside = replicated + full.experts * model.moe_top_k // model.n_experts
+        outside = replicated + routed_parameters_per_token(model, layer)
     return (2 * matmul * tokens / (d.tp * d.cp) + 2 * outside * tokens / (d.cp * (d.tp if sp else 1))
             + _attention_core_flops(model, tokens, seq, d))
+
+
+def routed_parameters_per_token(model: ModelConfig, layer: int) -> int:
+    """The routed experts' matmul parameters one token passes through in MoE layer `layer`: k of E experts."""
+    return block_parameters(model, layer).experts * model.moe_top_k // model.n_experts
 
 
 def _attention_core_flops(model: ModelConfig, tokens: int, seq: int, d: Degrees) -> float:
@@ -538,6 +543,14 @@ class PassCosts:
     routed: float = 0.0
 
 
+def routed_rows(model: ModelConfig, config: JobConfig, d: Degrees) -> int:
+    """Assignments one rank routes per MoE layer and micro-batch: k per token it holds (its micro-batch's
+    sequences after the cp split, and its tp share of them under sequence parallelism)."""
+    t = config.train
+    sp = config.tensor_parallel.sequence_parallel and d.tp > 1
+    return model.moe_top_k * t.micro_batch_size * (t.seq_len // d.cp) // (d.tp if sp else 1)
+
+
 def dispatch_rows(model: ModelConfig, config: JobConfig, d: Degrees) -> int:
     """Rows one rank sends to the experts per MoE layer and micro-batch under balanced routing: k per token it
     holds, fewer where the capacity factor (model/moe.py, per whole sequence) keeps less than k/E of a sequence
@@ -545,8 +558,7 @@ def dispatch_rows(model: ModelConfig, config: JobConfig, d: Degrees) -> int:
     from fivefold.model.moe import expert_capacity
 
     t = config.train
-    sp = config.tensor_parallel.sequence_parallel and d.tp > 1
-    wanted = model.moe_top_k * t.micro_batch_size * (t.seq_len // d.cp) // (d.tp if sp else 1)
+    wanted = routed_rows(model, config, d)
     capacity = expert_capacity(model, t.seq_len)
     if capacity:
         return min(wanted, wanted * capacity * model.n_experts // (model.moe_top_k * t.seq_len))
@@ -594,10 +606,9 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
     head = 2 * padded_vocab(model.vocab_size, d.tp) * model.dim * tokens / (d.tp * d.cp) / rate
     if bandwidth:
         head += 2 * 4 * tokens // d.cp * padded_vocab(model.vocab_size, d.tp) // d.tp / bandwidth
-    routed = 0.0
-    if model.n_experts:
-        per_token = block_parameters(model, first_block(model, True)).experts * model.moe_top_k / model.n_experts
-        routed = 2 * per_token * tokens / (d.cp * (d.tp if sp else 1)) / rate
+    moe = first_block(model, True)
+    routed = 2 * routed_parameters_per_token(model, moe) * tokens / (d.cp * (d.tp if sp else 1)) / rate \
+        if moe >= 0 else 0.0
     return PassCosts(block, core, head, routed)
 
 

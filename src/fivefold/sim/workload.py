@@ -60,6 +60,7 @@ embeddings across pipeline stages.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,7 +76,7 @@ from fivefold.parallel.shard_layout import GROUP_KINDS
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.estimate import (Degrees, PassCosts, compute_dtype, degrees_of, dispatch_rows, model_for, offload_seconds,
-                                    pass_costs, zero_degrees)
+                                    pass_costs, routed_rows, zero_degrees)
 from fivefold.plan.parameters import padded_vocab
 from fivefold.plan.zero_traffic import quantized_parts
 from fivefold.sim.names import FIDELITIES
@@ -508,14 +509,13 @@ class _Builder:
         rows, counts = self.dispatch_bytes, 8 * self.model.n_experts  # int64 per (EP rank, slot)
         a2a = self.alltoall
         out = home = None  # uneven: [i][j] the bytes EP rank i sends EP rank j, to the experts and back home
-        received = rows
-        if layer in self.expert_rows:
+        there = received = rows  # the bytes this rank sends to the experts, and receives (and sends back)
+        if layer in self.expert_rows and rows:
             sent = tuple(round(r) * self.model.dim * self.element for r in self.expert_rows[layer])
-            out = tuple(sent for _ in ep)
+            out = (sent,) * len(ep)
             home = tuple(zip(*out))
-            received = len(ep) * sent[ep.index(rank)]
-            seconds += scale * self.costs.routed * (received / rows - 1) if rows else 0.0
-        there, back = sum(out[0]) if out else rows, received if out else rows  # this rank's bytes each way
+            there, received = sum(sent), len(ep) * sent[ep.index(rank)]
+            seconds += scale * self.costs.routed * (received / rows - 1)
         gathered = received * len(etp)
         if not backward:
             self.collective(rank, COMPUTE, "all_to_all", ep, counts, "ep")
@@ -525,7 +525,7 @@ class _Builder:
         self.collective(rank, COMPUTE, "all_to_all", etp, gathered, "ep", a2a)
         self.compute(rank, seconds, label)
         self.collective(rank, COMPUTE, "all_to_all", etp, gathered, "ep", a2a)
-        self.collective(rank, COMPUTE, "all_to_all", ep, back, "ep", a2a, home)
+        self.collective(rank, COMPUTE, "all_to_all", ep, received, "ep", a2a, home)
         if not backward:
             if self.model.moe_aux_loss != "none" and (label == "recompute" or self.config.train.recompute != "full"):
                 self.routing_statistics(rank)
@@ -1032,17 +1032,17 @@ def expert_rows_by_load(model: ModelConfig, config: JobConfig, d: Degrees,
     if not model.n_experts or d.ep < 2:
         raise ConfigError("--expert-load changes only how rows cross expert-parallel ranks: it needs a MoE model "
                           "with expert_parallel.degree >= 2")
-    t = config.train
-    sp = config.tensor_parallel.sequence_parallel and d.tp > 1
-    wanted = model.moe_top_k * t.micro_batch_size * (t.seq_len // d.cp) // (d.tp if sp else 1)
-    capacity = expert_capacity(model, t.seq_len)
-    cap = wanted * capacity / (model.moe_top_k * t.seq_len) if capacity else float("inf")
+    seq = config.train.seq_len
+    wanted = routed_rows(model, config, d)
+    capacity = expert_capacity(model, seq)
+    cap = wanted * capacity / (model.moe_top_k * seq) if capacity else float("inf")
     out = {}
     for layer in model.moe_layers:
         values = load.get(str(layer))
-        if values is None or len(values) != model.n_experts or min(values) < 0 or not sum(values) > 0:
-            raise ConfigError(f"--expert-load has no load of {model.n_experts} experts for MoE layer {layer}: use "
-                              "the metrics of a run of the same model (moe_load records)")
+        if values is None or len(values) != model.n_experts or not all(0 <= v < math.inf for v in values) \
+                or not sum(values) > 0:
+            raise ConfigError(f"--expert-load has no load of {model.n_experts} experts for MoE layer {layer} (finite, "
+                              "not negative, not all zero): use the metrics of a run of the same model (moe_load records)")
         per_expert = [min(wanted * v / sum(values), cap) for v in values]
         out[layer] = [sum(per_expert[e] for e in experts) for experts in contiguous_placement(model.n_experts, d.ep)]
     return out
