@@ -7,7 +7,10 @@ at the sizes a step sends). Then every layout builds the real Trainer (configs/t
 embedded corpus, shrunk by the options), takes warm-up steps, and is timed in rotating rounds: one step
 of each layout per round, the order rotated, and the matmul rate and memory bandwidth each rank
 achieves while the others compute too (comm/bench.py matmul_tflops, memory_gbs) measured again each
-round; a layout's time is the median over rounds of its slowest rank's step. Rounds put a slow spell of
+round, and, where the ranks' threads outnumber the cores, the matmul rate with only as many ranks
+computing as the cores hold (the cluster's oversubscribed_efficiency; its shared_cores are this
+machine's: ranks idle in a pipeline bubble lend their cores); a layout's time is the median over
+rounds of its slowest rank's step. Rounds put a slow spell of
 this shared machine on every layout alike. The planner predicts each config on that cluster with two
 compute constants fitted on the dense one-rank layouts only (`fit_compute`): the achieved share of the
 matmul rate (--efficiency) and a block pass's fixed host cost (accelerator.pass_overhead_us; one
@@ -127,7 +130,9 @@ def _measure(rank: int, world_size: int, job) -> dict:
     from fivefold.train.trainer import Trainer
 
     configs, steps, warmup = job
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // world_size)
+    torch.set_num_threads(threads)
     links = measure_cluster(Ranks.world(), world_size) if world_size > 1 else None
     native = measure_native_links(torch.device("cpu")) if world_size > 1 else {}
     trainers = {name: Trainer(config) for name, config in configs}
@@ -136,11 +141,14 @@ def _measure(rank: int, world_size: int, job) -> dict:
             trainer.train_step()
     samples: dict[str, list[float]] = {name: [] for name in trainers}
     rates: dict[str, list[float]] = {"fp32": [], "bf16": []}
+    fitting: list[float] = []  # the fp32 rate with only as many ranks computing as the cores hold
     bandwidths = []
     names = list(trainers)
     for round_ in range(steps):
         for dtype in rates:
             rates[dtype].append(matmul_tflops(dtype, torch.device("cpu"), seconds=0.2))
+        if world_size * threads > cores:
+            fitting.append(matmul_tflops("fp32", torch.device("cpu"), seconds=0.2, computing=max(1, cores // threads)))
         bandwidths.append(memory_gbs(torch.device("cpu"), seconds=0.2))
         for name in names[round_ % len(names):] + names[:round_ % len(names)]:
             dist.barrier()
@@ -153,7 +161,9 @@ def _measure(rank: int, world_size: int, job) -> dict:
             "native": {name: dataclasses.asdict(link) for name, link in native.items()},
             "rates": {dtype: statistics.median(values) for dtype, values in rates.items()},
             "memory_gbs": statistics.median(bandwidths),
-            "times": {name: statistics.median(values) for name, values in samples.items()}, "cores": os.cpu_count() or 1}
+            "times": {name: statistics.median(values) for name, values in samples.items()}, "cores": cores,
+            "oversubscribed_efficiency": min(1.0, world_size * statistics.median(rates["fp32"]) /
+                                             (max(1, cores // threads) * statistics.median(fitting))) if fitting else 1.0}
 
 
 def _cluster(world_size: int, measured: dict):
@@ -163,7 +173,9 @@ def _cluster(world_size: int, measured: dict):
         return LinkSpec(1 / max(link["beta"], 1e-30) / 1e9, max(link["alpha"], 0.0) * 1e6)
 
     link = spec(measured["links"]["intra"] if measured["links"] else {"alpha": 1e-6, "beta": 1e-9})
-    return ClusterSpec(f"this machine, {world_size} ranks", Accelerator("cpu rank", 8.0, measured["rates"], measured["memory_gbs"]),
+    return ClusterSpec(f"this machine, {world_size} ranks",
+                       Accelerator("cpu rank", 8.0, measured["rates"], measured["memory_gbs"], shared_cores=measured["cores"],
+                                   oversubscribed_efficiency=measured["oversubscribed_efficiency"]),
                        max(world_size, 1), link, link,
                        collectives={name: spec(native) for name, native in measured.get("native", {}).items()})
 
@@ -180,7 +192,7 @@ def fit_compute(rows: list[dict]) -> tuple[float, float, list[dict]]:
     system = []
     for row in anchors:
         def at(e: float, o: float) -> float:
-            cluster = with_overhead(row["cluster"], o)
+            cluster = with_overhead(row["cluster"], o, row["cores"])
             return estimate(row["config"], row["world_size"], cluster, e, vocab_size=257).time.total
         base = at(1.0, 0.0)
         matmuls, overhead = at(0.5, 0.0) - base, at(1.0, 1.0) - base  # seconds per unit of 1/e - 1, per us of o
@@ -201,8 +213,10 @@ def fit_compute(rows: list[dict]) -> tuple[float, float, list[dict]]:
     return min(1.0, 1 / max(x, 1e-12)), o, anchors
 
 
-def with_overhead(cluster, overhead_us: float):
-    return dataclasses.replace(cluster, accelerator=dataclasses.replace(cluster.accelerator, pass_overhead_us=overhead_us))
+def with_overhead(cluster, overhead_us: float, cores: int):
+    """The cluster with the fitted pass overhead, its ranks sharing this machine's `cores`."""
+    return dataclasses.replace(cluster, accelerator=dataclasses.replace(cluster.accelerator, pass_overhead_us=overhead_us,
+                                                                        shared_cores=cores))
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -286,7 +300,7 @@ def main() -> int:
                          "measured": measured["times"][name], "cores": measured["cores"]})
     efficiency, overhead, anchors = fit_compute(rows)
     for row in rows:  # the dispatch overhead is one thread's work: it slows once the ranks outnumber the cores
-        row["cluster"] = with_overhead(row["cluster"], overhead * max(1.0, row["world_size"] / row["cores"]))
+        row["cluster"] = with_overhead(row["cluster"], overhead * max(1.0, row["world_size"] / row["cores"]), row["cores"])
     from fivefold.sim.step import simulate_step
 
     errors, sim_errors, multi = [], [], []

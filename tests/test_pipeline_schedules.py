@@ -15,7 +15,7 @@ from fivefold.parallel.pipeline.schedules import (
     check_schedule,
     ideal_bubble,
 )
-from fivefold.parallel.pipeline.simulate import Costs, ScheduleError, simulate
+from fivefold.parallel.pipeline.simulate import Costs, CoreSharing, ScheduleError, simulate
 
 SHAPES = [(2, 4), (3, 6), (4, 8), (4, 16)]  # (p, m)
 
@@ -57,6 +57,45 @@ def test_schedule_is_complete_deadlock_free_and_has_the_papers_bubble(name, p, m
             assert all(sim.peak_pending_weight[r] <= 2 * p - r - 1 for r in range(p))
     else:  # interleaved counts chunk activations (each 1/v of a stage's): Megatron's warm-up bound + 1
         assert all(peak[r] == min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) for r in range(p))
+
+
+def test_ranks_sharing_one_core_lend_it_in_their_bubble():
+    """Processor sharing, by hand: two pipeline ranks on one core, so a pass given 1 (the time with both
+    computing) takes 1/2 while the other rank idles. GPipe with one micro-batch runs one pass at a time:
+    F 1/2 + F 1/2 + B 1 + B 1 = 3, half the 6 of ranks with a core each."""
+    streams = all_schedules("gpipe", PipelineShape(2, 1))
+    alone = simulate(streams, Costs())
+    shared = simulate(streams, Costs(sharing=CoreSharing(cores=1)))
+    assert alone.makespan == 6 and shared.makespan == pytest.approx(3.0)
+    assert sum(shared.busy.values()) == pytest.approx(3.0) and sum(shared.work.values()) == 6
+    assert [(r, ins.op, start, end) for r, ins, start, end in shared.timeline] == pytest.approx(
+        [(0, Op.FORWARD, 0.0, 0.5), (1, Op.FORWARD, 0.5, 1.0), (1, Op.BACKWARD, 1.0, 2.0), (0, Op.BACKWARD, 2.0, 3.0)])
+    # four pipeline ranks, one thread each, on two cores: alone a rank has a core (twice its shared rate),
+    # beside two others 2/3 of one; with two copies of each pipeline rank (dp 2) one rank computing is
+    # two threads on two cores, four times the rate of all eight sharing them; four cores: nothing to lend
+    assert CoreSharing(cores=2).speed(1, 4) == 2 and CoreSharing(cores=2).speed(3, 4) == pytest.approx(4 / 3)
+    assert CoreSharing(cores=2, replicas=2).speed(1, 4) == 4 and CoreSharing(cores=4).speed(1, 4) == 1
+    # a host that loses half its throughput to time-slicing: two ranks on their own cores run 4x the rate of
+    # all four sharing them; three computing still time-slice, at 4/3
+    assert CoreSharing(cores=2, efficiency=0.5).speed(2, 4) == 4
+    assert CoreSharing(cores=2, efficiency=0.5).speed(3, 4) == pytest.approx(4 / 3)
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_shared_cores_conserve_the_work_and_keep_the_order(name, p, m, v):
+    """With one core for all p ranks some rank always computes (no latency), so the core never idles and
+    the step takes exactly the total work over p; with a core per rank thread nobody speeds up and the
+    simulation is the plain one. Either way each rank runs its passes in the same order, holding the same
+    micro-batches at its peak."""
+    streams = all_schedules(name, PipelineShape(p, m, v))
+    costs = _costs(name, v)
+    plain = simulate(streams, costs)
+    one_core = simulate(streams, Costs(**{**costs.__dict__, "sharing": CoreSharing(cores=1)}))
+    assert one_core.makespan == pytest.approx(sum(plain.busy.values()) / p, rel=1e-9)
+    assert one_core.peak_in_flight == plain.peak_in_flight
+    assert [(r, i) for r, i, _, _ in one_core.timeline if r == 0] == [(r, i) for r, i, _, _ in plain.timeline if r == 0]
+    roomy = simulate(streams, Costs(**{**costs.__dict__, "sharing": CoreSharing(cores=2 * p, replicas=2, threads=1)}))
+    assert roomy.makespan == pytest.approx(plain.makespan, rel=1e-12) and roomy.busy == pytest.approx(plain.busy)
 
 
 def test_ideal_bubble_formulas():

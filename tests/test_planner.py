@@ -420,6 +420,59 @@ def test_block_pass_overhead_is_paid_once_per_block_pass(tmp_path):
             cluster_from_dict(data)
 
 
+def test_ranks_sharing_a_hosts_cores_lend_them_in_the_pipeline_bubble(tmp_path):
+    """accelerator.shared_cores (a CPU host, rates measured with every rank computing): the pipeline is
+    simulated with processor sharing, so the bubble shrinks and the passes beside idle ranks take less
+    than priced; the step's compute + pipeline parts are then the shared simulation's makespan. Layouts
+    without a pipeline, jobs past one node, and enough cores for every rank's threads are unchanged; the
+    field round-trips through the cluster file and a bad one is refused naming it."""
+    h100 = CLUSTERS["h100-sxm"]
+
+    def sharing(cores: int, per_node: int = 8):
+        return dataclasses.replace(h100, accelerators_per_node=per_node,
+                                   accelerator=dataclasses.replace(h100.accelerator, shared_cores=cores))
+
+    def tiny(*overrides):
+        return load_config(None, ["--model.preset", "tiny", "--model.vocab_size", "257", "--model.n_layers", "4",
+                                  "--train.seq_len", "128", *overrides])
+
+    pp4 = tiny("--pipeline_parallel.degree", "4", "--train.grad_accum_steps", "8")
+    plain, shared = estimate(pp4, 4, h100), estimate(pp4, 4, sharing(2))
+    assert shared.time.total < plain.time.total and shared.time.bubble < plain.time.bubble
+    assert 0.5 <= shared.time.compute / plain.time.compute < 1  # two cores for four: at most twice as fast
+    pipeline_part = (shared.time.compute + shared.time.pp_comm + shared.time.bubble)
+    plain_part = (plain.time.compute + plain.time.pp_comm + plain.time.bubble)
+    # ranks x threads <= cores (4 cores, 1 thread each; 8 cores, 2 threads each): nobody has a core to lend
+    def same(a, b) -> bool:
+        return dataclasses.astuple(a) == pytest.approx(dataclasses.astuple(b), rel=1e-9)
+
+    for roomy in (sharing(4), sharing(8)):
+        assert same(estimate(pp4, 4, roomy).time, plain.time)
+    # the job spans two hosts: not modelled
+    assert same(estimate(pp4, 4, sharing(2, per_node=2)).time, estimate(pp4, 4, sharing(0, per_node=2)).time)
+    dp4 = tiny()
+    assert same(estimate(dp4, 4, sharing(2)).time, estimate(dp4, 4, h100).time)
+    # the shared simulation bounds: no faster than the two cores' whole capacity, no slower than unshared
+    assert plain_part / 2 < pipeline_part < plain_part
+    path = tmp_path / "cpu.toml"
+    path.write_text(cluster_toml(sharing(2)))
+    assert load_cluster(str(path)) == sharing(2)
+    data = json.loads(json.dumps(sharing(2).to_dict()))
+    for bad in (-1, 1.5, "2", True):
+        data["accelerator"]["shared_cores"] = bad
+        with pytest.raises(ConfigError, match="accelerator.shared_cores"):
+            cluster_from_dict(data)
+    data["accelerator"]["shared_cores"] = 2
+    for bad in (0, 1.5, float("nan"), "1"):
+        data["accelerator"]["oversubscribed_efficiency"] = bad
+        with pytest.raises(ConfigError, match="accelerator.oversubscribed_efficiency"):
+            cluster_from_dict(data)
+    # a host losing throughput to time-slicing: a pipeline rank alone gains more than its share of the cores
+    lossy = dataclasses.replace(sharing(2), accelerator=dataclasses.replace(sharing(2).accelerator,
+                                                                           oversubscribed_efficiency=0.5))
+    assert estimate(pp4, 4, lossy).time.total < shared.time.total
+
+
 def test_sharding_degrees_are_chosen_by_predicted_time_under_the_memory_cap():
     """AMSP's scale-aware choice (plan/search.py choose_degrees): Llama-3 8B on 8 nodes of 8 H100s with 8 micro-
     batches. With room, parameters and gradients sharded within a node and optimizer states over all 64 ranks are

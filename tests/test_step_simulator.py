@@ -163,6 +163,41 @@ def test_pipeline_on_a_free_network_is_the_schedule_makespan(schedule, virtual):
     assert phases["pipeline"] > 0
 
 
+def test_ranks_sharing_a_hosts_cores_lend_them_while_they_wait():
+    """Processor sharing in the engine (sim/cores.py). By hand: two ranks on one core, each given 1 s of compute
+    (its time with both computing), then rank 1 computes 1 s more: together they finish the first at 1 s,
+    and rank 1 alone runs its second at twice the rate, 0.5 s; with an oversubscribed efficiency of 1/2
+    running alone is four times the shared rate. A step on a host of shared cores: the pipeline as the
+    planner's processor-sharing pipeline simulation prices it (same tolerance as without), no change
+    where every rank computes alike (dp) or where each thread has a core."""
+    from fivefold.parallel.pipeline.simulate import CoreSharing
+    from fivefold.sim.cores import SharedCores
+
+    programs = {(0, "compute"): [Compute(1.0)], (1, "compute"): [Compute(1.0), Compute(1.0)]}
+    for efficiency, alone in ((1.0, 0.5), (0.5, 0.25)):
+        cores = SharedCores(CoreSharing(cores=1, efficiency=efficiency), ranks=2)
+        result = simulate(programs, DedicatedNetwork(Router(nvswitch(2, 1e9, 0.0))), True, cores,
+                          frozenset(programs))
+        assert result.finish[(0, "compute")] == pytest.approx(1.0)
+        assert result.time == pytest.approx(1.0 + alone)
+        assert [(s.rank, s.start, s.end) for s in result.spans] == pytest.approx([(0, 0.0, 1.0), (1, 0.0, 1.0),
+                                                                                 (1, 1.0, 1.0 + alone)])
+    host = dataclasses.replace(H100, accelerators_per_node=4, accelerator=dataclasses.replace(
+        H100.accelerator, shared_cores=2, oversubscribed_efficiency=0.6))
+    pipeline = _config("--pipeline_parallel.degree", "4", "--train.grad_accum_steps", "8")
+    for fidelity in ("flow", "analytical"):
+        shared = simulate_step(pipeline, 4, _free(host), 0.5, fidelity, vocab_size=257).time
+        assert shared == pytest.approx(estimate(pipeline, 4, _free(host), 0.5, vocab_size=257).time.total, rel=1e-2)
+        assert shared < 0.8 * simulate_step(pipeline, 4, _free(), 0.5, fidelity, vocab_size=257).time
+    dp4 = _config()
+    assert simulate_step(dp4, 4, _free(host), 0.5, vocab_size=257).time == pytest.approx(
+        simulate_step(dp4, 4, _free(dataclasses.replace(host, accelerator=dataclasses.replace(
+            host.accelerator, shared_cores=0))), 0.5, vocab_size=257).time, rel=1e-12)
+    roomy = dataclasses.replace(host, accelerator=dataclasses.replace(host.accelerator, shared_cores=4))
+    assert simulate_step(pipeline, 4, _free(roomy), 0.5, vocab_size=257).time == pytest.approx(
+        simulate_step(pipeline, 4, _free(), 0.5, vocab_size=257).time, rel=1e-12)
+
+
 def test_fidelities_agree_inside_one_node():
     node = dataclasses.replace(H100, topology=dataclasses.replace(H100.topology, kind="nvswitch"))
     config = _config("--tensor_parallel.degree", "2", "--pipeline_parallel.degree", "2",

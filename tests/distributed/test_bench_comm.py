@@ -57,6 +57,14 @@ def test_bench_comm_table_and_json(tmp_path, world_size):
     assert here.intra.bandwidth_gbs == pytest.approx(1 / intra["beta"] / 1e9)
     assert here.accelerator.tflops == report["matmul_tflops"] and here.accelerator.peak_flops("fp32") > 0
     assert here.accelerator.memory_bandwidth_gbs == report["memory_gbs"] > 0
+    # the ranks share this host's cores; 3 ranks' threads on 2 cores time-slice, at a measured efficiency
+    from fivefold.train.setup import available_cores
+
+    assert here.accelerator.shared_cores == available_cores()
+    assert here.accelerator.oversubscribed_efficiency == report["oversubscribed_efficiency"]
+    assert 0 < report["oversubscribed_efficiency"] <= 1
+    if world_size <= available_cores():  # each rank's thread has a core: nothing is measured
+        assert report["oversubscribed_efficiency"] == 1.0
     # each backend collective's own fitted link (two sizes were timed), carried into the cluster file
     assert set(report["native_links"]) == {"all_reduce", "reduce_scatter", "all_gather", "all_to_all"}
     for name, link in report["native_links"].items():

@@ -37,6 +37,7 @@ from fivefold.comm.cost import NATIVE_COLLECTIVES, Link, bus_factor, fit_native_
 from fivefold.comm.measure import measure_cluster
 from fivefold.comm.native import all_gather_flat, reduce_scatter_flat
 from fivefold.comm.p2p import Ranks
+from fivefold.train.setup import available_cores
 from fivefold.comm.recursive import recursive_all_gather, recursive_reduce_scatter
 from fivefold.comm.ring import ring_all_gather, ring_reduce_scatter
 from fivefold.comm.tree import binomial_broadcast, chain_broadcast
@@ -208,29 +209,47 @@ def run(args: argparse.Namespace) -> dict:
                                 algbw * bus_factor(collective, p), predicted, sent, predicted_bytes))
     rates = {dtype: matmul_tflops(dtype, device) for dtype in ("fp32", "bf16")} if args.cluster_file else {}
     bandwidth = memory_gbs(device) if args.cluster_file else 0.0
+    efficiency = oversubscribed_efficiency(device, available_cores(), torch.get_num_threads(), rates["fp32"]) \
+        if args.cluster_file else 1.0
     native = {name: asdict(link) for name, link in fit_native_links(rows, p).items()}
     return {"world_size": p, "backend": dist.get_backend(), "device": device.type, "node_size": node_size,
             "links": {"intra": asdict(cluster.intra), "inter": asdict(cluster.inter)}, "native_links": native,
-            "matmul_tflops": rates, "memory_gbs": bandwidth,
+            "matmul_tflops": rates, "memory_gbs": bandwidth, "oversubscribed_efficiency": efficiency,
             "rows": [asdict(r) | {"measured_over_predicted": r.ratio} for r in rows]}
 
 
-def matmul_tflops(dtype: str, device: torch.device, n: int = 512, seconds: float = 0.5) -> float:
-    """TFLOP/s of an n x n matmul on every rank at once, the slowest rank's (collective)."""
+def matmul_tflops(dtype: str, device: torch.device, n: int = 512, seconds: float = 0.5, computing: int = 0) -> float:
+    """TFLOP/s of an n x n matmul on every rank at once, the slowest rank's (collective). computing > 0: only the
+    first `computing` ranks multiply while the others wait (a CPU host's rate when its cores are not shared)."""
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     a = torch.randn(n, n, device=device).to(torch_dtype)
     b = torch.randn(n, n, device=device).to(torch_dtype)
     a @ b  # warm up
     dist.barrier()
     calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        calls += 1
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    rate = torch.tensor(2 * n**3 * calls / (time.perf_counter() - start) / 1e12, dtype=torch.float64, device=device)
+    if not computing or dist.get_rank() < computing:
+        while time.perf_counter() - start < seconds:
+            a @ b
+            calls += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        value = 2 * n**3 * calls / (time.perf_counter() - start) / 1e12
+    else:
+        value = math.inf
+    rate = torch.tensor(value, dtype=torch.float64, device=device)
     dist.all_reduce(rate, op=dist.ReduceOp.MIN)
     return float(rate)
+
+
+def oversubscribed_efficiency(device: torch.device, cores: int, threads: int, rate_all: float, seconds: float = 0.5) -> float:
+    """A CPU host's throughput with every rank's threads on its `cores` over its throughput with only as many ranks
+    computing as the cores hold (the fp32 matmul rate both ways; 1 when the threads fit the cores)."""
+    p = dist.get_world_size()
+    fit = max(1, cores // threads)
+    if device.type != "cpu" or p * threads <= cores:
+        return 1.0
+    rate_fit = matmul_tflops("fp32", device, seconds=seconds, computing=fit)
+    return min(1.0, p * rate_all / (fit * rate_fit))
 
 
 def memory_gbs(device: torch.device, nbytes: int = 32 << 20, seconds: float = 0.5) -> float:
@@ -260,7 +279,8 @@ def cluster_file_of(report: dict) -> str:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / report["node_size"] / 2**30
     spec_ = ClusterSpec(f"this-machine-{report['backend']}",
                         Accelerator(f"{report['device']} rank", round(memory, 2), report["matmul_tflops"],
-                                    report["memory_gbs"]),
+                                    report["memory_gbs"], shared_cores=available_cores() if report["device"] == "cpu" else 0,
+                                    oversubscribed_efficiency=report.get("oversubscribed_efficiency", 1.0)),
                         report["node_size"], spec(report["links"]["intra"]), spec(report["links"]["inter"]),
                         source=f"fivefold bench comm on {report['world_size']} ranks: fitted links and native "
                                "collectives, timed matmuls (achieved rates: plan with --efficiency 1)",

@@ -25,6 +25,8 @@ A cluster file is TOML, read without running anything:
     tflops = {fp32 = 67, bf16 = 989.5}
     memory_bandwidth_gbs = 3350      # optional: memory-bound work (kept activations, the optimizer step)
     pass_overhead_us = 0             # optional: fixed host cost of a block's forward (backward: twice)
+    shared_cores = 0                 # optional: a CPU host's cores that all its ranks share (0: none)
+    oversubscribed_efficiency = 1.0  # optional: its throughput with more threads than cores, over with as many
     [intra]                          # inside a node, per accelerator and direction
     bandwidth_gbs = 450
     latency_us = 3
@@ -80,6 +82,14 @@ class Accelerator:
     # launches run ahead of the device and hide (the GPU presets); fitted for a CPU by
     # benchmarks/plan_vs_measured.py
     pass_overhead_us: float = 0.0
+    # cores that all ranks of a node share (a CPU host, `tflops` measured with every rank computing): a
+    # rank idle in a pipeline bubble lends its cores to the others (parallel/pipeline/simulate.py
+    # CoreSharing). 0 where each accelerator computes on its own (every GPU preset)
+    shared_cores: int = 0
+    # the host's throughput with more rank threads than cores over its throughput with as many (measured by
+    # `fivefold bench comm --cluster-file` on a CPU: the matmul rate with every rank computing and with only
+    # as many as the cores hold); 1 = ideal time-slicing
+    oversubscribed_efficiency: float = 1.0
 
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.tflops:
@@ -263,6 +273,14 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
         links[key] = LinkSpec(_number(table, "bandwidth_gbs", key), _number(table, "latency_us", key, positive=False))
     bandwidth = _number(acc, "memory_bandwidth_gbs", "accelerator", positive=False) if "memory_bandwidth_gbs" in acc else 0.0
     overhead = _number(acc, "pass_overhead_us", "accelerator", positive=False) if "pass_overhead_us" in acc else 0.0
+    shared = acc.get("shared_cores", 0)
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+        raise ConfigError(f"cluster file {source}: accelerator.shared_cores = {shared!r}: must be an integer >= 0 "
+                          "(a CPU host's cores its ranks share; 0 for accelerators)")
+    oversubscribed = _number(acc, "oversubscribed_efficiency", "accelerator") if "oversubscribed_efficiency" in acc else 1.0
+    if oversubscribed > 1:
+        raise ConfigError(f"cluster file {source}: accelerator.oversubscribed_efficiency = {oversubscribed!r}: must be in "
+                          "(0, 1] (a host's throughput with more threads than cores, over with as many)")
     collectives = data.get("collectives", {})
     if not isinstance(collectives, dict) or any(k not in NATIVE_COLLECTIVES or not isinstance(v, dict)
                                                 for k, v in collectives.items()):
@@ -272,7 +290,7 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
                           _number(v, "latency_us", f"collectives.{k}", positive=False)) for k, v in collectives.items()}
     return ClusterSpec(str(data.get("name", Path(source).stem)),
                        Accelerator(str(acc.get("name", "accelerator")), _number(acc, "memory_gib", "accelerator"), rates,
-                                   bandwidth, overhead),
+                                   bandwidth, overhead, shared, oversubscribed),
                        per_node, links["intra"], links["inter"], nodes, str(data.get("source", source)),
                        _number(data, "host_bandwidth_gbs", "(top level)") if "host_bandwidth_gbs" in data else 32.0,
                        _number(data, "nvme_bandwidth_gbs", "(top level)") if "nvme_bandwidth_gbs" in data else 25.0,
@@ -308,6 +326,8 @@ def cluster_toml(spec: ClusterSpec) -> str:
         "", "[accelerator]", f"name = {json.dumps(acc.name)}", f"memory_gib = {acc.memory_gib!r}", f"tflops = {{{rates}}}",
         f"memory_bandwidth_gbs = {acc.memory_bandwidth_gbs!r}",
         f"pass_overhead_us = {acc.pass_overhead_us!r}",
+        f"shared_cores = {acc.shared_cores!r}",
+        f"oversubscribed_efficiency = {acc.oversubscribed_efficiency!r}",
         "", "[intra]", f"bandwidth_gbs = {intra.bandwidth_gbs!r}", f"latency_us = {intra.latency_us!r}",
         "", "[inter]", f"bandwidth_gbs = {inter.bandwidth_gbs!r}", f"latency_us = {inter.latency_us!r}", "",
         *(line for name, link in spec.collectives.items()

@@ -297,8 +297,10 @@ class PipelineRuns:
             self._streams[key] = all_schedules(schedule, PipelineShape(pp, m, virtual))
         return self._streams[key]
 
-    def run(self, schedule: str, pp: int, m: int, virtual: int, costs=None):
-        """(makespan, peak in-flight pairs per rank) of the schedule with `costs` (unit costs when None).
+    def run(self, schedule: str, pp: int, m: int, virtual: int, costs=None) -> tuple[float, dict[int, int], float]:
+        """(makespan, peak in-flight pairs per rank, busy over given work) of the schedule with `costs` (unit
+        costs when None). The last is 1 unless the ranks share a host's cores (`Costs.sharing`): then a pass
+        beside idle ranks runs faster than its given time.
 
         Past `saturation` micro-batches a schedule is in its steady state: every further group of pp
         micro-batches adds the same time and no activations (GPipe's peak is all m), so long runs are
@@ -308,10 +310,10 @@ class PipelineRuns:
         unit = costs.forward if costs is not None else 1.0
         ratio = (Costs() if costs is None else
                  Costs(1.0, costs.backward / unit, costs.backward_input / unit, costs.backward_weight / unit,
-                       costs.latency / unit, costs.stage_scale))
+                       costs.latency / unit, costs.stage_scale, costs.sharing))
         rounded = tuple(round(x, 3) for x in (ratio.backward, ratio.backward_input, ratio.backward_weight, ratio.latency))
         scale = tuple(round(x, 3) for x in ratio.stage_scale)
-        key = (schedule, pp, m, virtual, rounded, scale)
+        key = (schedule, pp, m, virtual, rounded, scale, ratio.sharing)
         if key not in self._runs:
             cap = saturation(pp, virtual)
             if m <= cap + pp:
@@ -321,15 +323,30 @@ class PipelineRuns:
                     self._simulate(schedule, pp, cap + pp, virtual, ratio)
                 per_group = longer[0] - short[0]
                 peak = {r: m for r in short[1]} if schedule == "gpipe" else longer[1]
-                self._runs[key] = (short[0] + (m - cap) / pp * per_group, peak)
-        makespan, peak = self._runs[key]
-        return makespan * unit, peak
+                self._runs[key] = (short[0] + (m - cap) / pp * per_group, peak, longer[2])
+        makespan, peak, busy_share = self._runs[key]
+        return makespan * unit, peak, busy_share
 
-    def _simulate(self, schedule: str, pp: int, m: int, virtual: int, costs) -> tuple[float, dict[int, int]]:
+    def _simulate(self, schedule: str, pp: int, m: int, virtual: int, costs) -> tuple[float, dict[int, int], float]:
         from fivefold.parallel.pipeline.simulate import simulate
 
         sim = simulate(self.streams(schedule, pp, m, virtual), costs)
-        return sim.makespan, sim.peak_in_flight
+        return sim.makespan, sim.peak_in_flight, sum(sim.busy.values()) / max(sum(sim.work.values()), 1e-300)
+
+
+def core_sharing(config: JobConfig, d: Degrees, cluster: ClusterSpec):
+    """The pipeline simulation's CoreSharing when the job's ranks share one CPU host's cores
+    (`accelerator.shared_cores`, the job within one node), else None: `replicas` ranks (dp x tp x cp x
+    ep copies) run each pipeline rank's passes, each with the runtime's threads (train.threads, else
+    cores // ranks on the node, setup.py `threads_per_rank`), at the host's measured
+    `oversubscribed_efficiency`."""
+    from fivefold.parallel.pipeline.simulate import CoreSharing
+
+    cores = cluster.accelerator.shared_cores
+    if not cores or d.world > cluster.accelerators_per_node:
+        return None
+    threads = config.train.threads or max(1, cores // d.world)
+    return CoreSharing(cores, d.world // d.pp, threads, cluster.accelerator.oversubscribed_efficiency)
 
 
 def saturation(pp: int, virtual: int) -> int:
@@ -670,16 +687,20 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
         unit_f, unit_b = max(stage_fwd), max(stage_bwd)
         scale = tuple(max(f / unit_f, bw / unit_b) for f, bw in zip(stage_fwd, stage_bwd))
         send = links.link_for(d.world).message(activation_bytes // (d.tp if sp else 1))
+        sharing = core_sharing(config, d, cluster)
         costs = Costs(forward=unit_f, backward=unit_b, backward_input=unit_b / 2, backward_weight=unit_b / 2,
-                      latency=send, stage_scale=scale)
-        if runs is None:  # the closed form: the slowest stage's work, stretched by the schedule's ideal bubble
+                      latency=send, stage_scale=scale, sharing=sharing)
+        if runs is None and sharing is None:  # the closed form: the slowest stage's work, stretched by the ideal bubble
             from fivefold.parallel.pipeline.schedules import PipelineShape, ideal_bubble
 
             ideal = m * pipe.virtual * (unit_f + unit_b) * max(scale)
             makespan = ideal * (1 + ideal_bubble(pipe.schedule, PipelineShape(d.pp, m, pipe.virtual))) \
                 + 2 * (d.pp - 1) * send
         else:
-            makespan = runs.run(pipe.schedule, d.pp, m, pipe.virtual, costs)[0]
+            makespan, _, busy_share = (runs or PipelineRuns()).run(pipe.schedule, d.pp, m, pipe.virtual, costs)
+            # with shared cores the passes beside idle ranks ran faster than priced: their work took less time
+            compute_total, tp_total, cp_total, ep_total = (x * busy_share for x in (compute_total, tp_total, cp_total,
+                                                                                    ep_total))
         busy = compute_total + tp_total + cp_total + ep_total
         idle = max(makespan - busy, 0.0)
         pp_comm = min(idle, 2 * m * len(split) / d.pp * send)

@@ -15,7 +15,9 @@ a list of operations executed in order:
 Messages rendezvous: the k-th receive a rank posts from a peer takes the k-th message that peer
 sent it (FIFO, as in MPI, gloo and NCCL), and the transfer starts once both are posted (as NCCL's
 and gloo's large messages do, so an early sender cannot crowd a link its receiver still uses).
-The network (network.py) decides when each message arrives; both handles complete then. The result carries the step time, each rank's
+The network (network.py) decides when each message arrives; both handles complete then. With
+`cores` (cores.py), the compute operations of the streams it names run as work on a host's shared
+cores, faster while fewer of them compute. The result carries the step time, each rank's
 finish time, the bytes each ordered pair of ranks exchanged, the bytes on each link, and spans
 for a Chrome trace (chrome://tracing, Perfetto).
 """
@@ -28,6 +30,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fivefold.sim.cores import SharedCores
 from fivefold.sim.network import FlowNetwork
 
 
@@ -125,8 +128,10 @@ class _Stream:
     blocked_since: float | None = None
 
 
-def simulate(programs: dict[StreamKey, list[Op]], network: FlowNetwork, record_spans: bool = True) -> SimResult:
-    """Run every stream's program to the end over `network`; raises SimulationError on a deadlock."""
+def simulate(programs: dict[StreamKey, list[Op]], network: FlowNetwork, record_spans: bool = True,
+             cores: SharedCores | None = None, shared: frozenset[StreamKey] = frozenset()) -> SimResult:
+    """Run every stream's program to the end over `network`; raises SimulationError on a deadlock. The
+    Compute operations of the `shared` streams run on `cores` (processor sharing)."""
     streams = {key: _Stream(key, list(ops)) for key, ops in programs.items()}
     of_rank: dict[int, list[StreamKey]] = defaultdict(list)
     for key in streams:
@@ -174,6 +179,10 @@ def simulate(programs: dict[StreamKey, list[Op]], network: FlowNetwork, record_s
             op = ops[stream.pc]
             kind = type(op)
             if kind is Compute:
+                if op.seconds > 0 and stream.key in shared:
+                    cores.start(stream.key, op.seconds, now, op.label)
+                    stream.busy_until = float("inf")  # until the cores finish it (then pc moves on)
+                    return
                 stream.busy_until = now + op.seconds
                 if op.seconds > 0:
                     heapq.heappush(timers, (stream.busy_until, stream.key))
@@ -232,7 +241,8 @@ def simulate(programs: dict[StreamKey, list[Op]], network: FlowNetwork, record_s
             run(streams[ready.popleft()], now)
         if len(finish) == len(streams) and not network.busy:
             break
-        upcoming = min(timers[0][0] if timers else float("inf"), network.next_event())
+        upcoming = min(timers[0][0] if timers else float("inf"), network.next_event(),
+                       cores.next_event() if cores else float("inf"))
         if upcoming == float("inf"):
             stuck = [f"rank {s.key[0]} stream {s.key[1]} at op {s.pc}: {s.ops[s.pc]}" for s in streams.values()
                      if s.pc < len(s.ops)][:8]
@@ -243,6 +253,11 @@ def simulate(programs: dict[StreamKey, list[Op]], network: FlowNetwork, record_s
             complete(sender)
             complete(receiver)
         now = upcoming
+        for key, start, label in cores.advance_to(now) if cores else ():
+            streams[key].busy_until = now
+            streams[key].pc += 1
+            mark(key, label, start, now)
+            ready.append(key)
         while timers and timers[0][0] <= now:
             ready.append(heapq.heappop(timers)[1])
     return SimResult(max(finish.values(), default=0.0), finish, dict(pair_bytes),

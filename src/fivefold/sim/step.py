@@ -10,11 +10,14 @@ time with a per-phase breakdown of the slowest rank's compute stream:
                                     activation transfers it could not hide
 
 The phases add up to the step time. The result also carries per-link utilisation, the bytes each
-pair of ranks exchanged and a Chrome trace of every simulated rank's streams.
+pair of ranks exchanged and a Chrome trace of every simulated rank's streams. On a CPU host whose
+ranks share its cores (accelerator.shared_cores) the compute streams run on those cores (cores.py):
+a rank waiting for a message or a collective lends its share to the ranks still computing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -22,7 +25,9 @@ from fivefold.config.schema import JobConfig
 from fivefold.errors import ConfigError
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency
+from fivefold.plan.estimate import core_sharing
 from fivefold.sim.collective import link_utilisation
+from fivefold.sim.cores import SharedCores
 from fivefold.sim.engine import SimResult, simulate
 from fivefold.sim.network import DedicatedNetwork, flow_network
 from fivefold.sim.routing import cluster_router
@@ -66,6 +71,17 @@ class StepRun:
         return link_utilisation(self.topology, self.result.link_bytes, self.time)
 
 
+def shared_cores(config: JobConfig, workload: Workload, cluster: ClusterSpec) -> tuple[SharedCores | None, frozenset]:
+    """The host's cores the ranks' compute streams share (accelerator.shared_cores, the job on one host: the
+    planner's rule, plan/estimate.py `core_sharing`), and those streams; (None, empty) on accelerators."""
+    sharing = core_sharing(config, workload.degrees, cluster)
+    if sharing is None:
+        return None, frozenset()
+    world = workload.degrees.world
+    cores = SharedCores(dataclasses.replace(sharing, replicas=1), world, world // len(workload.simulated))
+    return cores, frozenset((rank, COMPUTE) for rank in workload.simulated)
+
+
 def simulate_step(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency = 0.5,
                   fidelity: str = "hybrid", vocab_size: int = 0, record_spans: bool = True,
                   congestion: str = "none", expert_load: dict[str, list[float]] | None = None) -> StepRun:
@@ -79,6 +95,7 @@ def simulate_step(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency
         raise ConfigError(f"--congestion {congestion}: the analytical path has no shared links to control; use "
                           "--fidelity flow, hybrid or aggregate")
     network = DedicatedNetwork(router) if fidelity == "analytical" else flow_network(router, congestion)
+    cores, shared = shared_cores(config, workload, cluster)
     built = time.perf_counter()
-    result = simulate(workload.programs, network, record_spans)
+    result = simulate(workload.programs, network, record_spans, cores, shared)
     return StepRun(workload, router.topology, result, built - start, time.perf_counter() - built)
