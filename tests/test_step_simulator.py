@@ -127,6 +127,55 @@ def test_measured_expert_load_sends_each_rank_its_experts_share():
     assert routed > 0 and extra == pytest.approx(routed * (4 * sent[0] / (rows * row) - 1) * passes, rel=1e-6)
 
 
+@pytest.mark.parametrize("gpus,overrides", [
+    (4, ()),
+    (8, ("--expert_parallel.tensor", "2", "--train.recompute", "full")),
+    (8, ("--tensor_parallel.degree", "2", "--tensor_parallel.sequence_parallel", "true")),
+])
+def test_planner_prices_a_measured_expert_load_as_the_simulator_plays_it(gpus, overrides):
+    """`fivefold plan --expert-load`: an even load is the balanced estimate exactly; under a skewed one, inside one
+    node (collectives by formula) the busiest rank of the simulated step (the slowest) computes what the
+    planner's compute phase says and waits for the uneven exchanges as long as its ep phase says (plus the
+    routing report's all-reduce, as balanced), and the step time agrees."""
+    from fivefold.comm.cost import native_collective
+
+    config = _config(*MOE4, *overrides)
+    model = config.model
+    balanced = estimate(config, gpus, H100, vocab_size=257).time
+    assert dataclasses.astuple(estimate(config, gpus, H100, vocab_size=257, expert_load=_moe_load(model, [3] * 8)).time) \
+        == pytest.approx(dataclasses.astuple(balanced), rel=1e-12)
+    skew = _moe_load(model, [8, 1, 1, 1, 1, 1, 1, 1])
+    planned = estimate(config, gpus, H100, vocab_size=257, expert_load=skew).time
+    run = simulate_step(config, gpus, H100, vocab_size=257, expert_load=skew)
+    assert planned.ep > balanced.ep and planned.compute > balanced.compute
+    sp = config.tensor_parallel.sequence_parallel
+    tp = config.tensor_parallel.degree
+    group = gpus // (1 if sp else tp)
+    report = native_collective("all_reduce", len(model.moe_layers) * (model.n_experts + 4) * 8, group,
+                               H100.collective_link("all_reduce", gpus if sp else gpus - tp + 1))
+    phases = run.breakdown()
+    assert phases["ep"] == pytest.approx(planned.ep + report, rel=1e-9)
+    assert phases["compute"] + phases["recompute"] == pytest.approx(planned.compute, rel=1e-9)
+    # the load moves the step by as much in both (their other phases, data parallelism's overlap, differ alike)
+    even = simulate_step(config, gpus, H100, vocab_size=257)
+    assert run.time - even.time == pytest.approx(planned.total - balanced.total, rel=1e-3)
+
+
+def test_plan_cli_prices_a_runs_expert_load(tmp_path, capsys):
+    from fivefold.cli import main
+
+    config = _config(*MOE4)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 1, "moe_load": _moe_load(config.model, [8, 1, 1, 1, 1, 1, 1, 1])}) + "\n")
+    argv = ["plan", "--config", "configs/tiny.toml", *SMALL, *MOE4, "--gpus", "4", "--vocab-size", "257"]
+    assert main([*argv, "--expert-load", str(tmp_path), "--json", str(tmp_path / "plan.json")]) == 0
+    text = capsys.readouterr().out
+    assert "the busiest expert-parallel rank receives 2.40x the mean rows" in text
+    assert json.loads((tmp_path / "plan.json").read_text())["expert_imbalance"] == pytest.approx(2.4)
+    assert main([*argv, "--expert-load", str(tmp_path), "--search"]) == 2
+    assert "--expert-load prices one layout" in capsys.readouterr().err
+
+
 def test_measured_expert_load_under_a_capacity_factor_and_bad_loads():
     """With a capacity factor no expert takes more than its capacity, so a hot expert's rows are dropped; a load
     without every MoE layer, of the wrong width, or on a layout without expert parallelism is refused."""

@@ -59,7 +59,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from fivefold.comm.cost import native_collective
+from fivefold.comm.cost import native_collective, uneven_all_to_all
 from fivefold.config.schema import JobConfig
 from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
@@ -67,6 +67,7 @@ from fivefold.plan.activations import (ActivationShape, ExpertRows, block_activa
                                       moe_block_activation_elements)
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
+from fivefold.plan.expert_load import busiest_received, exchange_matrices, expert_rows_by_load
 from fivefold.plan.flops import flops_per_token
 from fivefold.plan.memory import nvme_host_bytes, sharded_model_states, zero_model_states
 from fivefold.plan.parameters import RankParameters, first_block, block_parameters, padded_vocab, rank_parameters
@@ -583,25 +584,32 @@ def dispatch_rows(model: ModelConfig, config: JobConfig, d: Degrees) -> int:
 
 
 def _expert_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, element: int,
-                           cluster: ClusterSpec) -> tuple[float, float]:
+                           cluster: ClusterSpec, rows_to: list[float] | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of one MoE block's exchanges (parallel/expert_parallel.py), balanced routing:
     the per-expert counts (forward only) and the rows (k per token this rank holds) out and home over the EP
     group; with etp > 1 the count tables gathered (forward only) and the rows gathered and reduce-scattered over
-    the ETP group (etp x the rows each way)."""
+    the ETP group (etp x the rows each way). rows_to (a measured load, plan/expert_load.py): the rows every rank
+    sends each EP rank; the row exchanges are then uneven (priced as the runtime's pairwise exchange) and the
+    ETP exchanges carry the busiest EP rank's rows."""
     if not model.n_experts or d.ep * d.etp == 1:
         return 0.0, 0.0
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
     rows = dispatch_rows(model, config, d) * model.dim * element
+    received = rows if rows_to is None or not rows else busiest_received(rows_to, model.dim * element)
     stride = 1 if sp else d.tp  # the EP group's ranks are etp apart in the token fiber
     seconds, counts = 0.0, 0.0
     if d.ep > 1:
         link = cluster.collective_link("all_to_all", (d.ep - 1) * d.etp * stride + 1)
         counts = native_collective("all_to_all", 8 * model.n_experts, d.ep, link)
-        seconds += 2 * native_collective("all_to_all", rows, d.ep, link)
+        if rows_to is None or not rows:
+            seconds += 2 * native_collective("all_to_all", rows, d.ep, link)
+        else:
+            out, home = exchange_matrices(rows_to, model.dim * element)
+            seconds += uneven_all_to_all([list(r) for r in out], link) + uneven_all_to_all([list(r) for r in home], link)
     if d.etp > 1:
         span = (d.etp - 1) * stride + 1
         counts += native_collective("all_gather", 8 * model.n_experts * d.etp, d.etp, cluster.collective_link("all_gather", span))
-        seconds += 2 * native_collective("all_to_all", d.etp * rows, d.etp, cluster.collective_link("all_to_all", span))
+        seconds += 2 * native_collective("all_to_all", d.etp * received, d.etp, cluster.collective_link("all_to_all", span))
     return seconds + counts, seconds
 
 
@@ -630,7 +638,8 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
 
 
 def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], cluster: ClusterSpec,
-              efficiency: float | Efficiency, runs: PipelineRuns | None = None) -> StepTime:
+              efficiency: float | Efficiency, runs: PipelineRuns | None = None,
+              expert_load: dict[str, list[float]] | None = None) -> StepTime:
     from fivefold.parallel.pipeline.simulate import Costs
 
     t = config.train
@@ -655,16 +664,25 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     kind_tp = {moe: _overlapped_tp_block(model, d, costs.block[moe], costs.core, activation_bytes, cluster, moe)
                if sp and config.tensor_parallel.comm_overlap else block_tp / (2 if moe else 1) for moe in costs.block}
     block_cp = _context_parallel_block(config, model, d, costs.core, element, cluster)
-    block_ep = _expert_parallel_block(config, model, d, element, cluster)
+    # per MoE layer: its exchanges' (forward, backward) seconds, and the busiest EP rank's extra routed compute
+    # under a measured load (plan/expert_load.py; balanced routing: the same for every layer, no extra)
+    rows_to = expert_rows_by_load(model, config, d, expert_load) if expert_load is not None else {}
+    balanced = _expert_parallel_block(config, model, d, element, cluster)
+    row_bytes = model.dim * element
+    dispatched = dispatch_rows(model, config, d) * row_bytes if model.n_experts else 0
+    block_ep = {layer: _expert_parallel_block(config, model, d, element, cluster, rows) for layer, rows in rows_to.items()}
+    routed_extra = {layer: costs.routed * (busiest_received(rows, row_bytes) / dispatched - 1) if dispatched else 0.0
+                    for layer, rows in rows_to.items()}
     for stage, layers in enumerate(split):
         moe_blocks = [model.is_moe_layer(layer) and bool(model.n_experts) for layer in layers]
-        forward.append(sum(costs.block[m] for m in moe_blocks) + (costs.head if stage == len(split) - 1 else 0.0))
-        moe = sum(moe_blocks)
+        moe_layers = [layer for layer, moe in zip(layers, moe_blocks) if moe]
+        forward.append(sum(costs.block[m] for m in moe_blocks) + sum(routed_extra.get(layer, 0.0) for layer in moe_layers)
+                       + (costs.head if stage == len(split) - 1 else 0.0))
         attn_core.append(costs.core * len(layers))
         comm_tp.append(sum(kind_tp[m] for m in moe_blocks))
         comm_cp.append(block_cp * len(layers))
-        comm_ep.append(moe * block_ep[0])
-        comm_ep_back.append(moe * block_ep[1])
+        comm_ep.append(sum(block_ep.get(layer, balanced)[0] for layer in moe_layers))
+        comm_ep_back.append(sum(block_ep.get(layer, balanced)[1] for layer in moe_layers))
     recompute = {"none": 0.0, "selective": 1.0, "full": 1.0}[t.recompute]
     stage_fwd = [f + 2 * tpc + ep + cp for f, tpc, ep, cp in zip(forward, comm_tp, comm_ep, comm_cp)]
     # backward: twice the compute, the same tp / ep traffic again, cp's ring twice (K/V, then their gradients;
@@ -925,8 +943,12 @@ def _zero_pp_times(config: JobConfig, params: int, d: Degrees, cluster: ClusterS
 # ---------------------------------------------------------------------------------------------- together
 def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency = 0.5,
              vocab_size: int = 0,
-             runs: PipelineRuns | None = None, time_if_over: bool = True, simulate: bool = True) -> Estimate:
+             runs: PipelineRuns | None = None, time_if_over: bool = True, simulate: bool = True,
+             expert_load: dict[str, list[float]] | None = None) -> Estimate:
     """Memory and step time of `config` on `gpus` accelerators of `cluster` (ConfigError if it cannot run).
+
+    expert_load: each MoE layer's measured assignments per expert (a run's moe_load): the expert exchanges
+    and the busiest rank's routed experts priced under that routing (plan/expert_load.py), else balanced.
 
     runs: pipeline simulations (and model FLOP counts) to share between estimates (a search's); simulate=False prices the
     pipeline by the closed-form ideal bubble instead (a search's first pass); time_if_over=False leaves
@@ -952,7 +974,8 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
         shard = max(server_shards(model, config.parameter_server.servers, d.dp))
         server = server_memory(config, shard, d.dp)
         over = over or server.total > cluster.memory_bytes
-    time = None if over and not time_if_over else step_time(config, model, d, split, cluster, efficiency, runs)
+    time = None if over and not time_if_over else step_time(config, model, d, split, cluster, efficiency, runs,
+                                                            expert_load)
     if time is not None and server is not None:
         push_pull, update = _parameter_server_time(config, shard, d.dp, gpus, cluster)
         time = dataclasses.replace(time, dp=push_pull, optimizer=update)

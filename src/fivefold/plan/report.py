@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_efficiency_arguments(parser)
     parser.add_argument("--vocab-size", type=int, default=0, help="for a model whose vocabulary comes from the tokenizer")
     parser.add_argument("--json", help="also write the result as JSON here")
+    parser.add_argument("--expert-load", metavar="RUN",
+                        help="a MoE run's folder or metrics.jsonl: price the expert exchanges and the busiest rank's "
+                             "experts under its measured load (moe_load, last 10 logged steps; default: balanced)")
     parser.add_argument("--plot", help="draw the memory per rank by component (PNG)")
     parser.add_argument("--search", action="store_true", help="rank every feasible layout on --gpus")
     parser.add_argument("--global-batch", type=int, default=0,
@@ -127,6 +130,9 @@ def run(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec) -> in
     if args.gpus < 0 or args.top < 1 or args.global_batch < 0:
         raise ConfigError("--gpus, --top and --global-batch must be positive")
     out: dict = {"cluster": cluster.to_dict()}
+    if args.expert_load and (args.tokens or args.search or args.sharding_degrees):
+        raise ConfigError("--expert-load prices one layout's expert exchanges: leave out --tokens, --search and "
+                          "--sharding-degrees")
     if args.tokens:
         return _calculator(args, config, cluster, out)
     if args.gpus < 1:
@@ -135,9 +141,22 @@ def run(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec) -> in
         return _search(args, config, cluster, out)
     if args.sharding_degrees:
         return _sharding_degrees(args, config, cluster, out)
-    found = estimate(config, args.gpus, cluster, efficiency_from(args), args.vocab_size)
+    load = None
+    if args.expert_load:
+        from fivefold.parallel.expert_placement import load_from_metrics
+
+        load = load_from_metrics(args.expert_load, setting="--expert-load")
+    found = estimate(config, args.gpus, cluster, efficiency_from(args), args.vocab_size, expert_load=load)
     print(format_estimate(found, cluster, "layout"))
     out["estimate"] = found.to_dict()
+    if load is not None:
+        from fivefold.plan.estimate import degrees_of, model_for
+        from fivefold.plan.expert_load import expert_rows_by_load, imbalance
+
+        rows = expert_rows_by_load(model_for(config, args.vocab_size), config, degrees_of(config, args.gpus), load)
+        out["expert_load"], out["expert_imbalance"] = args.expert_load, imbalance(rows)
+        print(f"experts routed as measured in {args.expert_load}: the busiest expert-parallel rank receives "
+              f"{imbalance(rows):.2f}x the mean rows")
     if args.plot:
         print(f"wrote {plot_memory([(found.degrees.describe(), found)], args.plot)}")
     _write_json(args, out)

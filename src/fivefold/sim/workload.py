@@ -60,7 +60,6 @@ embeddings across pipeline stages.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,7 +75,8 @@ from fivefold.parallel.shard_layout import GROUP_KINDS
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.estimate import (Degrees, PassCosts, compute_dtype, degrees_of, dispatch_rows, model_for, offload_seconds,
-                                    pass_costs, routed_rows, zero_degrees)
+                                    pass_costs, zero_degrees)
+from fivefold.plan.expert_load import Matrix, exchange_matrices, expert_rows_by_load, imbalance
 from fivefold.plan.parameters import padded_vocab
 from fivefold.plan.zero_traffic import quantized_parts
 from fivefold.sim.names import FIDELITIES
@@ -85,7 +85,6 @@ from fivefold.sim.engine import Await, Collective, Compute, Notify, Op, Recv, Se
 from fivefold.sim.trace import collective_programs, resolve_algorithm, uneven_all_to_all_programs
 
 COMPUTE, DP = "compute", "dp"
-Matrix = tuple[tuple[int, ...], ...]  # an uneven all-to-all: [i][j] the bytes member i sends member j
 _RING_FLOWS = ("all_reduce", "reduce_scatter", "all_gather")  # aggregate: the ring collectives played as flows
 _TP_SPLIT = (".attention.", ".feed_forward.w")  # column/row-parallel weights
 _WHOLE = (".wq_a.", ".wkv_a.")  # multi-latent attention's down-projections are replicated
@@ -329,7 +328,7 @@ class _Builder:
 
     def expert_imbalance(self) -> float:
         """The most rows one expert-parallel rank receives over the mean, over the MoE layers (1: balanced)."""
-        return max((max(rows) * len(rows) / sum(rows) for rows in self.expert_rows.values() if sum(rows)), default=1.0)
+        return imbalance(self.expert_rows)
 
     # ------------------------------------------------------------------ primitives
     def _handle(self, key: StreamKey) -> int:
@@ -511,10 +510,8 @@ class _Builder:
         out = home = None  # uneven: [i][j] the bytes EP rank i sends EP rank j, to the experts and back home
         there = received = rows  # the bytes this rank sends to the experts, and receives (and sends back)
         if layer in self.expert_rows and rows:
-            sent = tuple(round(r) * self.model.dim * self.element for r in self.expert_rows[layer])
-            out = (sent,) * len(ep)
-            home = tuple(zip(*out))
-            there, received = sum(sent), len(ep) * sent[ep.index(rank)]
+            out, home = exchange_matrices(self.expert_rows[layer], self.model.dim * self.element)
+            there, received = sum(out[0]), len(ep) * out[0][ep.index(rank)]
             seconds += scale * self.costs.routed * (received / rows - 1)
         gathered = received * len(etp)
         if not backward:
@@ -1017,35 +1014,6 @@ class _Builder:
             elif ins.op == P.OPTIMIZER_STEP:
                 self.optimizer(rank)
                 self.routing_report(rank)
-
-
-def expert_rows_by_load(model: ModelConfig, config: JobConfig, d: Degrees,
-                        load: dict[str, list[float]]) -> dict[int, list[float]]:
-    """Per MoE layer, the rows one rank sends each expert-parallel rank when its tokens choose experts in
-    proportion to a measured `load` (layer -> assignments per expert: a run's `moe_load`, as
-    parallel/expert_placement.py `load_from_metrics` reads it), under the runtime's contiguous placement.
-    A rank holds k rows per token; with a capacity factor no expert takes more than its capacity's share
-    of them (model/moe.py `expert_capacity`, per whole sequence), which balanced routing never reaches."""
-    from fivefold.model.moe import expert_capacity
-    from fivefold.parallel.expert_placement import contiguous_placement
-
-    if not model.n_experts or d.ep < 2:
-        raise ConfigError("--expert-load changes only how rows cross expert-parallel ranks: it needs a MoE model "
-                          "with expert_parallel.degree >= 2")
-    seq = config.train.seq_len
-    wanted = routed_rows(model, config, d)
-    capacity = expert_capacity(model, seq)
-    cap = wanted * capacity / (model.moe_top_k * seq) if capacity else float("inf")
-    out = {}
-    for layer in model.moe_layers:
-        values = load.get(str(layer))
-        if values is None or len(values) != model.n_experts or not all(0 <= v < math.inf for v in values) \
-                or not sum(values) > 0:
-            raise ConfigError(f"--expert-load has no load of {model.n_experts} experts for MoE layer {layer} (finite, "
-                              "not negative, not all zero): use the metrics of a run of the same model (moe_load records)")
-        per_expert = [min(wanted * v / sum(values), cap) for v in values]
-        out[layer] = [sum(per_expert[e] for e in experts) for experts in contiguous_placement(model.n_experts, d.ep)]
-    return out
 
 
 def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:
