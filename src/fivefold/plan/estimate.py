@@ -67,7 +67,7 @@ from fivefold.plan.activations import (ActivationShape, ExpertRows, block_activa
                                       moe_block_activation_elements)
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
-from fivefold.plan.expert_load import busiest_received, exchange_matrices, expert_rows_by_load
+from fivefold.plan.expert_load import busiest_received, exchange_matrices, expert_rows_by_load, routed_rows
 from fivefold.plan.flops import flops_per_token
 from fivefold.plan.memory import nvme_host_bytes, sharded_model_states, zero_model_states
 from fivefold.plan.parameters import RankParameters, first_block, block_parameters, padded_vocab, rank_parameters
@@ -559,14 +559,6 @@ class PassCosts:
     core: float
     head: float
     routed: float = 0.0
-
-
-def routed_rows(model: ModelConfig, config: JobConfig, d: Degrees) -> int:
-    """Assignments one rank routes per MoE layer and micro-batch: k per token it holds (its micro-batch's
-    sequences after the cp split, and its tp share of them under sequence parallelism)."""
-    t = config.train
-    sp = config.tensor_parallel.sequence_parallel and d.tp > 1
-    return model.moe_top_k * t.micro_batch_size * (t.seq_len // d.cp) // (d.tp if sp else 1)
 
 
 def dispatch_rows(model: ModelConfig, config: JobConfig, d: Degrees) -> int:

@@ -23,6 +23,15 @@ from fivefold.model.config import ModelConfig
 Matrix = tuple[tuple[int, ...], ...]  # an uneven all-to-all: [i][j] the bytes member i sends member j
 
 
+def routed_rows(model: ModelConfig, config: JobConfig, d) -> int:
+    """Assignments one rank routes per MoE layer and micro-batch: k per token it holds (its micro-batch's
+    sequences after the cp split, and its tp share of them under sequence parallelism); `d` the layout's
+    plan/estimate.py Degrees."""
+    t = config.train
+    sp = config.tensor_parallel.sequence_parallel and d.tp > 1
+    return model.moe_top_k * t.micro_batch_size * (t.seq_len // d.cp) // (d.tp if sp else 1)
+
+
 def expert_rows_by_load(model: ModelConfig, config: JobConfig, d, load: dict[str, list[float]]) -> dict[int, list[float]]:
     """Per MoE layer, the rows one rank sends each expert-parallel rank when its tokens choose experts in
     proportion to `load` (layer -> assignments per expert). A rank holds k rows per token; with a capacity
@@ -30,7 +39,6 @@ def expert_rows_by_load(model: ModelConfig, config: JobConfig, d, load: dict[str
     whole sequence), which balanced routing never reaches."""
     from fivefold.model.moe import expert_capacity
     from fivefold.parallel.expert_placement import contiguous_placement
-    from fivefold.plan.estimate import routed_rows
 
     if not model.n_experts or d.ep < 2:
         raise ConfigError("--expert-load changes only how rows cross expert-parallel ranks: it needs a MoE model "
