@@ -3,7 +3,9 @@ on this machine.
 
 For each world size the ranks first describe this machine as the planner sees it: links fitted by
 ping-pong (comm/measure.py) and each gloo collective's own link (comm/bench.py measure_native_links,
-at the sizes a step sends). Then every layout builds the real Trainer (configs/tiny.toml's model on the
+at the sizes a step sends). Then, in batches of --batch layouts (their trainers alive together and
+freed before the next batch: a score of live trainers slows every step by a quarter or more), every
+layout builds the real Trainer (configs/tiny.toml's model on the
 embedded corpus, shrunk by the options), takes warm-up steps, and is timed in rotating rounds: one step
 of each layout per round, the order rotated, and the matmul rate and memory bandwidth each rank
 achieves while the others compute too (comm/bench.py matmul_tflops, memory_gbs) measured again each
@@ -117,9 +119,11 @@ QUICK = {"single", "single-full", "dp2", "tp2", "pp2-1f1b"}
 
 
 def _measure(rank: int, world_size: int, job) -> dict:
-    """On every rank: fit the links, then time every layout's steps in rotating rounds (one step of each
-    layout per round, the order rotated, the matmul rate and memory bandwidth measured again each round)
-    so that a slow spell of this shared machine lands on all layouts and rates alike; medians over rounds."""
+    """On every rank: fit the links, then time the layouts' steps in batches of `batch` layouts (their trainers
+    alive together, freed before the next batch: many live trainers slow every step), each batch in rotating
+    rounds (one step of each layout per round, the order rotated, the matmul rate and memory bandwidth
+    measured again each round) so that a slow spell of this shared machine lands on the layouts and rates
+    alike; medians over rounds."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch
     import torch.distributed as dist
@@ -129,34 +133,39 @@ def _measure(rank: int, world_size: int, job) -> dict:
     from fivefold.comm.p2p import Ranks
     from fivefold.train.trainer import Trainer
 
-    configs, steps, warmup = job
+    import gc
+
+    configs, steps, warmup, batch = job
     cores = os.cpu_count() or 1
     threads = max(1, cores // world_size)
     torch.set_num_threads(threads)
     links = measure_cluster(Ranks.world(), world_size) if world_size > 1 else None
     native = measure_native_links(torch.device("cpu")) if world_size > 1 else {}
-    trainers = {name: Trainer(config) for name, config in configs}
-    for trainer in trainers.values():
-        for _ in range(warmup):
-            trainer.train_step()
-    samples: dict[str, list[float]] = {name: [] for name in trainers}
+    samples: dict[str, list[float]] = {name: [] for name, _ in configs}
     rates: dict[str, list[float]] = {"fp32": [], "bf16": []}
     fitting: list[float] = []  # the fp32 rate with only as many ranks computing as the cores hold
     bandwidths = []
-    names = list(trainers)
-    for round_ in range(steps):
-        for dtype in rates:
-            rates[dtype].append(matmul_tflops(dtype, torch.device("cpu"), seconds=0.2))
-        if world_size * threads > cores:
-            fitting.append(matmul_tflops("fp32", torch.device("cpu"), seconds=0.2, computing=max(1, cores // threads)))
-        bandwidths.append(memory_gbs(torch.device("cpu"), seconds=0.2))
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-            dist.barrier()
-            start = time.perf_counter()
-            trainers[name].train_step()
-            elapsed = torch.tensor(time.perf_counter() - start)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            samples[name].append(float(elapsed))
+    for first in range(0, len(configs), batch):
+        trainers = {name: Trainer(config) for name, config in configs[first:first + batch]}
+        for trainer in trainers.values():
+            for _ in range(warmup):
+                trainer.train_step()
+        names = list(trainers)
+        for round_ in range(steps):
+            for dtype in rates:
+                rates[dtype].append(matmul_tflops(dtype, torch.device("cpu"), seconds=0.2))
+            if world_size * threads > cores:
+                fitting.append(matmul_tflops("fp32", torch.device("cpu"), seconds=0.2, computing=max(1, cores // threads)))
+            bandwidths.append(memory_gbs(torch.device("cpu"), seconds=0.2))
+            for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+                dist.barrier()
+                start = time.perf_counter()
+                trainers[name].train_step()
+                elapsed = torch.tensor(time.perf_counter() - start)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                samples[name].append(float(elapsed))
+        trainers.clear()
+        gc.collect()
     return {"links": dataclasses.asdict(links) if links else None,
             "native": {name: dataclasses.asdict(link) for name, link in native.items()},
             "rates": {dtype: statistics.median(values) for dtype, values in rates.items()},
@@ -253,6 +262,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6, help="timed steps (rounds) per layout")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4, help="layouts whose trainers are alive (and rotated) together")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--layers", type=int, default=4)
@@ -293,7 +303,7 @@ def main() -> int:
                              "cluster": cluster_from_dict(stored[name]["cluster"]), "measured": stored[name]["measured"],
                              "cores": stored[name].get("cores", os.cpu_count() or 1)})
             continue
-        measured = spawn(_measure, world_size, (configs, args.steps, args.warmup), args.timeout)
+        measured = spawn(_measure, world_size, (configs, args.steps, args.warmup, max(1, args.batch)), args.timeout)
         cluster = _cluster(world_size, measured)
         for name, config in configs:
             rows.append({"world_size": world_size, "name": name, "config": config, "cluster": cluster,
