@@ -128,7 +128,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
     import torch
     import torch.distributed as dist
 
-    from fivefold.comm.bench import matmul_tflops, measure_native_links, memory_gbs
+    from fivefold.comm.bench import matmul_tflops, measure_native_links, memory_gbs, oversubscribed_share, ranks_fitting
     from fivefold.comm.measure import measure_cluster
     from fivefold.comm.p2p import Ranks
     from fivefold.train.trainer import Trainer
@@ -155,7 +155,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
             for dtype in rates:
                 rates[dtype].append(matmul_tflops(dtype, torch.device("cpu"), seconds=0.2))
             if world_size * threads > cores:
-                fitting.append(matmul_tflops("fp32", torch.device("cpu"), seconds=0.2, computing=max(1, cores // threads)))
+                fitting.append(matmul_tflops("fp32", torch.device("cpu"), seconds=0.2, computing=ranks_fitting(cores, threads)))
             bandwidths.append(memory_gbs(torch.device("cpu"), seconds=0.2))
             for name in names[round_ % len(names):] + names[:round_ % len(names)]:
                 dist.barrier()
@@ -171,8 +171,9 @@ def _measure(rank: int, world_size: int, job) -> dict:
             "rates": {dtype: statistics.median(values) for dtype, values in rates.items()},
             "memory_gbs": statistics.median(bandwidths),
             "times": {name: statistics.median(values) for name, values in samples.items()}, "cores": cores,
-            "oversubscribed_efficiency": min(1.0, world_size * statistics.median(rates["fp32"]) /
-                                             (max(1, cores // threads) * statistics.median(fitting))) if fitting else 1.0}
+            "oversubscribed_efficiency": oversubscribed_share(world_size, statistics.median(rates["fp32"]),
+                                                              ranks_fitting(cores, threads), statistics.median(fitting))
+            if fitting else 1.0}
 
 
 def _cluster(world_size: int, measured: dict):
@@ -273,6 +274,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--replay", help="predict again the measurements stored by an earlier run's --json")
     args = parser.parse_args()
+    if args.batch < 1:
+        parser.error(f"--batch {args.batch}: must be at least 1 (layouts alive together)")
 
     from fivefold.config import load_config
     from fivefold.plan.cluster import cluster_from_dict
@@ -303,7 +306,7 @@ def main() -> int:
                              "cluster": cluster_from_dict(stored[name]["cluster"]), "measured": stored[name]["measured"],
                              "cores": stored[name].get("cores", os.cpu_count() or 1)})
             continue
-        measured = spawn(_measure, world_size, (configs, args.steps, args.warmup, max(1, args.batch)), args.timeout)
+        measured = spawn(_measure, world_size, (configs, args.steps, args.warmup, args.batch), args.timeout)
         cluster = _cluster(world_size, measured)
         for name, config in configs:
             rows.append({"world_size": world_size, "name": name, "config": config, "cluster": cluster,

@@ -70,6 +70,9 @@ def test_plan_vs_measured_refuses_an_unknown_layout_name():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_vs_measured.py"), "--only", "single,tp9"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--only: unknown layout(s) tp9" in done.stderr
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_vs_measured.py"), "--batch", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--batch 0: must be at least 1" in done.stderr
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="on a GPU this would run the whole benchmark")

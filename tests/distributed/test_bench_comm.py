@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fivefold.comm.bench import ALGORITHMS, bus_factor, parse_bytes, sizes_between
+from fivefold.comm.bench import ALGORITHMS, bus_factor, oversubscribed_share, parse_bytes, ranks_fitting, sizes_between
 
 
 def test_bus_factors_are_nccl_tests():
@@ -17,6 +17,9 @@ def test_bus_factors_are_nccl_tests():
     assert bus_factor("broadcast", 8) == 1.0
     assert parse_bytes("16M") == 16 << 20 and parse_bytes("1K") == 1024 and parse_bytes("512") == 512
     assert sizes_between(1024, 65536, 4) == [1024, 4096, 16384, 65536]
+    # 4 one-thread ranks on 2 cores, each at 0.03 while all compute, 0.12 when only 2 do: 0.12 / 0.24 of the throughput
+    assert ranks_fitting(2, 1) == 2 and ranks_fitting(2, 4) == 1
+    assert oversubscribed_share(4, 0.03, 2, 0.12) == pytest.approx(0.5) and oversubscribed_share(4, 0.1, 2, 0.1) == 1.0
 
 
 @pytest.mark.parametrize("world_size", [3])

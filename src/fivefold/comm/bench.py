@@ -37,11 +37,11 @@ from fivefold.comm.cost import NATIVE_COLLECTIVES, Link, bus_factor, fit_native_
 from fivefold.comm.measure import measure_cluster
 from fivefold.comm.native import all_gather_flat, reduce_scatter_flat
 from fivefold.comm.p2p import Ranks
-from fivefold.train.setup import available_cores
 from fivefold.comm.recursive import recursive_all_gather, recursive_reduce_scatter
 from fivefold.comm.ring import ring_all_gather, ring_reduce_scatter
 from fivefold.comm.tree import binomial_broadcast, chain_broadcast
 from fivefold.errors import ConfigError
+from fivefold.train.setup import available_cores
 from fivefold.units import parse_bytes
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
@@ -241,15 +241,25 @@ def matmul_tflops(dtype: str, device: torch.device, n: int = 512, seconds: float
     return float(rate)
 
 
+def ranks_fitting(cores: int, threads: int) -> int:
+    """How many ranks of `threads` intra-op threads each the `cores` hold without time-slicing."""
+    return max(1, cores // threads)
+
+
+def oversubscribed_share(ranks: int, rate_all: float, fitting: int, rate_fitting: float) -> float:
+    """Throughput of `ranks` ranks computing at once (each at `rate_all`) over that of `fitting` ranks computing
+    alone (each at `rate_fitting`), at most 1: the cluster file's accelerator.oversubscribed_efficiency."""
+    return min(1.0, ranks * rate_all / (fitting * rate_fitting))
+
+
 def oversubscribed_efficiency(device: torch.device, cores: int, threads: int, rate_all: float, seconds: float = 0.5) -> float:
     """A CPU host's throughput with every rank's threads on its `cores` over its throughput with only as many ranks
     computing as the cores hold (the fp32 matmul rate both ways; 1 when the threads fit the cores)."""
     p = dist.get_world_size()
-    fit = max(1, cores // threads)
     if device.type != "cpu" or p * threads <= cores:
         return 1.0
-    rate_fit = matmul_tflops("fp32", device, seconds=seconds, computing=fit)
-    return min(1.0, p * rate_all / (fit * rate_fit))
+    fit = ranks_fitting(cores, threads)
+    return oversubscribed_share(p, rate_all, fit, matmul_tflops("fp32", device, seconds=seconds, computing=fit))
 
 
 def memory_gbs(device: torch.device, nbytes: int = 32 << 20, seconds: float = 0.5) -> float:

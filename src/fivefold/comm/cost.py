@@ -26,6 +26,7 @@ the messages the runtime really posts and compare.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fivefold.comm.tree import DEFAULT_CHUNK_ELEMENTS
@@ -217,7 +218,7 @@ def dispatch_bytes(counts: list[list[int]], experts_per_rank: int, row_bytes: in
     return out
 
 
-def uneven_all_to_all(matrix: list[list[int]], link: Link) -> float:
+def uneven_all_to_all(matrix: Sequence[Sequence[int]], link: Link) -> float:
     """Pairwise exchange of an uneven all-to-all, matrix[i][j] the bytes rank i sends rank j.
 
     Step k, rank i sends to i + k and receives from i - k; a step costs a rank alpha plus the beta of

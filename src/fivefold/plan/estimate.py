@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fivefold.comm.cost import native_collective, uneven_all_to_all
 from fivefold.config.schema import JobConfig
@@ -67,10 +68,13 @@ from fivefold.plan.activations import (ActivationShape, ExpertRows, block_activa
                                       moe_block_activation_elements)
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
-from fivefold.plan.expert_load import busiest_received, exchange_matrices, expert_rows_by_load, routed_rows
+from fivefold.plan.expert_load import busiest_received, exchange_matrices, expert_rows_by_load, imbalance, routed_rows
 from fivefold.plan.flops import flops_per_token
 from fivefold.plan.memory import nvme_host_bytes, sharded_model_states, zero_model_states
 from fivefold.plan.parameters import RankParameters, first_block, block_parameters, padded_vocab, rank_parameters
+
+if TYPE_CHECKING:
+    from fivefold.parallel.pipeline.simulate import CoreSharing
 
 
 LAYOUT_SECTIONS = ("train", "data_parallel", "tensor_parallel", "context_parallel", "pipeline_parallel", "expert_parallel")
@@ -155,6 +159,7 @@ class Estimate:
     capacity: int  # accelerator bytes
     notes: list[str] = field(default_factory=list)
     server: RankMemory | None = None  # parameter servers (data_parallel.mode = ps): the one holding the most
+    expert_imbalance: float | None = None  # under a measured expert load: the most rows an EP rank receives / the mean
 
     @property
     def fits(self) -> bool:
@@ -335,7 +340,7 @@ class PipelineRuns:
         return sim.makespan, sim.peak_in_flight, sum(sim.busy.values()) / max(sum(sim.work.values()), 1e-300)
 
 
-def core_sharing(config: JobConfig, d: Degrees, cluster: ClusterSpec):
+def core_sharing(config: JobConfig, d: Degrees, cluster: ClusterSpec) -> CoreSharing | None:
     """The pipeline simulation's CoreSharing when the job's ranks share one CPU host's cores
     (`accelerator.shared_cores`, the job within one node), else None: `replicas` ranks (dp x tp x cp x
     ep copies) run each pipeline rank's passes, each with the runtime's threads (train.threads, else
@@ -597,7 +602,7 @@ def _expert_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, el
             seconds += 2 * native_collective("all_to_all", rows, d.ep, link)
         else:
             out, home = exchange_matrices(rows_to, model.dim * element)
-            seconds += uneven_all_to_all([list(r) for r in out], link) + uneven_all_to_all([list(r) for r in home], link)
+            seconds += uneven_all_to_all(out, link) + uneven_all_to_all(home, link)
     if d.etp > 1:
         span = (d.etp - 1) * stride + 1
         counts += native_collective("all_gather", 8 * model.n_experts * d.etp, d.etp, cluster.collective_link("all_gather", span))
@@ -631,7 +636,9 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
 
 def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], cluster: ClusterSpec,
               efficiency: float | Efficiency, runs: PipelineRuns | None = None,
-              expert_load: dict[str, list[float]] | None = None) -> StepTime:
+              expert_rows: dict[int, list[float]] | None = None) -> StepTime:
+    """expert_rows: per MoE layer the rows every rank sends each EP rank under a measured load
+    (plan/expert_load.py `expert_rows_by_load`); None: balanced routing."""
     from fivefold.parallel.pipeline.simulate import Costs
 
     t = config.train
@@ -658,7 +665,7 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     block_cp = _context_parallel_block(config, model, d, costs.core, element, cluster)
     # per MoE layer: its exchanges' (forward, backward) seconds, and the busiest EP rank's extra routed compute
     # under a measured load (plan/expert_load.py; balanced routing: the same for every layer, no extra)
-    rows_to = expert_rows_by_load(model, config, d, expert_load) if expert_load is not None else {}
+    rows_to = expert_rows or {}
     balanced = _expert_parallel_block(config, model, d, element, cluster)
     row_bytes = model.dim * element
     dispatched = dispatch_rows(model, config, d) * row_bytes if model.n_experts else 0
@@ -966,8 +973,8 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
         shard = max(server_shards(model, config.parameter_server.servers, d.dp))
         server = server_memory(config, shard, d.dp)
         over = over or server.total > cluster.memory_bytes
-    time = None if over and not time_if_over else step_time(config, model, d, split, cluster, efficiency, runs,
-                                                            expert_load)
+    rows = expert_rows_by_load(model, config, d, expert_load) if expert_load is not None else None
+    time = None if over and not time_if_over else step_time(config, model, d, split, cluster, efficiency, runs, rows)
     if time is not None and server is not None:
         push_pull, update = _parameter_server_time(config, shard, d.dp, gpus, cluster)
         time = dataclasses.replace(time, dp=push_pull, optimizer=update)
@@ -978,4 +985,4 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
     if d.cp > 1:
         notes.append("context parallelism's extra saved tensors (ring steps' partial outputs) are not counted")
     return Estimate(d, gpus, memory[worst], worst, memory, time, tokens, shared.flops_per_token(model, t.seq_len) * tokens,
-                    peak, cluster.memory_bytes, notes, server)
+                    peak, cluster.memory_bytes, notes, server, imbalance(rows) if rows is not None else None)

@@ -25,14 +25,15 @@ Matrix = tuple[tuple[int, ...], ...]  # an uneven all-to-all: [i][j] the bytes m
 
 def routed_rows(model: ModelConfig, config: JobConfig, d) -> int:
     """Assignments one rank routes per MoE layer and micro-batch: k per token it holds (its micro-batch's
-    sequences after the cp split, and its tp share of them under sequence parallelism); `d` the layout's
-    plan/estimate.py Degrees."""
+    sequences after the cp split, and its tp share of them under sequence parallelism). `d` is the layout's
+    plan/estimate.py Degrees (not imported: the estimate imports this module)."""
     t = config.train
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
     return model.moe_top_k * t.micro_batch_size * (t.seq_len // d.cp) // (d.tp if sp else 1)
 
 
-def expert_rows_by_load(model: ModelConfig, config: JobConfig, d, load: dict[str, list[float]]) -> dict[int, list[float]]:
+def expert_rows_by_load(model: ModelConfig, config: JobConfig, d,
+                        load: dict[str, list[float]]) -> dict[int, list[float]]:
     """Per MoE layer, the rows one rank sends each expert-parallel rank when its tokens choose experts in
     proportion to `load` (layer -> assignments per expert). A rank holds k rows per token; with a capacity
     factor no expert takes more than its capacity's share of them (model/moe.py `expert_capacity`, per

@@ -149,14 +149,10 @@ def run(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec) -> in
     found = estimate(config, args.gpus, cluster, efficiency_from(args), args.vocab_size, expert_load=load)
     print(format_estimate(found, cluster, "layout"))
     out["estimate"] = found.to_dict()
-    if load is not None:
-        from fivefold.plan.estimate import degrees_of, model_for
-        from fivefold.plan.expert_load import expert_rows_by_load, imbalance
-
-        rows = expert_rows_by_load(model_for(config, args.vocab_size), config, degrees_of(config, args.gpus), load)
-        out["expert_load"], out["expert_imbalance"] = args.expert_load, imbalance(rows)
+    if found.expert_imbalance is not None:
+        out["expert_load"], out["expert_imbalance"] = args.expert_load, found.expert_imbalance
         print(f"experts routed as measured in {args.expert_load}: the busiest expert-parallel rank receives "
-              f"{imbalance(rows):.2f}x the mean rows")
+              f"{found.expert_imbalance:.2f}x the mean rows")
     if args.plot:
         print(f"wrote {plot_memory([(found.degrees.describe(), found)], args.plot)}")
     _write_json(args, out)

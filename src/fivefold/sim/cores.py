@@ -32,7 +32,11 @@ class SharedCores:
         return self.sharing.speed(len(self.running) * self.weight, self.ranks)
 
     def start(self, stream, seconds: float, now: float, label: str) -> None:
-        self.advance_to(now)
+        """A pass of `seconds` (at the all-computing rate) begins; the engine has advanced the cores to `now`."""
+        if self.running and now != self.clock:
+            raise RuntimeError(f"SharedCores.start at {now} s with the passes run only to {self.clock} s: "
+                               "advance_to(now) first")
+        self.clock = now
         self.running[stream] = [seconds, now, label]
 
     def next_event(self) -> float:

@@ -416,8 +416,7 @@ class _Builder:
         """Seconds of an uneven all-to-all by the cost model (comm/cost.py `uneven_all_to_all`)."""
         key = ("uneven", matrix, span)
         if key not in self._formulas:
-            self._formulas[key] = uneven_all_to_all([list(row) for row in matrix],
-                                                    self.cluster.collective_link("all_to_all", span))
+            self._formulas[key] = uneven_all_to_all(matrix, self.cluster.collective_link("all_to_all", span))
         return self._formulas[key]
 
     def _recording(self, kind: str, algorithm: str, p: int, nbytes: int,
