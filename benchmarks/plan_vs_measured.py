@@ -7,9 +7,9 @@ at the sizes a step sends). Then, in batches of --batch layouts (their trainers 
 freed before the next batch: a score of live trainers slows every step by a quarter or more), every
 layout builds the real Trainer (configs/tiny.toml's model on the
 embedded corpus, shrunk by the options), takes warm-up steps, and is timed in rotating rounds: one step
-of each layout per round, the order rotated, and the matmul rate and memory bandwidth each rank
-achieves while the others compute too (comm/bench.py matmul_tflops, memory_gbs) measured again each
-round, and, where the ranks' threads outnumber the cores, the matmul rate with only as many ranks
+of each layout per round, the order rotated, and the matmul rate, memory bandwidth and the runtime's
+AdamW rate (per parameter and per tensor) each rank achieves while the others compute too (comm/bench.py
+matmul_tflops, memory_gbs, optimizer_rate) measured again each round, and, where the ranks' threads outnumber the cores, the matmul rate with only as many ranks
 computing as the cores hold (the cluster's oversubscribed_efficiency; its shared_cores are this
 machine's: ranks idle in a pipeline bubble lend their cores); a layout's time is the median over
 rounds of its slowest rank's step. Rounds put a slow spell of
@@ -121,14 +121,15 @@ QUICK = {"single", "single-full", "dp2", "tp2", "pp2-1f1b"}
 def _measure(rank: int, world_size: int, job) -> dict:
     """On every rank: fit the links, then time the layouts' steps in batches of `batch` layouts (their trainers
     alive together, freed before the next batch: many live trainers slow every step), each batch in rotating
-    rounds (one step of each layout per round, the order rotated, the matmul rate and memory bandwidth
-    measured again each round) so that a slow spell of this shared machine lands on the layouts and rates
+    rounds (one step of each layout per round, the order rotated, the matmul rate, memory bandwidth and AdamW
+    rate measured again each round) so that a slow spell of this shared machine lands on the layouts and rates
     alike; medians over rounds."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch
     import torch.distributed as dist
 
-    from fivefold.comm.bench import matmul_tflops, measure_native_links, memory_gbs, oversubscribed_share, ranks_fitting
+    from fivefold.comm.bench import (matmul_tflops, measure_native_links, memory_gbs, optimizer_rate, oversubscribed_share,
+                                     ranks_fitting)
     from fivefold.comm.measure import measure_cluster
     from fivefold.comm.p2p import Ranks
     from fivefold.train.trainer import Trainer
@@ -145,6 +146,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
     rates: dict[str, list[float]] = {"fp32": [], "bf16": []}
     fitting: list[float] = []  # the fp32 rate with only as many ranks computing as the cores hold
     bandwidths = []
+    optimizer: list[tuple[float, float]] = []  # the runtime's AdamW: (GB/s of 28 bytes per parameter, us per tensor)
     for first in range(0, len(configs), batch):
         trainers = {name: Trainer(config) for name, config in configs[first:first + batch]}
         for trainer in trainers.values():
@@ -157,6 +159,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
             if world_size * threads > cores:
                 fitting.append(matmul_tflops("fp32", torch.device("cpu"), seconds=0.2, computing=ranks_fitting(cores, threads)))
             bandwidths.append(memory_gbs(torch.device("cpu"), seconds=0.2))
+            optimizer.append(optimizer_rate(torch.device("cpu"), seconds=0.15))
             for name in names[round_ % len(names):] + names[:round_ % len(names)]:
                 dist.barrier()
                 start = time.perf_counter()
@@ -170,6 +173,8 @@ def _measure(rank: int, world_size: int, job) -> dict:
             "native": {name: dataclasses.asdict(link) for name, link in native.items()},
             "rates": {dtype: statistics.median(values) for dtype, values in rates.items()},
             "memory_gbs": statistics.median(bandwidths),
+            "optimizer_gbs": statistics.median(g for g, _ in optimizer),
+            "optimizer_tensor_us": statistics.median(u for _, u in optimizer),
             "times": {name: statistics.median(values) for name, values in samples.items()}, "cores": cores,
             "oversubscribed_efficiency": oversubscribed_share(world_size, statistics.median(rates["fp32"]),
                                                               ranks_fitting(cores, threads), statistics.median(fitting))
@@ -185,7 +190,8 @@ def _cluster(world_size: int, measured: dict):
     link = spec(measured["links"]["intra"] if measured["links"] else {"alpha": 1e-6, "beta": 1e-9})
     return ClusterSpec(f"this machine, {world_size} ranks",
                        Accelerator("cpu rank", 8.0, measured["rates"], measured["memory_gbs"], shared_cores=measured["cores"],
-                                   oversubscribed_efficiency=measured["oversubscribed_efficiency"]),
+                                   oversubscribed_efficiency=measured["oversubscribed_efficiency"],
+                                   optimizer_gbs=measured["optimizer_gbs"], optimizer_tensor_us=measured["optimizer_tensor_us"]),
                        max(world_size, 1), link, link,
                        collectives={name: spec(native) for name, native in measured.get("native", {}).items()})
 

@@ -21,7 +21,7 @@ from fivefold.plan.cluster import cluster_from_dict, cluster_toml, load_cluster
 from fivefold.plan.estimate import PipelineRuns, estimate
 from fivefold.plan.flops import count_parameters
 from fivefold.plan.memory import nvme_host_bytes, zero_model_states
-from fivefold.plan.parameters import rank_parameters
+from fivefold.plan.parameters import rank_parameters, rank_tensors
 from fivefold.plan.search import search
 
 
@@ -471,6 +471,92 @@ def test_ranks_sharing_a_hosts_cores_lend_them_in_the_pipeline_bubble(tmp_path):
     lossy = dataclasses.replace(sharing(2), accelerator=dataclasses.replace(sharing(2).accelerator,
                                                                            oversubscribed_efficiency=0.5))
     assert estimate(pp4, 4, lossy).time.total < shared.time.total
+
+
+MLA = dict(attention="mla", kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+
+
+@pytest.mark.parametrize("changes", [
+    {}, dict(attention_bias="all", mlp_bias=True, qk_norm="head"), dict(attention_bias="qkv", qk_norm="projection"),
+    MLA, {**MLA, "q_lora_rank": 0}, dict(tie_embeddings=True),
+    dict(n_experts=8, moe_top_k=2, moe_ffn_dim=32, moe_shared_experts=1, moe_shared_gate=True, moe_first_dense=1),
+])
+def test_tensors_the_optimizer_updates_are_the_models(changes):
+    """rank_tensors counts the meta-device model's parameter tensors and (ZeRO) its flat groups
+    (parallel/flat_groups.py), whole and per pipeline stage, and an expert-parallel rank's share of the experts."""
+    from fivefold.model import build_model
+    from fivefold.parallel.expert_parallel import cut_experts
+    from fivefold.parallel.expert_placement import contiguous_placement
+    from fivefold.parallel.flat_groups import flat_group_layout
+
+    model = dataclasses.replace(get_preset("tiny"), vocab_size=257, **changes)
+    layers = list(range(model.n_layers))
+    net = build_model(model)
+    assert rank_tensors(model, layers, True, True) == sum(1 for _ in net.parameters())
+    assert rank_tensors(model, layers, True, True, flat=True) == len(flat_group_layout(net))
+    # a pipeline stage: the first holds the embedding, the last the final norm and head (its own copy when tied)
+    first = [n for n, _ in net.named_parameters() if n.startswith(("tok_embeddings.", "layers.0.", "layers.1."))]
+    last = [n for n, _ in net.named_parameters() if n.startswith(("norm.", "output.", "layers.2.", "layers.3."))]
+    tied = 1 if model.tie_embeddings else 0
+    assert rank_tensors(model, [0, 1], True, False, pipelined=True) == len(first)
+    assert rank_tensors(model, [2, 3], False, True, pipelined=True) == len(last) + tied
+    if model.n_experts:
+        cut_experts(net, {layer: contiguous_placement(model.n_experts, 4) for layer in model.moe_layers}, 0)
+        assert rank_tensors(model, layers, True, True, ep=4) == sum(1 for _ in net.parameters())
+        assert rank_tensors(model, layers, True, True, ep=4, flat=True) == \
+            len([g for g in flat_group_layout(net) if g.numel])
+
+
+def test_optimizer_step_is_priced_at_the_accelerators_optimizer_rate(tmp_path):
+    """The optimizer phase is 28 bytes per parameter the rank updates at accelerator.optimizer_gbs (default the
+    memory bandwidth: a fused kernel) plus optimizer_tensor_us per tensor: parameter tensors under DDP, flat groups
+    under ZeRO (each rank updating its shard), on the busiest pipeline rank; the parameter servers' update too.
+    The fields round-trip through a cluster file, a bad or unknown one is refused naming it."""
+    h100 = CLUSTERS["h100-sxm"]
+    cpu = dataclasses.replace(h100, accelerator=dataclasses.replace(h100.accelerator, optimizer_gbs=10.0,
+                                                                    optimizer_tensor_us=20.0))
+    model = dataclasses.replace(get_preset("tiny"), vocab_size=257)
+    layers = list(range(model.n_layers))
+
+    def tiny(*overrides):
+        return load_config(None, ["--model.preset", "tiny", "--model.vocab_size", "257", "--train.seq_len", "128",
+                                  *overrides])
+
+    psi = rank_parameters(model, layers, True, True).total
+    ddp = estimate(tiny(), 2, cpu).time.optimizer
+    assert ddp == pytest.approx(28 * psi / 10e9 + rank_tensors(model, layers, True, True) * 20e-6)
+    zero = estimate(tiny("--data_parallel.zero_stage", "1", "--data_parallel.shard", "2"), 2, cpu).time.optimizer
+    assert zero == pytest.approx(28 * psi / 2 / 10e9 + rank_tensors(model, layers, True, True, flat=True) * 20e-6)
+    stages = [[0, 1], [2, 3]]
+    pp = estimate(tiny("--model.n_layers", "4", "--pipeline_parallel.degree", "2", "--train.grad_accum_steps", "2"), 2,
+                  cpu).time.optimizer
+    model4 = dataclasses.replace(model, n_layers=4)
+    assert pp == pytest.approx(max(28 * rank_parameters(model4, s, i == 0, i == 1, pipelined=True).total / 10e9
+                                   + rank_tensors(model4, s, i == 0, i == 1, pipelined=True) * 20e-6
+                                   for i, s in enumerate(stages)))
+    # defaults: the memory bandwidth, nothing per tensor
+    assert estimate(tiny(), 2, h100).time.optimizer == pytest.approx(28 * psi / 3350e9)
+    # a parameter server's update: the summed pushes at memory bandwidth, AdamW at the optimizer rate
+    from fivefold.plan.estimate import server_shards
+
+    ps = tiny("--data_parallel.mode", "ps", "--parameter_server.servers", "1")  # 4 workers, 1 server
+    found = estimate(ps, 5, cpu)
+    tensors = server_shards(model, 1, 4, tensors=True)[0]
+    assert tensors == rank_tensors(model, layers, True, True)
+    assert found.time.optimizer == pytest.approx(4 * 4 * psi / 3350e9 + 28 * psi / 10e9 + tensors * 20e-6)
+    path = tmp_path / "cpu.toml"
+    path.write_text(cluster_toml(cpu))
+    assert load_cluster(str(path)) == cpu
+    data = json.loads(json.dumps(cpu.to_dict()))
+    for key in ("optimizer_gbs", "optimizer_tensor_us"):
+        for bad in (-1, "fast", float("inf"), True):
+            broken = json.loads(json.dumps(data))
+            broken["accelerator"][key] = bad
+            with pytest.raises(ConfigError, match=f"accelerator.{key}"):
+                cluster_from_dict(broken)
+    data["accelerator"]["optimiser_gbs"] = 10
+    with pytest.raises(ConfigError, match="unknown accelerator key.*optimiser_gbs"):
+        cluster_from_dict(data)
 
 
 def test_sharding_degrees_are_chosen_by_predicted_time_under_the_memory_cap():

@@ -68,6 +68,29 @@ def test_one_rank_step_is_the_planners_compute():
         assert phases["optimizer"] == pytest.approx(planned.optimizer, rel=1e-9)
 
 
+@pytest.mark.parametrize("gpus,overrides", [
+    (2, ()), (2, ("--data_parallel.zero_stage", "1", "--data_parallel.shard", "2")),
+    (2, ("--data_parallel.zero_stage", "3", "--data_parallel.shard", "2")),
+    (2, ("--pipeline_parallel.degree", "2", "--train.grad_accum_steps", "2")),
+    (2, ("--pipeline_parallel.degree", "2", "--pipeline_parallel.schedule", "interleaved", "--pipeline_parallel.virtual",
+         "2", "--train.grad_accum_steps", "2")),
+    (2, ("--model.preset", "tiny-moe", "--model.n_layers", "4", "--expert_parallel.degree", "2")),
+    (4, ("--model.preset", "tiny-moe", "--model.n_layers", "4", "--expert_parallel.degree", "2",
+         "--data_parallel.zero_stage", "2", "--data_parallel.shard", "4")),
+])
+def test_optimizer_step_is_priced_as_the_planner_prices_it(gpus, overrides):
+    """With a CPU-like optimizer rate and a cost per tensor, the simulated rank's optimizer span equals the planner's
+    optimizer phase: the same parameters (ZeRO shards) and the same tensors (ZeRO's flat groups, a pipeline rank's
+    virtual stages, an expert-parallel rank's experts) on the busiest rank."""
+    cpu = dataclasses.replace(H100, accelerator=dataclasses.replace(H100.accelerator, optimizer_gbs=10.0,
+                                                                    optimizer_tensor_us=20.0))
+    config = _config(*overrides)
+    planned = estimate(config, gpus, cpu, vocab_size=257).time.optimizer
+    run = simulate_step(config, gpus, cpu, vocab_size=257)
+    assert max(run.breakdown(rank)["optimizer"] for rank in range(gpus)) == pytest.approx(planned, rel=1e-9)
+    assert planned > estimate(config, gpus, H100, vocab_size=257).time.optimizer
+
+
 @pytest.mark.parametrize("overrides", [
     ("--expert_parallel.degree", "4", "--expert_parallel.tensor", "2", "--train.recompute", "full"),
     ("--expert_parallel.degree", "4", "--tensor_parallel.degree", "2", "--tensor_parallel.sequence_parallel", "true"),

@@ -60,6 +60,10 @@ def test_bench_comm_table_and_json(tmp_path, world_size):
     assert here.intra.bandwidth_gbs == pytest.approx(1 / intra["beta"] / 1e9)
     assert here.accelerator.tflops == report["matmul_tflops"] and here.accelerator.peak_flops("fp32") > 0
     assert here.accelerator.memory_bandwidth_gbs == report["memory_gbs"] > 0
+    # the runtime's AdamW timed on every rank: its rate per parameter and its cost per tensor
+    assert here.accelerator.optimizer_gbs == report["optimizer_gbs"] > 0
+    assert here.accelerator.optimizer_tensor_us == report["optimizer_tensor_us"] >= 0
+    assert "AdamW step:" in run.stdout
     # the ranks share this host's cores; 3 ranks' threads on 2 cores time-slice, at a measured efficiency
     from fivefold.train.setup import available_cores
 

@@ -3,7 +3,8 @@
 For each layout, every rank builds the real Trainer and takes one step; the planner (plan/estimate.py,
 from the same JobConfig and nothing else) must give, for that rank's pipeline position, exactly the Ψ
 the runtime's modules hold (`Parallelized.parameters`) and exactly the model-state bytes of the
-runtime's own ZeRO formula on that Ψ; the measured bytes equal them up to ZeRO's padding (< N
+runtime's own ZeRO formula on that Ψ, and as many tensors as the runtime's AdamW updates (parameter
+tensors; ZeRO's flat groups) for the optimizer's cost per tensor; the measured bytes equal them up to ZeRO's padding (< N
 elements of <= 16 bytes per flat group). Layouts cover tensor (GQA split and replicated, biases,
 q/k projection norms, sequence parallel), pipeline (1F1B, interleaved, tied head, 4 stages),
 context, ZeRO 1/2/3 (mixed precision), expert parallelism with ZeRO over EDP, and MLA. DDP's flat
@@ -77,6 +78,7 @@ REPLICA_GRADIENTS = 4096
 def _measure(rank, world_size, configs):
     from fivefold.plan.cluster import PRESETS
     from fivefold.plan.estimate import estimate
+    from fivefold.plan.parameters import rank_tensors
     from fivefold.train.memory import PeakSavedBytes
 
     out = []
@@ -94,11 +96,17 @@ def _measure(rank, world_size, configs):
             trainer.train_step()
         ddps = [getattr(trainer.sync, name, None) for name in ("ddp", "expert_ddp")]
         buckets = sum(ddp.gradient_bytes() for ddp in ddps if ddp is not None)
+        pp, position = config.pipeline_parallel.degree, trainer.mesh.local_rank("pp")
+        split = trainer.parallel.stage_split or [tuple(range(trainer.model_config.n_layers))]
+        layers = [layer for s in range(position, len(split), pp) for layer in split[s]]
+        tensors = (rank_tensors(trainer.model_config, layers, position == 0, (len(split) - 1) % pp == position,
+                                config.expert_parallel.degree, pipelined=pp > 1, flat=bool(zero)),
+                   sum(len(group["params"]) for group in trainer.optimizer.param_groups))
         out.append((trainer.parallel.parameters, mine.parameter_count,
                     tuple(trainer.report.expected_model_states().__dict__.values()),
                     (mine.parameters, mine.gradients, mine.optimizer + mine.host),
                     tuple(trainer.report.model_state_bytes.__dict__.values()), groups, (mine.buckets, buckets),
-                    (saved.peak, mine.activations, mine.logits)))
+                    (saved.peak, mine.activations, mine.logits), tensors))
     return out
 
 
@@ -111,8 +119,10 @@ def test_planner_model_states_equal_the_runtime(job, tmp_path):
                for name, changes in LAYOUTS.items()]
     results = run_distributed(_measure, 4, configs, timeout=600)
     for rank, rank_results in enumerate(results):
-        for name, (psi, planned_psi, formula, planned, measured, groups, buckets, saved) in zip(LAYOUTS, rank_results):
+        for name, (psi, planned_psi, formula, planned, measured, groups, buckets, saved, tensors) in zip(LAYOUTS,
+                                                                                                         rank_results):
             assert planned_psi == psi, f"{name} rank {rank}: planner Ψ {planned_psi:,}, runtime {psi:,}"
+            assert tensors[0] == tensors[1], f"{name} rank {rank}: planner's optimizer tensors {tensors[0]}, runtime's {tensors[1]}"
             peak, activations, logits = saved
             if logits:  # the head's rank: the blocks' activations, plus at most the logits the planner adds
                 assert activations <= peak <= activations + logits, f"{name} rank {rank}: saved {peak:,}, planner {saved[1:]}"

@@ -7,8 +7,8 @@ reduce-scatter, all-gather and all-to-all (p-1)/p; broadcast 1), so busbw is com
 link's bandwidth whatever p is. Beside each measured time stands the alpha-beta-gamma prediction
 (comm/cost.py) from links fitted by ping-pong on this machine at the start (comm/measure.py),
 and their ratio. Rank 0 prints the table and writes JSON with `--json`. `--cluster-file F` also
-times a matmul (fp32 and bf16) and an add on every rank at once (the rates a rank achieves while
-the others compute too) and writes this machine as a planner cluster file (plan/cluster.py) with the fitted links
+times a matmul (fp32 and bf16), an add and the runtime's AdamW step (`optimizer_rate`) on every rank
+at once (the rates a rank achieves while the others compute too) and writes this machine as a planner cluster file (plan/cluster.py) with the fitted links
 and, for each backend collective timed at two or more sizes, the link its ring form runs at
 (cost.fit_native_link): the planner prices that collective on it.
 
@@ -209,12 +209,15 @@ def run(args: argparse.Namespace) -> dict:
                                 algbw * bus_factor(collective, p), predicted, sent, predicted_bytes))
     rates = {dtype: matmul_tflops(dtype, device) for dtype in ("fp32", "bf16")} if args.cluster_file else {}
     bandwidth = memory_gbs(device) if args.cluster_file else 0.0
+    # a GPU's fused AdamW streams its bytes once: the planner's default (memory bandwidth) holds there
+    optimizer = optimizer_rate(device) if args.cluster_file and device.type == "cpu" else (0.0, 0.0)
     efficiency = oversubscribed_efficiency(device, available_cores(), torch.get_num_threads(), rates["fp32"]) \
         if args.cluster_file else 1.0
     native = {name: asdict(link) for name, link in fit_native_links(rows, p).items()}
     return {"world_size": p, "backend": dist.get_backend(), "device": device.type, "node_size": node_size,
             "links": {"intra": asdict(cluster.intra), "inter": asdict(cluster.inter)}, "native_links": native,
             "matmul_tflops": rates, "memory_gbs": bandwidth, "oversubscribed_efficiency": efficiency,
+            "optimizer_gbs": optimizer[0], "optimizer_tensor_us": optimizer[1],
             "rows": [asdict(r) | {"measured_over_predicted": r.ratio} for r in rows]}
 
 
@@ -279,6 +282,37 @@ def memory_gbs(device: torch.device, nbytes: int = 32 << 20, seconds: float = 0.
     return float(rate)
 
 
+def optimizer_rate(device: torch.device, params: int = 1 << 21, few: int = 16, many: int = 512,
+                   seconds: float = 0.3) -> tuple[float, float]:
+    """(GB/s of AdamW's 28 bytes per parameter, microseconds per tensor): the runtime's AdamW (optim.py
+    build_adamw) stepping the same `params` parameters held in `few` and in `many` tensors, on every rank at
+    once, the slowest rank's; the step is params x c + tensors x u, solved for c and u from the two timings."""
+    from fivefold.config import OptimConfig
+    from fivefold.optim import build_adamw
+
+    def step_seconds(tensors: int) -> float:
+        weights = [torch.zeros(params // tensors, device=device, requires_grad=True) for _ in range(tensors)]
+        for w in weights:
+            w.grad = torch.full_like(w, 1e-3)
+        optimizer = build_adamw(weights, [], OptimConfig())
+        optimizer.step()  # allocates the moments
+        dist.barrier()
+        calls, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            optimizer.step()
+            calls += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = torch.tensor((time.perf_counter() - start) / calls, dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed)
+
+    t_few, t_many = step_seconds(few), step_seconds(many)
+    per_tensor = max(0.0, (t_many - t_few) / (many - few))
+    per_param = max(t_few - few * per_tensor, 1e-12) / (params // few * few)
+    return 28 / per_param / 1e9, per_tensor * 1e6
+
+
 def cluster_file_of(report: dict) -> str:
     """This machine as a planner cluster file: achieved matmul rates (use `plan --efficiency 1`), fitted links."""
     from fivefold.plan.cluster import Accelerator, ClusterSpec, LinkSpec, cluster_toml
@@ -290,7 +324,9 @@ def cluster_file_of(report: dict) -> str:
     spec_ = ClusterSpec(f"this-machine-{report['backend']}",
                         Accelerator(f"{report['device']} rank", round(memory, 2), report["matmul_tflops"],
                                     report["memory_gbs"], shared_cores=available_cores() if report["device"] == "cpu" else 0,
-                                    oversubscribed_efficiency=report.get("oversubscribed_efficiency", 1.0)),
+                                    oversubscribed_efficiency=report.get("oversubscribed_efficiency", 1.0),
+                                    optimizer_gbs=report.get("optimizer_gbs", 0.0),
+                                    optimizer_tensor_us=report.get("optimizer_tensor_us", 0.0)),
                         report["node_size"], spec(report["links"]["intra"]), spec(report["links"]["inter"]),
                         source=f"fivefold bench comm on {report['world_size']} ranks: fitted links and native "
                                "collectives, timed matmuls (achieved rates: plan with --efficiency 1)",
@@ -317,6 +353,9 @@ def format_table(report: dict) -> str:
         lines.append(f"  {r['collective']:<15}{r['algorithm']:<17}{r['size']:>10}{r['count']:>10}{r['dtype']:>8}"
                      f"{r['time_us']:>12.1f}{r['algbw_gbs']:>13.3f}{r['busbw_gbs']:>13.3f}{predicted}{ratio}"
                      f"{sent}{predicted_bytes}")
+    if report.get("optimizer_gbs"):
+        lines.append(f"# AdamW step: {report['optimizer_gbs']:.2f} GB/s of 28 bytes per parameter, "
+                     f"{report['optimizer_tensor_us']:.1f} us per tensor")
     for name, link in report.get("native_links", {}).items():
         lines.append(f"# native {name} fitted (ring form): alpha {link['alpha'] * 1e6:.1f} us, "
                      f"{1 / max(link['beta'], 1e-30) / 1e9:.2f} GB/s")

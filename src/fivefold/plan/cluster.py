@@ -27,6 +27,8 @@ A cluster file is TOML, read without running anything:
     pass_overhead_us = 0             # optional: fixed host cost of a block's forward (backward: twice)
     shared_cores = 0                 # optional: a CPU host's cores that all its ranks share (0: none)
     oversubscribed_efficiency = 1.0  # optional: its throughput with more threads than cores, over with as many
+    optimizer_gbs = 3350             # optional (default: memory_bandwidth_gbs): AdamW's 28 bytes per parameter
+    optimizer_tensor_us = 0          # optional: AdamW's fixed cost per parameter tensor it updates
     [intra]                          # inside a node, per accelerator and direction
     bandwidth_gbs = 450
     latency_us = 3
@@ -56,7 +58,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -90,6 +92,18 @@ class Accelerator:
     # `fivefold bench comm --cluster-file` on a CPU: the matmul rate with every rank computing and with only
     # as many as the cores hold); 1 = ideal time-slicing
     oversubscribed_efficiency: float = 1.0
+    # the optimizer step's rate: AdamW's 28 bytes per parameter (read weight, gradient, two moments; write three)
+    # over this many GB/s, plus a fixed cost per parameter tensor it updates. 0 GB/s = memory_bandwidth_gbs and
+    # 0 us, a fused kernel streaming the bytes once (the GPU presets: PyTorch's fused AdamW); on a CPU the
+    # multi-tensor implementation makes several passes and dispatches per tensor, so `fivefold bench comm
+    # --cluster-file` times the runtime's own AdamW (comm/bench.py optimizer_rate)
+    optimizer_gbs: float = 0.0
+    optimizer_tensor_us: float = 0.0
+
+    def optimizer_seconds(self, params: float, tensors: int) -> float:
+        """Seconds of one AdamW step over `params` parameters in `tensors` tensors (0 when no rate is known)."""
+        rate = (self.optimizer_gbs or self.memory_bandwidth_gbs) * 1e9
+        return (28 * params / rate if rate else 0.0) + tensors * self.optimizer_tensor_us * 1e-6
 
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.tflops:
@@ -257,6 +271,10 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
     if unknown:
         raise ConfigError(f"cluster file {source}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     acc = _section(data, "accelerator", source)
+    accelerator_keys = {f.name for f in fields(Accelerator)}
+    if set(acc) - accelerator_keys:
+        raise ConfigError(f"cluster file {source}: unknown accelerator key(s) {', '.join(sorted(set(acc) - accelerator_keys))}; "
+                          f"known: {', '.join(sorted(accelerator_keys))}")
     tflops = acc.get("tflops")
     if not isinstance(tflops, dict) or not tflops:
         raise ConfigError(f"cluster file {source}: accelerator.tflops must be a table of dtype = TFLOP/s, e.g. "
@@ -281,6 +299,8 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
     if oversubscribed > 1:
         raise ConfigError(f"cluster file {source}: accelerator.oversubscribed_efficiency = {oversubscribed!r}: must be in "
                           "(0, 1] (a host's throughput with more threads than cores, over with as many)")
+    optimizer = {key: _number(acc, key, "accelerator", positive=False) if key in acc else 0.0
+                 for key in ("optimizer_gbs", "optimizer_tensor_us")}
     collectives = data.get("collectives", {})
     if not isinstance(collectives, dict) or any(k not in NATIVE_COLLECTIVES or not isinstance(v, dict)
                                                 for k, v in collectives.items()):
@@ -290,7 +310,7 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
                           _number(v, "latency_us", f"collectives.{k}", positive=False)) for k, v in collectives.items()}
     return ClusterSpec(str(data.get("name", Path(source).stem)),
                        Accelerator(str(acc.get("name", "accelerator")), _number(acc, "memory_gib", "accelerator"), rates,
-                                   bandwidth, overhead, shared, oversubscribed),
+                                   bandwidth, overhead, shared, oversubscribed, **optimizer),
                        per_node, links["intra"], links["inter"], nodes, str(data.get("source", source)),
                        _number(data, "host_bandwidth_gbs", "(top level)") if "host_bandwidth_gbs" in data else 32.0,
                        _number(data, "nvme_bandwidth_gbs", "(top level)") if "nvme_bandwidth_gbs" in data else 25.0,
@@ -328,6 +348,8 @@ def cluster_toml(spec: ClusterSpec) -> str:
         f"pass_overhead_us = {acc.pass_overhead_us!r}",
         f"shared_cores = {acc.shared_cores!r}",
         f"oversubscribed_efficiency = {acc.oversubscribed_efficiency!r}",
+        f"optimizer_gbs = {acc.optimizer_gbs!r}",
+        f"optimizer_tensor_us = {acc.optimizer_tensor_us!r}",
         "", "[intra]", f"bandwidth_gbs = {intra.bandwidth_gbs!r}", f"latency_us = {intra.latency_us!r}",
         "", "[inter]", f"bandwidth_gbs = {inter.bandwidth_gbs!r}", f"latency_us = {inter.latency_us!r}", "",
         *(line for name, link in spec.collectives.items()

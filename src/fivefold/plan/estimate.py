@@ -66,12 +66,13 @@ from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
 from fivefold.plan.activations import (ActivationShape, ExpertRows, block_activation_elements,
                                       moe_block_activation_elements)
-from fivefold.plan.cluster import ClusterSpec
+from fivefold.plan.cluster import Accelerator, ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.expert_load import busiest_received, exchange_matrices, expert_rows_by_load, imbalance, routed_rows
 from fivefold.plan.flops import flops_per_token
 from fivefold.plan.memory import nvme_host_bytes, sharded_model_states, zero_model_states
-from fivefold.plan.parameters import RankParameters, first_block, block_parameters, padded_vocab, rank_parameters
+from fivefold.plan.parameters import (RankParameters, first_block, block_parameters, padded_vocab, rank_parameters,
+                                     rank_tensors)
 
 if TYPE_CHECKING:
     from fivefold.parallel.pipeline.simulate import CoreSharing
@@ -228,6 +229,21 @@ def zero_degrees(config: JobConfig, d: Degrees):
     return stage_degrees(z, d.dp_shard * d.cp, d.dp * d.cp)
 
 
+def _expert_dp(config: JobConfig, d: Degrees) -> int:
+    """Ranks of the routed experts' data-parallel group (EDP): the ranks holding a stage's distinct tokens
+    (dp x cp, x tp under sequence parallelism) over ep x etp."""
+    return max(d.dp * d.cp * (d.tp if config.tensor_parallel.sequence_parallel and d.tp > 1 else 1) // (d.ep * d.etp), 1)
+
+
+def optimizer_shard(params: RankParameters, config: JobConfig, d: Degrees) -> float:
+    """Parameters the rank's optimizer updates: ZeRO shards the dense ones over its optimizer degree and the routed
+    experts over their expert-data-parallel group."""
+    deg = zero_degrees(config, d)
+    if deg is None:
+        return params.total
+    return params.dense / deg.optim + params.experts / _expert_dp(config, d)
+
+
 # ---------------------------------------------------------------------------------------------- memory
 def _model_states(params: RankParameters, config: JobConfig, d: Degrees) -> tuple[int, int, int]:
     z = config.data_parallel
@@ -237,8 +253,8 @@ def _model_states(params: RankParameters, config: JobConfig, d: Degrees) -> tupl
     deg = zero_degrees(config, d)
     dense = (sharded_model_states(params.dense, deg.params, deg.grads, deg.optim, mixed, z.offload) if deg
              else zero_model_states(params.dense, 0, 1, mixed))
-    edp = max(d.dp * d.cp * (d.tp if config.tensor_parallel.sequence_parallel and d.tp > 1 else 1) // (d.ep * d.etp), 1)
-    routed = zero_model_states(params.experts, z.zero_stage, edp if z.zero_stage else 1, mixed, z.offload)
+    routed = zero_model_states(params.experts, z.zero_stage, _expert_dp(config, d) if z.zero_stage else 1, mixed,
+                               z.offload)
     return (dense.parameters + routed.parameters, dense.gradients + routed.gradients, dense.optimizer + routed.optimizer)
 
 
@@ -450,14 +466,17 @@ def _largest_group(model: ModelConfig, layers: list[int], total: int, d: Degrees
     return max([*blocks, total - sum(blocks)])
 
 
-def server_shards(model: ModelConfig, servers: int, workers: int) -> list[int]:
-    """Elements each parameter server holds: the runtime's own balance (parallel/parameter_server.py
-    ServerLayout, largest tensor first to the least loaded server) over the model's parameters."""
+def server_shards(model: ModelConfig, servers: int, workers: int, tensors: bool = False) -> list[int]:
+    """Elements each parameter server holds (with `tensors`: how many parameter tensors): the runtime's own
+    balance (parallel/parameter_server.py ServerLayout, largest tensor first to the least loaded server) over the
+    model's parameters."""
     from fivefold.model import build_model
     from fivefold.parallel.parameter_server import ServerLayout
 
     sizes = [p.numel() for p in build_model(model).parameters() if p.requires_grad]  # meta device: shapes only
     layout = ServerLayout.balance(sizes, workers, servers)
+    if tensors:
+        return [len(layout.owned(s)) for s in range(servers)]
     return [sum(sizes[i] for i in layout.owned(s)) for s in range(servers)]
 
 
@@ -469,18 +488,19 @@ def server_memory(config: JobConfig, shard: int, workers: int) -> RankMemory:
     return RankMemory(4 * shard, 4 * shard, 8 * shard, 0, 0, buffers, parameter_count=shard)
 
 
-def _parameter_server_time(config: JobConfig, shard: int, workers: int, gpus: int, cluster: ClusterSpec) -> tuple[float, float]:
+def _parameter_server_time(config: JobConfig, shard: int, tensors: int, workers: int, gpus: int,
+                           cluster: ClusterSpec) -> tuple[float, float]:
     """(push + pull seconds, the servers' update seconds) per step. The busiest server takes every worker's push
     of its shard (W x 4 x shard bytes in) and answers every pull (as many out), over the link spanning the job
     (servers are the last ranks); a worker waits for both, after its backward. bsp sums W pushes (read 4 W x
-    shard bytes) and runs AdamW once (28 bytes per parameter, memory-bound); asp and ssp run it per push."""
+    shard bytes at memory bandwidth) and runs AdamW once over the shard's `tensors` tensors (the accelerator's
+    optimizer rate); asp and ssp run it per push."""
     link = cluster.link_for(gpus)
     comm = 2 * workers * link.message(4 * shard)
-    bandwidth = cluster.accelerator.memory_bandwidth_gbs * 1e9
-    if not bandwidth:
-        return comm, 0.0
+    accelerator = cluster.accelerator
     updates = 1 if config.parameter_server.sync == "bsp" else workers
-    return comm, (4 * workers * shard + 28 * updates * shard) / bandwidth
+    summing = 4 * workers * shard / (accelerator.memory_bandwidth_gbs * 1e9) if accelerator.memory_bandwidth_gbs else 0.0
+    return comm, summing + updates * accelerator.optimizer_seconds(shard, tensors)
 
 
 def ddp_bucket_bytes(config: JobConfig, params: RankParameters, d: Degrees) -> int:
@@ -728,8 +748,8 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
         last_backward = stage_bwd[0]
     dp_time = _data_parallel_time(config, model, d, split, cluster, stage_fwd[0], last_backward)
     return StepTime(compute_total, tp_total, cp_total, ep_total, pp_comm, bubble, dp_time,
-                    _offload_time(config, model, d, split, cluster), _optimizer_time(config, model, d, split,
-                                                                       cluster.accelerator.memory_bandwidth_gbs * 1e9))
+                    _offload_time(config, model, d, split, cluster),
+                    _optimizer_time(config, model, d, split, cluster.accelerator))
 
 
 def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, core: float, element: int,
@@ -780,24 +800,40 @@ def _written_per_block(model: ModelConfig, config: JobConfig, d: Degrees) -> dic
             if (layer := first_block(model, moe)) >= 0}
 
 
-def _optimizer_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], bandwidth: float) -> float:
-    """AdamW on the accelerator: per parameter it updates, read weight, gradient and both moments (16 bytes) and
-    write weight and moments (12), memory-bound; with ZeRO each rank updates its shard; offload runs it on the host."""
-    z = config.data_parallel
-    if not bandwidth or z.offload:
+def _pipeline_ranks(model: ModelConfig, d: Degrees, split: list[list[int]]):
+    """(blocks, first, last) of each pipeline rank unlike those before it (a rank holds virtual stages rank,
+    rank + pp, ...; ranks holding alike blocks take alike optimizer steps)."""
+    seen = set()
+    for rank in range(d.pp):
+        stages = range(rank, len(split), d.pp)
+        layers = [layer for s in stages for layer in split[s]]
+        first, last = rank == 0, len(split) - 1 in stages
+        key = (len(layers), sum(map(model.is_moe_layer, layers)) if model.n_experts else 0, first, last)
+        if key not in seen:
+            seen.add(key)
+            yield layers, first, last
+
+
+def _optimizer_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]],
+                    accelerator: Accelerator) -> float:
+    """AdamW on the accelerator, on the busiest pipeline rank: 28 bytes per parameter it updates (read weight,
+    gradient and both moments, write weight and moments; `optimizer_shard`) at the accelerator's optimizer rate,
+    plus its fixed cost per tensor (parameter tensors; under ZeRO the flat groups, each rank updating its shard of
+    every group); offload runs it on the host."""
+    if config.data_parallel.offload:
         return 0.0
-    params = rank_parameters(model, split[0], True, len(split) == 1, d.tp, d.ep, d.etp, pipelined=d.pp > 1).total
-    if d.pp > 1:
-        params = max(params, rank_parameters(model, split[-1], False, True, d.tp, d.ep, d.etp, pipelined=True).total)
-    deg = zero_degrees(config, d)
-    return 28 * params / (deg.optim if deg else 1) / bandwidth
+    flat = zero_degrees(config, d) is not None
+    return max(accelerator.optimizer_seconds(
+        optimizer_shard(rank_parameters(model, layers, first, last, d.tp, d.ep, d.etp, pipelined=d.pp > 1), config, d),
+        rank_tensors(model, layers, first, last, d.ep, pipelined=d.pp > 1, flat=flat))
+        for layers, first, last in _pipeline_ranks(model, d, split))
 
 
 def _offload_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], cluster: ClusterSpec) -> float:
-    layers = split[0]
-    params = rank_parameters(model, layers, True, len(split) == 1, d.tp, d.ep, d.etp, pipelined=d.pp > 1)
-    deg = zero_degrees(config, d)
-    return offload_seconds(config, params.total / (deg.optim if deg else 1), cluster)
+    """The busiest pipeline rank's optimizer shard to the host and back (`offload_seconds`)."""
+    return max(offload_seconds(config, optimizer_shard(rank_parameters(model, layers, first, last, d.tp, d.ep, d.etp,
+                                                                       pipelined=d.pp > 1), config, d), cluster)
+               for layers, first, last in _pipeline_ranks(model, d, split))
 
 
 def offload_seconds(config: JobConfig, shard: float, cluster: ClusterSpec) -> float:
@@ -970,13 +1006,15 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
     over = memory[worst].total > cluster.memory_bytes
     server = None
     if config.data_parallel.mode == "ps":
-        shard = max(server_shards(model, config.parameter_server.servers, d.dp))
+        servers = config.parameter_server.servers
+        shard = max(server_shards(model, servers, d.dp))
         server = server_memory(config, shard, d.dp)
         over = over or server.total > cluster.memory_bytes
     rows = expert_rows_by_load(model, config, d, expert_load) if expert_load is not None else None
     time = None if over and not time_if_over else step_time(config, model, d, split, cluster, efficiency, runs, rows)
     if time is not None and server is not None:
-        push_pull, update = _parameter_server_time(config, shard, d.dp, gpus, cluster)
+        tensors = max(server_shards(model, servers, d.dp, tensors=True))
+        push_pull, update = _parameter_server_time(config, shard, tensors, d.dp, gpus, cluster)
         time = dataclasses.replace(time, dp=push_pull, optimizer=update)
     tokens = t.micro_batch_size * t.grad_accum_steps * d.dp * t.seq_len
     notes = []

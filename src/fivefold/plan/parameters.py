@@ -16,6 +16,11 @@ parallel/expert_parallel.py), before ZeRO shards anything:
                 3 h f_e / ETP each
     norms       2h per block, replicated
 
+`rank_tensors` counts the tensors AdamW updates on the rank (the optimizer's fixed cost per tensor): the
+parameter tensors (tensor and expert parallelism cut tensors, never add or remove them), or under ZeRO the flat
+groups (parallel/flat_groups.py: a block's decay and no-decay groups and one per routed expert it holds, one
+per root module).
+
 The test checks the count against `Parallelized.parameters`, the runtime's sum over its modules,
 for tensor, pipeline (interleaved too), tied-head, GQA-replica, bias, MLA and expert layouts.
 """
@@ -102,3 +107,32 @@ def rank_parameters(model: ModelConfig, layers: list[int], first: bool, last: bo
     if last:
         dense += model.dim + (vocab_rows if not model.tie_embeddings or pipelined else 0)
     return RankParameters(dense, experts)
+
+
+def _block_tensors(model: ModelConfig, layer: int, ep: int, flat: bool) -> int:
+    """Tensors AdamW updates for one block on a rank: its parameter tensors, or (ZeRO) its flat groups."""
+    routed = model.n_experts // ep if model.is_moe_layer(layer) else 0
+    if flat:  # decay and no-decay groups (the norms are always there), one per routed expert
+        return 2 + routed
+    if model.attention == "mla":
+        attention = (3 if model.q_lora_rank else 1) + 4  # wq (or wq_a, its norm, wq_b); wkv_a, its norm, wkv_b; wo
+    else:
+        bias = {"qkv": 3, "all": 4}.get(model.attention_bias, 0)
+        attention = 4 + bias + (0 if model.qk_norm == "none" else 2)
+    if routed:
+        mlp = 1 + (3 if model.shared_hidden_dim else 0) + (1 if model.moe_shared_gate else 0) + 3 * routed
+    else:
+        mlp = 6 if model.mlp_bias else 3
+    return 2 + attention + mlp
+
+
+def rank_tensors(model: ModelConfig, layers: list[int], first: bool, last: bool, ep: int = 1, pipelined: bool = False,
+                 flat: bool = False) -> int:
+    """Tensors AdamW updates on a rank holding blocks `layers` (and the embedding if `first`, the final norm and
+    head if `last`): parameter tensors, or with `flat` (ZeRO) flat groups."""
+    total = sum(_block_tensors(model, layer, ep, flat) for layer in layers)
+    if first:
+        total += 1
+    if last:
+        total += 1 + (0 if model.tie_embeddings and not pipelined else 1)
+    return total

@@ -937,16 +937,19 @@ class _Builder:
                                     n // deg.optim * self.reduce_element, "dp")
 
     def optimizer(self, rank: int) -> None:
-        """AdamW over this rank's (ZeRO: sharded) parameters, memory-bound (offload: the shard's trips to the host
-        and, with NVMe, the drives, as the planner prices them); ZeRO-1/2 gather the new weights."""
+        """AdamW over this rank's (ZeRO: sharded) parameters at the accelerator's optimizer rate, with its cost per
+        tensor updated (ZeRO: per flat group); offload: the shard's trips to the host and, with NVMe, the drives,
+        as the planner prices them. ZeRO-1/2 gather the new weights."""
         z = self.config.data_parallel
         stages = list(range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp))
         shards = {not part.dense: part.degrees.optim for part in self.zero_parts}  # experts? -> optimizer degree
-        params = sum(e / shards.get(False, 1) for s in stages for unit in self.units[s] for _, e in unit.params) + \
-            sum(e / shards.get(True, 1) for s in stages for unit in self.units[s] for _, e in unit.experts)
-        bandwidth = self.cluster.accelerator.memory_bandwidth_gbs * 1e9
-        if bandwidth and not z.offload:
-            self.compute(rank, 28 * params / bandwidth, "optimizer")
+        units = [unit for s in stages for unit in self.units[s]]
+        params = sum(e / shards.get(False, 1) for unit in units for _, e in unit.params) + \
+            sum(e / shards.get(True, 1) for unit in units for _, e in unit.experts)
+        tensors = sum((len(unit.flat_groups) if False in shards else len(unit.params))
+                      + (len(unit.expert_groups) if True in shards else len(unit.experts)) for unit in units)
+        if not z.offload:
+            self.compute(rank, self.cluster.accelerator.optimizer_seconds(params, tensors), "optimizer")
         self.compute(rank, offload_seconds(self.config, params, self.cluster), "offload")
         for part in self.zero_parts:
             if len(part.groups["publish"]) > 1:  # the updated optimizer pieces into each rank's parameter piece
