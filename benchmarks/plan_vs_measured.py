@@ -3,7 +3,8 @@ on this machine.
 
 For each world size the ranks first describe this machine as the planner sees it: links fitted by
 ping-pong (comm/measure.py) and each gloo collective's own link (comm/bench.py measure_native_links,
-at the sizes a step sends). Then, in batches of --batch layouts (their trainers alive together and
+at the sizes a step sends; measured again in each batch with its trainers alive, the median alpha and
+beta over batches). Then, in batches of --batch layouts (their trainers alive together and
 freed before the next batch: a score of live trainers slows every step by a quarter or more), every
 layout builds the real Trainer (configs/tiny.toml's model on the
 embedded corpus, shrunk by the options), takes warm-up steps, and is timed in rotating rounds: one step
@@ -141,7 +142,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
     threads = max(1, cores // world_size)
     torch.set_num_threads(threads)
     links = measure_cluster(Ranks.world(), world_size) if world_size > 1 else None
-    native = measure_native_links(torch.device("cpu")) if world_size > 1 else {}
+    natives: list[dict] = []  # each gloo collective's fitted link, measured again with each batch's trainers alive
     samples: dict[str, list[float]] = {name: [] for name, _ in configs}
     rates: dict[str, list[float]] = {"fp32": [], "bf16": []}
     fitting: list[float] = []  # the fp32 rate with only as many ranks computing as the cores hold
@@ -152,6 +153,8 @@ def _measure(rank: int, world_size: int, job) -> dict:
         for trainer in trainers.values():
             for _ in range(warmup):
                 trainer.train_step()
+        if world_size > 1:
+            natives.append(measure_native_links(torch.device("cpu")))
         names = list(trainers)
         for round_ in range(steps):
             for dtype in rates:
@@ -170,7 +173,9 @@ def _measure(rank: int, world_size: int, job) -> dict:
         trainers.clear()
         gc.collect()
     return {"links": dataclasses.asdict(links) if links else None,
-            "native": {name: dataclasses.asdict(link) for name, link in native.items()},
+            "native": {name: {"alpha": statistics.median(n[name].alpha for n in natives),
+                              "beta": statistics.median(n[name].beta for n in natives)} for name in natives[0]}
+            if natives else {},
             "rates": {dtype: statistics.median(values) for dtype, values in rates.items()},
             "memory_gbs": statistics.median(bandwidths),
             "optimizer_gbs": statistics.median(g for g, _ in optimizer),
