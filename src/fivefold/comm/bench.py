@@ -184,6 +184,9 @@ def run(args: argparse.Namespace) -> dict:
     ranks = Ranks.world()
     node_size = args.node_size or default_node_size(ranks)
     cluster = measure_cluster(ranks, node_size)
+    # the runtime's AdamW, timed before the collectives (a GPU's fused AdamW streams its bytes once: the planner's
+    # default, the memory bandwidth, holds there)
+    optimizer = optimizer_rate(device) if args.cluster_file and device.type == "cpu" else (0.0, 0.0)
     rows = []
     for collective in args.collectives:
         for algorithm in args.algorithms or ALGORITHMS[collective]:
@@ -209,8 +212,6 @@ def run(args: argparse.Namespace) -> dict:
                                 algbw * bus_factor(collective, p), predicted, sent, predicted_bytes))
     rates = {dtype: matmul_tflops(dtype, device) for dtype in ("fp32", "bf16")} if args.cluster_file else {}
     bandwidth = memory_gbs(device) if args.cluster_file else 0.0
-    # a GPU's fused AdamW streams its bytes once: the planner's default (memory bandwidth) holds there
-    optimizer = optimizer_rate(device) if args.cluster_file and device.type == "cpu" else (0.0, 0.0)
     efficiency = oversubscribed_efficiency(device, available_cores(), torch.get_num_threads(), rates["fp32"]) \
         if args.cluster_file else 1.0
     native = {name: asdict(link) for name, link in fit_native_links(rows, p).items()}
@@ -417,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.cluster_file:
                 Path(args.cluster_file).write_text(cluster_file_of(report))
                 print(f"wrote {args.cluster_file}")
+        dist.barrier()  # every rank at the end before any tears its connections down (gloo can abort otherwise)
     finally:
         dist.destroy_process_group()
     return 0
