@@ -31,8 +31,9 @@ Step time (seconds) = pipeline makespan + exposed data-parallel communication:
                 accelerator's fixed pass_overhead_us per block; backward twice the forward;
                 `full` recompute adds a forward to every backward, `selective` the attention
                 core's
-    optimizer   AdamW reads 16 and writes 12 bytes per parameter it updates (its ZeRO shard),
-                at the memory bandwidth
+    optimizer   AdamW reads 16 and writes 12 bytes per parameter it updates (its ZeRO shard) at the
+                accelerator's optimizer rate (default: the memory bandwidth), plus its cost per tensor
+                updated (parameter tensors; ZeRO's flat groups), on the busiest pipeline rank
     tp          4 all-reduces of b s/cp h per block and micro-batch (ring, on the link the tp group
                 spans), 6 with full recompute; not overlapped
     cp          ring attention passes K and V around cp ranks (cp - 1 steps forward, twice that in
