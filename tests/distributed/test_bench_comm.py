@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from fivefold.comm.bench import ALGORITHMS, bus_factor, oversubscribed_share, parse_bytes, ranks_fitting, sizes_between
+from fivefold.comm.bench import (ALGORITHMS, bus_factor, optimizer_constants, oversubscribed_share, parse_bytes,
+                                 ranks_fitting, sizes_between)
 
 
 def test_bus_factors_are_nccl_tests():
@@ -20,6 +21,22 @@ def test_bus_factors_are_nccl_tests():
     # 4 one-thread ranks on 2 cores, each at 0.03 while all compute, 0.12 when only 2 do: 0.12 / 0.24 of the throughput
     assert ranks_fitting(2, 1) == 2 and ranks_fitting(2, 4) == 1
     assert oversubscribed_share(4, 0.03, 2, 0.12) == pytest.approx(0.5) and oversubscribed_share(4, 0.1, 2, 0.1) == 1.0
+
+
+def test_optimizer_constants_recover_the_rate_and_the_cost_per_tensor():
+    """AdamW timed over 2M parameters in 16 and in 512 tensors, each step 2.8 ns per parameter + 20 us per tensor:
+    10 GB/s of 28 bytes per parameter and 20 us per tensor back (also from unequal parameter counts); a faster
+    step with more tensors (noise) gives no cost per tensor; two timings with the same ratio cannot be solved."""
+    def step(params, tensors):
+        return params * 2.8e-9 + tensors * 20e-6
+
+    for a, b in (((1 << 21, 16), (1 << 21, 512)), ((1 << 21, 16), (1 << 20, 1024))):
+        gbs, us = optimizer_constants(*a, step(*a), *b, step(*b))
+        assert gbs == pytest.approx(10.0) and us == pytest.approx(20.0)
+    gbs, us = optimizer_constants(1 << 21, 16, 0.01, 1 << 21, 512, 0.009)
+    assert us == 0 and gbs == pytest.approx(28 * (1 << 21) / 0.01 / 1e9)
+    with pytest.raises(ValueError, match="cannot separate"):
+        optimizer_constants(1000, 10, 1.0, 2000, 20, 2.0)
 
 
 @pytest.mark.parametrize("world_size", [3])

@@ -308,10 +308,22 @@ def optimizer_rate(device: torch.device, params: int = 1 << 21, few: int = 16, m
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return float(elapsed)
 
-    t_few, t_many = step_seconds(few), step_seconds(many)
-    per_tensor = max(0.0, (t_many - t_few) / (many - few))
-    per_param = max(t_few - few * per_tensor, 1e-12) / (params // few * few)
-    return 28 / per_param / 1e9, per_tensor * 1e6
+    return optimizer_constants(params // few * few, few, step_seconds(few), params // many * many, many,
+                               step_seconds(many))
+
+
+def optimizer_constants(params_a: int, tensors_a: int, seconds_a: float, params_b: int, tensors_b: int,
+                        seconds_b: float) -> tuple[float, float]:
+    """(GB/s of 28 bytes per parameter, microseconds per tensor) of a step taking params x c + tensors x u, solved
+    from two timings; a cost per tensor below 0 (timing noise) is taken as 0 and c is then timing a's alone."""
+    det = params_a * tensors_b - params_b * tensors_a
+    if not det:
+        raise ValueError("two timings with the same tensors per parameter cannot separate the two costs")
+    per_param = (seconds_a * tensors_b - seconds_b * tensors_a) / det
+    per_tensor = (params_a * seconds_b - params_b * seconds_a) / det
+    if per_tensor < 0:
+        per_param, per_tensor = seconds_a / params_a, 0.0
+    return 28 / max(per_param, 1e-15) / 1e9, per_tensor * 1e6
 
 
 def cluster_file_of(report: dict) -> str:
