@@ -537,19 +537,23 @@ def test_optimizer_step_is_priced_at_the_accelerators_optimizer_rate(tmp_path):
     # defaults: the memory bandwidth, nothing per tensor
     assert estimate(tiny(), 2, h100).time.optimizer == pytest.approx(28 * psi / 3350e9)
     # a parameter server's update: the summed pushes at memory bandwidth, AdamW at the optimizer rate
-    from fivefold.plan.estimate import server_shards
+    from fivefold.plan.estimate import server_loads
 
     ps = tiny("--data_parallel.mode", "ps", "--parameter_server.servers", "1")  # 4 workers, 1 server
     found = estimate(ps, 5, cpu)
-    tensors = server_shards(model, 1, 4, tensors=True)[0]
-    assert tensors == rank_tensors(model, layers, True, True)
+    (elements, tensors), = server_loads(model, 1, 4)
+    assert elements == psi and tensors == rank_tensors(model, layers, True, True)
     assert found.time.optimizer == pytest.approx(4 * 4 * psi / 3350e9 + 28 * psi / 10e9 + tensors * 20e-6)
+    # two servers (3 workers): the slower server's update, each over its own elements and tensors
+    two = estimate(tiny("--data_parallel.mode", "ps", "--parameter_server.servers", "2"), 5, cpu)
+    assert two.time.optimizer == pytest.approx(max(3 * 4 * e / 3350e9 + 28 * e / 10e9 + n * 20e-6
+                                                   for e, n in server_loads(model, 2, 3)))
     path = tmp_path / "cpu.toml"
     path.write_text(cluster_toml(cpu))
     assert load_cluster(str(path)) == cpu
     data = json.loads(json.dumps(cpu.to_dict()))
     for key in ("optimizer_gbs", "optimizer_tensor_us"):
-        for bad in (-1, "fast", float("inf"), True):
+        for bad in (-1, "fast", float("inf"), float("nan"), True):
             broken = json.loads(json.dumps(data))
             broken["accelerator"][key] = bad
             with pytest.raises(ConfigError, match=f"accelerator.{key}"):

@@ -423,8 +423,7 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     out = []
     z = config.data_parallel
     for rank in range(d.pp):
-        stages = range(rank, len(split), d.pp)
-        first, last = rank == 0, (len(split) - 1) % d.pp == rank
+        stages, first, last = _rank_stages(split, d.pp, rank)
         if model.n_experts:
             layers = [layer for s in stages for layer in split[s]]
             moe = [layer for layer in layers if model.is_moe_layer(layer)]
@@ -467,18 +466,21 @@ def _largest_group(model: ModelConfig, layers: list[int], total: int, d: Degrees
     return max([*blocks, total - sum(blocks)])
 
 
-def server_shards(model: ModelConfig, servers: int, workers: int, tensors: bool = False) -> list[int]:
-    """Elements each parameter server holds (with `tensors`: how many parameter tensors): the runtime's own
-    balance (parallel/parameter_server.py ServerLayout, largest tensor first to the least loaded server) over the
-    model's parameters."""
+def server_loads(model: ModelConfig, servers: int, workers: int) -> list[tuple[int, int]]:
+    """(elements, parameter tensors) each parameter server holds: the runtime's own balance
+    (parallel/parameter_server.py ServerLayout, largest tensor first to the least loaded server) over the model's
+    parameters."""
     from fivefold.model import build_model
     from fivefold.parallel.parameter_server import ServerLayout
 
     sizes = [p.numel() for p in build_model(model).parameters() if p.requires_grad]  # meta device: shapes only
     layout = ServerLayout.balance(sizes, workers, servers)
-    if tensors:
-        return [len(layout.owned(s)) for s in range(servers)]
-    return [sum(sizes[i] for i in layout.owned(s)) for s in range(servers)]
+    return [(sum(sizes[i] for i in layout.owned(s)), len(layout.owned(s))) for s in range(servers)]
+
+
+def server_shards(model: ModelConfig, servers: int, workers: int) -> list[int]:
+    """Elements each parameter server holds (`server_loads`)."""
+    return [elements for elements, _ in server_loads(model, servers, workers)]
 
 
 def server_memory(config: JobConfig, shard: int, workers: int) -> RankMemory:
@@ -489,19 +491,24 @@ def server_memory(config: JobConfig, shard: int, workers: int) -> RankMemory:
     return RankMemory(4 * shard, 4 * shard, 8 * shard, 0, 0, buffers, parameter_count=shard)
 
 
-def _parameter_server_time(config: JobConfig, shard: int, tensors: int, workers: int, gpus: int,
+def _parameter_server_time(config: JobConfig, loads: list[tuple[int, int]], workers: int, gpus: int,
                            cluster: ClusterSpec) -> tuple[float, float]:
-    """(push + pull seconds, the servers' update seconds) per step. The busiest server takes every worker's push
-    of its shard (W x 4 x shard bytes in) and answers every pull (as many out), over the link spanning the job
-    (servers are the last ranks); a worker waits for both, after its backward. bsp sums W pushes (read 4 W x
-    shard bytes at memory bandwidth) and runs AdamW once over the shard's `tensors` tensors (the accelerator's
-    optimizer rate); asp and ssp run it per push."""
-    link = cluster.link_for(gpus)
-    comm = 2 * workers * link.message(4 * shard)
+    """(push + pull seconds, the servers' update seconds) per step, `loads` each server's (elements, tensors). The
+    busiest server takes every worker's push of its shard (W x 4 x shard bytes in) and answers every pull (as many
+    out), over the link spanning the job (servers are the last ranks); a worker waits for both, after its backward.
+    bsp sums W pushes (read 4 W x shard bytes at memory bandwidth) and runs AdamW once over the shard (the
+    accelerator's optimizer rate and cost per tensor); asp and ssp run it per push. The slowest server's update."""
+    shard = max(elements for elements, _ in loads)
+    comm = 2 * workers * cluster.link_for(gpus).message(4 * shard)
     accelerator = cluster.accelerator
     updates = 1 if config.parameter_server.sync == "bsp" else workers
-    summing = 4 * workers * shard / (accelerator.memory_bandwidth_gbs * 1e9) if accelerator.memory_bandwidth_gbs else 0.0
-    return comm, summing + updates * accelerator.optimizer_seconds(shard, tensors)
+    bandwidth = accelerator.memory_bandwidth_gbs * 1e9
+
+    def update(elements: int, tensors: int) -> float:
+        summing = 4 * workers * elements / bandwidth if bandwidth else 0.0
+        return summing + updates * accelerator.optimizer_seconds(elements, tensors)
+
+    return comm, max(update(*load) for load in loads)
 
 
 def ddp_bucket_bytes(config: JobConfig, params: RankParameters, d: Degrees) -> int:
@@ -801,14 +808,19 @@ def _written_per_block(model: ModelConfig, config: JobConfig, d: Degrees) -> dic
             if (layer := first_block(model, moe)) >= 0}
 
 
+def _rank_stages(split: list[list[int]], pp: int, rank: int) -> tuple[range, bool, bool]:
+    """The (virtual) stages pipeline rank `rank` holds (rank, rank + pp, ...), and whether they include the first
+    (embedding) and the last (final norm and head)."""
+    return range(rank, len(split), pp), rank == 0, (len(split) - 1) % pp == rank
+
+
 def _pipeline_ranks(model: ModelConfig, d: Degrees, split: list[list[int]]):
-    """(blocks, first, last) of each pipeline rank unlike those before it (a rank holds virtual stages rank,
-    rank + pp, ...; ranks holding alike blocks take alike optimizer steps)."""
+    """(blocks, first, last) of each pipeline rank unlike those before it (ranks holding alike blocks take alike
+    optimizer steps)."""
     seen = set()
     for rank in range(d.pp):
-        stages = range(rank, len(split), d.pp)
+        stages, first, last = _rank_stages(split, d.pp, rank)
         layers = [layer for s in stages for layer in split[s]]
-        first, last = rank == 0, len(split) - 1 in stages
         key = (len(layers), sum(map(model.is_moe_layer, layers)) if model.n_experts else 0, first, last)
         if key not in seen:
             seen.add(key)
@@ -1007,15 +1019,14 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
     over = memory[worst].total > cluster.memory_bytes
     server = None
     if config.data_parallel.mode == "ps":
-        servers = config.parameter_server.servers
-        shard = max(server_shards(model, servers, d.dp))
+        loads = server_loads(model, config.parameter_server.servers, d.dp)
+        shard = max(elements for elements, _ in loads)
         server = server_memory(config, shard, d.dp)
         over = over or server.total > cluster.memory_bytes
     rows = expert_rows_by_load(model, config, d, expert_load) if expert_load is not None else None
     time = None if over and not time_if_over else step_time(config, model, d, split, cluster, efficiency, runs, rows)
     if time is not None and server is not None:
-        tensors = max(server_shards(model, servers, d.dp, tensors=True))
-        push_pull, update = _parameter_server_time(config, shard, tensors, d.dp, gpus, cluster)
+        push_pull, update = _parameter_server_time(config, loads, d.dp, gpus, cluster)
         time = dataclasses.replace(time, dp=push_pull, optimizer=update)
     tokens = t.micro_batch_size * t.grad_accum_steps * d.dp * t.seq_len
     notes = []
