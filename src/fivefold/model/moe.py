@@ -167,8 +167,8 @@ def auto_expert_kernel(dim: int, hidden: int, element_size: int) -> str:
 class ExpertKernel:
     """Runs a list of experts over rows already sorted by expert (`counts[i]` rows for expert i).
 
-    `grouped` stacks the experts' weights and calls torch's grouped GEMM (`torch._grouped_mm`), one
-    kernel per projection; `loop` runs one matmul per expert on its slice. `auto` takes `grouped` where
+    `grouped` stacks the experts' weights as they are stored, (out, in), and calls torch's grouped GEMM
+    (`torch._grouped_mm`), one kernel per projection; `loop` runs one matmul per expert on its slice. `auto` takes `grouped` where
     torch has it and the widths meet its 16-byte alignment, else `loop` (benchmarks/moe_experts.py
     measures both).
     """
@@ -203,7 +203,7 @@ class ExpertKernel:
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
 
         def stacked(name: str) -> torch.Tensor:
-            return torch.stack([getattr(e, name).weight for e in experts]).transpose(1, 2)
+            return torch.stack([getattr(e, name).weight for e in experts])
 
         gate = _GroupedMM.apply(x, stacked("w1"), offsets)
         up = _GroupedMM.apply(x, stacked("w3"), offsets)
@@ -211,19 +211,25 @@ class ExpertKernel:
 
 
 class _GroupedMM(torch.autograd.Function):
-    """torch._grouped_mm with a contiguous incoming gradient (its CPU backward rejects expanded ones)."""
+    """x @ weights[e].T for each expert's rows, weights stacked (E, out, in) as nn.Linear stores them.
+
+    The weight gradient is computed in that same layout, grad.T @ x per expert, so each expert's slice
+    is contiguous and lands in its .grad without a copy; taking the gradient of a transposed stack
+    instead cost a strided 256 x 256 copy per expert and projection (with the row gather's index_put,
+    a fifth of a tiny-moe step on a CPU). The incoming gradient is made contiguous: the CPU kernel
+    rejects expanded ones."""
 
     @staticmethod
     def forward(ctx, x, weights, offsets):
         ctx.save_for_backward(x, weights, offsets)
-        return torch._grouped_mm(x, weights, offs=offsets)
+        return torch._grouped_mm(x, weights.transpose(1, 2), offs=offsets)
 
     @staticmethod
     def backward(ctx, grad):
         x, weights, offsets = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_x = torch._grouped_mm(grad, weights.transpose(1, 2), offs=offsets)
-        grad_w = torch._grouped_mm(x.t(), grad, offs=offsets)
+        grad_x = torch._grouped_mm(grad, weights, offs=offsets)
+        grad_w = torch._grouped_mm(grad.t(), x, offs=offsets)
         return grad_x, grad_w, None
 
 
@@ -272,7 +278,7 @@ class LocalDispatch:
         k = routing.experts.shape[1]
         tokens = assignments // k
         counts = torch.bincount(ids, minlength=moe.n_experts).tolist()
-        out = moe.kernel(x[tokens], counts, moe.local_experts())
+        out = moe.kernel(x.index_select(0, tokens), counts, moe.local_experts())
         return combine(x, out, tokens, routing.weights.reshape(-1)[assignments])
 
 

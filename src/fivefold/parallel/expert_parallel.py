@@ -182,7 +182,7 @@ class ExpertParallelDispatch:
         sent = counts.view(self.ep, self.slots)
         got = received_counts.view(self.ep, self.slots)  # [source rank, local slot]
         in_splits, out_splits = sent.sum(1).tolist(), got.sum(1).tolist()
-        rows = x[tokens]
+        rows = x.index_select(0, tokens)  # its backward an index_add, not index_put's slower accumulate
         if self.ep > 1:
             rows = _AllToAll.apply(rows, out_splits, in_splits, self.group, self.backend, self.meter)
         if self.etp > 1:  # every ETP peer's rows for this EP position's experts
