@@ -420,6 +420,50 @@ def test_block_pass_overhead_is_paid_once_per_block_pass(tmp_path):
             cluster_from_dict(data)
 
 
+_MOE_VARIANTS = [  # the MoE switches that change which operators a block runs, at tiny-moe's width
+    [],
+    ["--model.moe_capacity_factor", "1.25"],
+    ["--model.moe_score", "sigmoid", "--model.moe_groups", "4", "--model.moe_topk_groups", "2",
+     "--model.moe_shared_gate", "true"],
+    ["--model.attention", "mla", "--model.q_lora_rank", "64", "--model.kv_lora_rank", "64",
+     "--model.qk_nope_head_dim", "32", "--model.qk_rope_head_dim", "16", "--model.v_head_dim", "32"],
+]
+
+
+@pytest.mark.parametrize("changes", _MOE_VARIANTS)
+@pytest.mark.parametrize("kernel", ["grouped", "loop"])
+def test_a_blocks_operators_are_counted_on_a_small_copy(changes, kernel):
+    """The small copy the planner counts (plan/operators.py) dispatches exactly the operators of the full-width
+    blocks, dense and MoE, on both expert kernels and under each routing switch that adds operators."""
+    from fivefold.plan.operators import count_block_operators, small_copy
+
+    model = load_config(None, ["--model.preset", "tiny-moe", "--model.vocab_size", "257", *changes]).model
+    dense = dataclasses.replace(model, n_experts=0)
+    for full in (model, dense):
+        assert count_block_operators(small_copy(full), 0, kernel) == count_block_operators(full, 0, kernel, seq=64)
+
+
+def test_a_moe_blocks_fixed_cost_scales_with_its_operators():
+    """A MoE block's pass overhead is the dense block's times the ratio of the operators the runtime's two blocks
+    (tiny-moe's, and the same model without experts) dispatch, counted here at full width; the loop kernel
+    runs more of them than the grouped GEMM; without a pass overhead nothing is counted or added."""
+    from fivefold.plan.estimate import degrees_of, model_for, pass_costs
+    from fivefold.plan.operators import count_block_operators
+
+    h100 = CLUSTERS["h100-sxm"]
+    slow = dataclasses.replace(h100, accelerator=dataclasses.replace(h100.accelerator, pass_overhead_us=250.0))
+    ratios = {}
+    for kernel in ("grouped", "loop"):
+        config = load_config(None, ["--model.preset", "tiny-moe", "--model.vocab_size", "257", "--train.seq_len", "128",
+                                    "--expert_parallel.kernel", kernel])
+        model, d = model_for(config), degrees_of(config, 1)
+        extra = pass_costs(config, model, d, slow, 0.5).block[True] - pass_costs(config, model, d, h100, 0.5).block[True]
+        ratios[kernel] = count_block_operators(model, 0, kernel) / count_block_operators(
+            dataclasses.replace(model, n_experts=0), 0)
+        assert extra == pytest.approx(250e-6 * ratios[kernel], rel=1e-9)
+    assert 1.5 < ratios["grouped"] < ratios["loop"]
+
+
 def test_ranks_sharing_a_hosts_cores_lend_them_in_the_pipeline_bubble(tmp_path):
     """accelerator.shared_cores (a CPU host, rates measured with every rank computing): the pipeline is
     simulated with processor sharing, so the bubble shrinks and the passes beside idle ranks take less

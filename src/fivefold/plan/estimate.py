@@ -72,6 +72,7 @@ from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.expert_load import busiest_received, exchange_matrices, expert_rows_by_load, imbalance, routed_rows
 from fivefold.plan.flops import flops_per_token
 from fivefold.plan.memory import nvme_host_bytes, sharded_model_states, zero_model_states
+from fivefold.plan.operators import operator_ratio
 from fivefold.plan.parameters import (RankParameters, first_block, block_parameters, padded_vocab, rank_parameters,
                                      rank_tensors)
 
@@ -650,8 +651,11 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
     bandwidth = cluster.accelerator.memory_bandwidth_gbs * 1e9
     written = _written_per_block(model, config, d) if bandwidth else {}
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
+    overhead = cluster.accelerator.pass_overhead_us * 1e-6  # a dense block's; a MoE block's by its operators
+    fixed = {False: overhead, True: overhead * operator_ratio(model, expert_rows(config, model, d).kernel)
+             if overhead and model.n_experts else overhead}
     block = {moe: (_block_forward_flops(model, layer, tokens, seq, d, sp) - core_flops) / rate + core
-             + (written[moe] / bandwidth if bandwidth else 0.0) + cluster.accelerator.pass_overhead_us * 1e-6
+             + (written[moe] / bandwidth if bandwidth else 0.0) + fixed[moe]
              for moe in (False, True) if (layer := first_block(model, moe)) >= 0}
     head = 2 * padded_vocab(model.vocab_size, d.tp) * model.dim * tokens / (d.tp * d.cp) / rate
     if bandwidth:
