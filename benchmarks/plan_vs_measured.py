@@ -4,7 +4,7 @@ on this machine.
 For each world size the ranks first describe this machine as the planner sees it: links fitted by
 ping-pong (comm/measure.py) and each gloo collective's own link (comm/bench.py measure_native_links,
 at the sizes a step sends; measured again in each batch with its trainers alive, the median alpha and
-beta over batches). Then, in batches of --batch layouts (their trainers alive together and
+beta over batches, and each size's median time, which the planner interpolates at this world size). Then, in batches of --batch layouts (their trainers alive together and
 freed before the next batch: a score of live trainers slows every step by a quarter or more), every
 layout builds the real Trainer (configs/tiny.toml's model on the
 embedded corpus, shrunk by the options), takes warm-up steps, and is timed in rotating rounds: one step
@@ -174,7 +174,10 @@ def _measure(rank: int, world_size: int, job) -> dict:
         gc.collect()
     return {"links": dataclasses.asdict(links) if links else None,
             "native": {name: {"alpha": statistics.median(n[name].alpha for n in natives),
-                              "beta": statistics.median(n[name].beta for n in natives)} for name in natives[0]}
+                              "beta": statistics.median(n[name].beta for n in natives), "ranks": world_size,
+                              "measured": [(size, statistics.median(n[name].measured[i][1] for n in natives))
+                                           for i, (size, _) in enumerate(natives[0][name].measured)]}
+                       for name in natives[0]}
             if natives else {},
             "rates": {dtype: statistics.median(values) for dtype, values in rates.items()},
             "memory_gbs": statistics.median(bandwidths),
@@ -189,8 +192,9 @@ def _measure(rank: int, world_size: int, job) -> dict:
 def _cluster(world_size: int, measured: dict):
     from fivefold.plan.cluster import Accelerator, ClusterSpec, LinkSpec
 
-    def spec(link: dict) -> LinkSpec:
-        return LinkSpec(1 / max(link["beta"], 1e-30) / 1e9, max(link["alpha"], 0.0) * 1e6)
+    def spec(link: dict) -> LinkSpec:  # a native collective also brings its measured times (median per size)
+        return LinkSpec(1 / max(link["beta"], 1e-30) / 1e9, max(link["alpha"], 0.0) * 1e6, link.get("ranks", 0),
+                        tuple((size, seconds * 1e6) for size, seconds in link.get("measured", ())))
 
     link = spec(measured["links"]["intra"] if measured["links"] else {"alpha": 1e-6, "beta": 1e-9})
     return ClusterSpec(f"this machine, {world_size} ranks",

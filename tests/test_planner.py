@@ -330,6 +330,54 @@ def test_native_collective_links_are_fitted_round_trip_and_price_the_planner(tmp
     assert estimate(sp, 8, slow).time.tp == pytest.approx(estimate(sp, 8, base).time.tp)
 
 
+def test_a_collectives_measured_times_are_read_at_the_ranks_they_were_timed_over(tmp_path):
+    """A native collective's measured times (bench comm writes them beside the fitted line) price it at the world
+    size they were timed at: exact at a timed size, linear between two, the line's slope beyond them (never
+    below the nearer point or the line, whichever is less); at any other size of group the line alone. They
+    round-trip through the cluster file, a malformed table is refused naming the key, and the planner's
+    tensor-parallel all-reduces are priced on them."""
+    from fivefold.comm.cost import Link, native_collective
+    from fivefold.plan.cluster import LinkSpec
+
+    points = ((16384.0, 400e-6), (524288.0, 2000e-6), (4194304.0, 4400e-6))
+    line = Link(alpha=200e-6, beta=1 / 1.4e9)
+    link = dataclasses.replace(line, measured=points, ranks=2)
+    for size, seconds in points:
+        assert native_collective("all_reduce", size, 2, link) == pytest.approx(seconds)
+    middle = (524288 + 4194304) / 2
+    assert native_collective("all_reduce", middle, 2, link) == pytest.approx(3200e-6)
+    beyond = 8 * 4194304
+    assert native_collective("all_reduce", beyond, 2, link) == pytest.approx(
+        4400e-6 + native_collective("all_reduce", beyond, 2, line) - native_collective("all_reduce", 4194304, 2, line))
+    assert native_collective("all_reduce", 8, 2, link) == pytest.approx(
+        min(400e-6, native_collective("all_reduce", 8, 2, line)))
+    for p in (3, 4):
+        assert native_collective("all_reduce", 524288, p, link) == native_collective("all_reduce", 524288, p, line)
+    base = CLUSTERS["h100-sxm"]
+    spec = LinkSpec(1.4, 200.0, 2, tuple((size, seconds * 1e6) for size, seconds in points))
+    timed = dataclasses.replace(base, collectives={"all_reduce": spec})
+    path = tmp_path / "timed.toml"
+    path.write_text(cluster_toml(timed))
+    assert load_cluster(str(path)) == timed
+    assert [x for point in timed.collective_link("all_reduce", 2).measured for x in point] == \
+        pytest.approx([x for point in points for x in point])
+    data = json.loads(json.dumps(timed.to_dict()))
+    for bad in ({"measured": [[16384, 400.0]]}, {"measured": [[16384, 400.0], [16384, 500.0]]},
+                {"measured": [[16384, -1.0], [32768, 500.0]]}, {"ranks": 1}, {"measured": [[1, 2, 3], [4, 5, 6]]},
+                {"measured": "fast"}, {"spread": 3}):
+        broken = json.loads(json.dumps(data))
+        broken["collectives"]["all_reduce"].update(bad)
+        with pytest.raises(ConfigError, match="collectives.all_reduce"):
+            cluster_from_dict(broken)
+    config = load_config(None, ["--model.preset", "tiny", "--model.vocab_size", "257", "--train.seq_len", "128",
+                                "--train.micro_batch_size", "4", "--tensor_parallel.degree", "2"])
+    plain = dataclasses.replace(base, collectives={"all_reduce": LinkSpec(1.4, 200.0)})
+    activation = 4 * 128 * 256 * 4
+    extra = native_collective("all_reduce", activation, 2, link) - native_collective("all_reduce", activation, 2, line)
+    calls = 4 * config.model.n_layers  # two all-reduces per block in forward, two in backward
+    assert estimate(config, 2, timed).time.tp - estimate(config, 2, plain).time.tp == pytest.approx(calls * extra)
+
+
 def test_parameter_server_layout_is_planned_as_the_runtime_builds_it():
     """data_parallel.mode = ps: workers hold the runtime's own model-state formula (fp32 weights and gradients,
     no optimizer); the largest server shard is the runtime's ServerLayout over the real model's parameters; the

@@ -10,6 +10,7 @@ import pytest
 
 from fivefold.comm.bench import (ALGORITHMS, bus_factor, optimizer_constants, oversubscribed_share, parse_bytes,
                                  ranks_fitting, sizes_between)
+from fivefold.comm.cost import native_collective
 
 
 def test_bus_factors_are_nccl_tests():
@@ -94,4 +95,11 @@ def test_bench_comm_table_and_json(tmp_path, world_size):
     for name, link in report["native_links"].items():
         assert here.collectives[name].bandwidth_gbs == pytest.approx(1 / max(link["beta"], 1e-30) / 1e9)
         assert here.collective_link(name, world_size).alpha == pytest.approx(max(link["alpha"], 0.0))
+        # and the times it was fitted to, which the planner reads at this world size instead of the line
+        timed = sorted((r["size"], r["time_us"]) for r in report["rows"] if r["collective"] == name and r["algorithm"] == "native")
+        assert here.collectives[name].ranks == world_size
+        assert [x for point in here.collectives[name].measured for x in point] == \
+            pytest.approx([x for point in timed for x in point])
+        for size, us in timed:
+            assert native_collective(name, size, world_size, here.collective_link(name, world_size)) == pytest.approx(us * 1e-6)
     assert "native all_reduce fitted" in run.stdout

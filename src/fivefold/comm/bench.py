@@ -22,9 +22,10 @@ import contextlib
 import json
 import math
 import os
+import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -147,17 +148,24 @@ def fit_native_links(rows: list[Row], p: int) -> dict[str, Link]:
     for collective in NATIVE_COLLECTIVES:
         mine = [r for r in rows if r.collective == collective and r.algorithm == "native"]
         if p > 1 and len({r.size for r in mine}) >= 2:
-            fitted[collective] = fit_native_link(collective, p, [r.size for r in mine], [r.time_us * 1e-6 for r in mine])
+            line = fit_native_link(collective, p, [r.size for r in mine], [r.time_us * 1e-6 for r in mine])
+            by_size = {}
+            for r in mine:
+                by_size.setdefault(r.size, []).append(r.time_us * 1e-6)
+            fitted[collective] = replace(line, ranks=p, measured=tuple(
+                (float(size), statistics.fmean(times)) for size, times in sorted(by_size.items())))
     return fitted
 
 
-def measure_native_links(device: torch.device, sizes: tuple[int, ...] = (16 << 10, 128 << 10, 1 << 20, 4 << 20),
+def measure_native_links(device: torch.device, sizes: tuple[int, ...] = (16 << 10, 64 << 10, 256 << 10, 512 << 10,
+                                                                       1 << 20, 4 << 20),
                          iterations: int = 20) -> dict[str, Link]:
-    """Time the backend's own collectives over the world at `sizes` bytes per rank and fit their links (collective).
+    """Time the backend's own collectives over the world at `sizes` bytes per rank and fit their links (collective),
+    each carrying its measured times too (`Link.measured`, read by comm/cost.py native_collective at this world size).
 
     The sizes span what a training step sends (a tensor-parallel all-reduce of a small model is tens
-    of KB, a DDP bucket MBs) and the fit weighs them alike (`fit_link(relative=True)`): on a shared
-    CPU a gloo collective's fixed cost is milliseconds, which a fit ruled by the large sizes misses.
+    of KB to a MB, a DDP bucket MBs) and the fit weighs them alike (`fit_link(relative=True)`): on a
+    shared CPU a gloo collective's fixed cost is milliseconds, which a fit ruled by the large sizes misses.
     """
     ranks, rows = Ranks.world(), []
     for collective in NATIVE_COLLECTIVES:
@@ -330,8 +338,9 @@ def cluster_file_of(report: dict) -> str:
     """This machine as a planner cluster file: achieved matmul rates (use `plan --efficiency 1`), fitted links."""
     from fivefold.plan.cluster import Accelerator, ClusterSpec, LinkSpec, cluster_toml
 
-    def spec(link: dict) -> LinkSpec:
-        return LinkSpec(1 / max(link["beta"], 1e-30) / 1e9, max(link["alpha"], 0.0) * 1e6)  # a fit can dip below 0
+    def spec(link: dict) -> LinkSpec:  # a fit's latency can dip below 0; a native collective brings its measured times
+        return LinkSpec(1 / max(link["beta"], 1e-30) / 1e9, max(link["alpha"], 0.0) * 1e6, link.get("ranks", 0),
+                        tuple((size, seconds * 1e6) for size, seconds in link.get("measured", ())))
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / report["node_size"] / 2**30
     spec_ = ClusterSpec(f"this-machine-{report['backend']}",

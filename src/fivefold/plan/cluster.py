@@ -24,7 +24,7 @@ A cluster file is TOML, read without running anything:
     memory_gib = 80
     tflops = {fp32 = 67, bf16 = 989.5}
     memory_bandwidth_gbs = 3350      # optional: memory-bound work (kept activations, the optimizer step)
-    pass_overhead_us = 0             # optional: fixed host cost of a block's forward (backward: twice)
+    pass_overhead_us = 0             # optional: fixed host cost of a dense block's forward (backward: twice)
     shared_cores = 0                 # optional: a CPU host's cores that all its ranks share (0: none)
     oversubscribed_efficiency = 1.0  # optional: its throughput with more threads than cores, over with as many
     optimizer_gbs = 3350             # optional (default: memory_bandwidth_gbs): AdamW's 28 bytes per parameter
@@ -38,6 +38,8 @@ A cluster file is TOML, read without running anything:
     [collectives.all_reduce]         # optional: the backend's own collective inside a node, fitted
     bandwidth_gbs = 0.9              # (ring form, comm/cost.py native_collective) by bench comm
     latency_us = 900
+    ranks = 2                        # optional: the times it was fitted to, over this many ranks,
+    measured = [[16384, 450.0], [524288, 1900.0], [4194304, 4300.0]]   # [bytes, us]: read at that size
     [topology]                       # optional, for `fivefold simulate` (sim/topology.py)
     kind = "fat_tree"                # nvswitch | fat_tree | rail_optimized | torus_2d
     nodes_per_leaf = 4               # nodes per leaf switch (rail_optimized: per rail group)
@@ -51,7 +53,9 @@ A cluster file is TOML, read without running anything:
 `[collectives.<name>]` (all_reduce, reduce_scatter, all_gather, all_to_all) replaces the intra
 link for that collective when it runs natively within a node: `fivefold bench comm --cluster-file`
 fits it from the backend's measured times, because gloo's collectives on a shared CPU run slower
-than its point-to-point messages predict. The GPU presets leave it out (NCCL is priced on the links).
+than its point-to-point messages predict, and writes those times too (`ranks`, `measured`): at that
+many ranks the planner interpolates them, since the times bend where a line through them cannot.
+The GPU presets leave it out (NCCL is priced on the links).
 """
 
 from __future__ import annotations
@@ -79,8 +83,9 @@ class Accelerator:
     memory_gib: float  # usable memory per accelerator
     tflops: dict[str, float] = field(default_factory=dict)  # dense peak TFLOP/s per compute dtype
     memory_bandwidth_gbs: float = 0.0  # HBM (or DRAM) GB/s for memory-bound work; 0 = not modelled
-    # fixed seconds (us) a transformer block's forward pass costs beyond its FLOPs and bytes: the host
-    # dispatching its few dozen operators one by one (eager mode); backward counts it twice. 0 where
+    # fixed seconds (us) a dense transformer block's forward pass costs beyond its FLOPs and bytes: the host
+    # dispatching its few dozen operators one by one (eager mode); backward counts it twice, a MoE block
+    # pays it times its operators over a dense block's (plan/operators.py). 0 where
     # launches run ahead of the device and hide (the GPU presets); fitted for a CPU by
     # benchmarks/plan_vs_measured.py
     pass_overhead_us: float = 0.0
@@ -116,9 +121,14 @@ class Accelerator:
 class LinkSpec:
     bandwidth_gbs: float  # GB/s per accelerator per direction
     latency_us: float
+    # a native collective's own times over `ranks` ranks, (bytes, microseconds) ascending (bench comm measures
+    # them): at that many ranks the planner interpolates them (comm/cost.py measured_seconds)
+    ranks: int = 0
+    measured: tuple[tuple[float, float], ...] = ()
 
     def link(self) -> Link:
-        return Link(alpha=self.latency_us * 1e-6, beta=1 / (self.bandwidth_gbs * 1e9))
+        return Link(alpha=self.latency_us * 1e-6, beta=1 / (self.bandwidth_gbs * 1e9), ranks=self.ranks,
+                    measured=tuple((size, us * 1e-6) for size, us in self.measured))
 
 
 
@@ -263,6 +273,26 @@ def _number(table: dict, key: str, where: str, positive: bool = True) -> float:
     return float(value)
 
 
+def _collective_spec(table: dict, where: str) -> LinkSpec:
+    """[collectives.<name>]: its fitted link, and optionally the times it was fitted to (`ranks`, `measured`)."""
+    unknown = sorted(set(table) - {"bandwidth_gbs", "latency_us", "ranks", "measured"})
+    if unknown:
+        raise ConfigError(f"cluster file: {where} has unknown key(s) {', '.join(unknown)}; known: bandwidth_gbs, "
+                          "latency_us, ranks, measured")
+    ranks, measured = table.get("ranks", 0), table.get("measured", [])
+    usage = (f"cluster file: {where}: `measured` is a list of [bytes, microseconds] pairs with strictly increasing "
+             "positive bytes and positive times, timed over `ranks` (an integer >= 2) ranks")
+    if ("ranks" in table or "measured" in table) and (
+            isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2 or not isinstance(measured, (list, tuple))
+            or len(measured) < 2 or any(not isinstance(point, (list, tuple)) or len(point) != 2 for point in measured)):
+        raise ConfigError(f"{usage}; found ranks = {ranks!r}, measured = {measured!r}")
+    points = tuple((_number({"bytes": a}, "bytes", where), _number({"us": b}, "us", where)) for a, b in measured)
+    if any(b[0] <= a[0] for a, b in zip(points, points[1:])):
+        raise ConfigError(f"{usage}; found bytes {[size for size, _ in points]}")
+    return LinkSpec(_number(table, "bandwidth_gbs", where), _number(table, "latency_us", where, positive=False),
+                    ranks if points else 0, points)
+
+
 def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSpec:
     """A ClusterSpec from a parsed cluster file, every field validated with a message naming it."""
     known = {"name", "accelerators_per_node", "nodes", "accelerator", "intra", "inter", "source", "host_bandwidth_gbs",
@@ -306,8 +336,7 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
                                                 for k, v in collectives.items()):
         raise ConfigError(f"cluster file {source}: [collectives] holds tables named {', '.join(NATIVE_COLLECTIVES)}, "
                           f"each with bandwidth_gbs and latency_us; found {collectives!r}")
-    fitted = {k: LinkSpec(_number(v, "bandwidth_gbs", f"collectives.{k}"),
-                          _number(v, "latency_us", f"collectives.{k}", positive=False)) for k, v in collectives.items()}
+    fitted = {k: _collective_spec(v, f"collectives.{k}") for k, v in collectives.items()}
     return ClusterSpec(str(data.get("name", Path(source).stem)),
                        Accelerator(str(acc.get("name", "accelerator")), _number(acc, "memory_gib", "accelerator"), rates,
                                    bandwidth, overhead, shared, oversubscribed, **optimizer),
@@ -354,7 +383,9 @@ def cluster_toml(spec: ClusterSpec) -> str:
         "", "[inter]", f"bandwidth_gbs = {inter.bandwidth_gbs!r}", f"latency_us = {inter.latency_us!r}", "",
         *(line for name, link in spec.collectives.items()
           for line in (f"[collectives.{name}]", f"bandwidth_gbs = {link.bandwidth_gbs!r}",
-                       f"latency_us = {link.latency_us!r}", "")),
+                       f"latency_us = {link.latency_us!r}",
+                       *((f"ranks = {link.ranks}", f"measured = {json.dumps([list(point) for point in link.measured])}")
+                         if link.measured else ()), "")),
         "[topology]", *(f"{key} = {json.dumps(list(value) if isinstance(value, tuple) else value)}"
                         for key, value in asdict(spec.topology).items()), "",
     ])
