@@ -363,15 +363,17 @@ def test_a_collectives_measured_times_are_read_at_the_ranks_they_were_timed_over
         pytest.approx([x for point in points for x in point])
     data = json.loads(json.dumps(timed.to_dict()))
     for bad in ({"measured": [[16384, 400.0]]}, {"measured": [[16384, 400.0], [16384, 500.0]]},
-                {"measured": [[16384, -1.0], [32768, 500.0]]}, {"ranks": 1}, {"measured": [[1, 2, 3], [4, 5, 6]]},
+                {"measured": [[16384, -1.0], [32768, 500.0]]}, {"ranks": 1}, {"ranks": 0}, {"measured": []},
+                {"measured": [[1, 2, 3], [4, 5, 6]]},
                 {"measured": "fast"}, {"spread": 3}):
         broken = json.loads(json.dumps(data))
         broken["collectives"]["all_reduce"].update(bad)
         with pytest.raises(ConfigError, match="collectives.all_reduce"):
             cluster_from_dict(broken)
+    plain = dataclasses.replace(base, collectives={"all_reduce": LinkSpec(1.4, 200.0)})
+    assert cluster_from_dict(json.loads(json.dumps(plain.to_dict()))) == plain  # no times: ranks 0, measured []
     config = load_config(None, ["--model.preset", "tiny", "--model.vocab_size", "257", "--train.seq_len", "128",
                                 "--train.micro_batch_size", "4", "--tensor_parallel.degree", "2"])
-    plain = dataclasses.replace(base, collectives={"all_reduce": LinkSpec(1.4, 200.0)})
     activation = 4 * 128 * 256 * 4
     extra = native_collective("all_reduce", activation, 2, link) - native_collective("all_reduce", activation, 2, line)
     calls = 4 * config.model.n_layers  # two all-reduces per block in forward, two in backward

@@ -282,7 +282,7 @@ def _collective_spec(table: dict, where: str) -> LinkSpec:
     ranks, measured = table.get("ranks", 0), table.get("measured", [])
     usage = (f"cluster file: {where}: `measured` is a list of [bytes, microseconds] pairs with strictly increasing "
              "positive bytes and positive times, timed over `ranks` (an integer >= 2) ranks")
-    if ("ranks" in table or "measured" in table) and (
+    if (ranks or measured) and (
             isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2 or not isinstance(measured, (list, tuple))
             or len(measured) < 2 or any(not isinstance(point, (list, tuple)) or len(point) != 2 for point in measured)):
         raise ConfigError(f"{usage}; found ranks = {ranks!r}, measured = {measured!r}")
