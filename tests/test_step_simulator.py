@@ -501,3 +501,34 @@ def test_offload_to_host_and_nvme_is_a_span_of_the_step_priced_as_the_planner_pr
         phases, planned = runs[name]
         assert phases["offload"] == pytest.approx(planned) and phases["optimizer"] == 0  # the step runs on the host
     assert runs["nvme"][0]["offload"] > 10 * runs["host"][0]["offload"]  # 24 B/param through the drives
+
+
+def test_collectives_by_formula_read_their_measured_times():
+    """Inside a node `hybrid` prices the backend's collectives by the planner's formula, so a measured
+    all-reduce table (at the world size it was timed over) slows the simulated tp2 step exactly as much as
+    the planner's; `flow` plays messages and does not read it."""
+    line = LinkSpec(50.0, 10.0)
+    timed = LinkSpec(50.0, 10.0, 2, ((16384.0, 400.0), (524288.0, 2000.0), (4194304.0, 4400.0)))
+    config = _config("--tensor_parallel.degree", "2")
+    plain, slow = (dataclasses.replace(H100, collectives={"all_reduce": spec}) for spec in (line, timed))
+    planned = estimate(config, 2, slow, 0.5, vocab_size=257).time.total - estimate(config, 2, plain, 0.5, vocab_size=257).time.total
+    simulated = (simulate_step(config, 2, slow, 0.5, "hybrid", vocab_size=257).time
+                 - simulate_step(config, 2, plain, 0.5, "hybrid", vocab_size=257).time)
+    assert planned > 1e-3 and simulated == pytest.approx(planned, rel=1e-6)
+    assert simulate_step(config, 2, slow, 0.5, "flow", vocab_size=257).time == \
+        pytest.approx(simulate_step(config, 2, plain, 0.5, "flow", vocab_size=257).time, rel=1e-12)
+
+
+@pytest.mark.parametrize("overrides", [
+    [], ["--tensor_parallel.sequence_parallel", "true"], ["--train.recompute", "full"], ["--model.preset", "tiny-moe"],
+    ["--context_parallel.degree", "2"], ["--train.grad_accum_steps", "3", "--train.recompute", "selective"],
+])
+def test_tensor_parallel_time_is_priced_as_the_simulator_plays_it(overrides):
+    """Inside one node (collectives by formula) the planner's tp term is the simulated step's tp phase: the blocks'
+    regions and the collectives outside them (the vocab-parallel embedding, the head, the loss's three
+    all-reduces, and with sequence parallelism each norm's weight-gradient sum)."""
+    config = _config("--tensor_parallel.degree", "2", *overrides)
+    gpus = 4 if "--context_parallel.degree" in overrides else 2
+    simulated = simulate_step(config, gpus, H100, 0.5, "hybrid", vocab_size=257)
+    planned = estimate(config, gpus, H100, 0.5, vocab_size=257).time
+    assert planned.tp > 0 and simulated.breakdown()["tp"] == pytest.approx(planned.tp, rel=1e-9)

@@ -680,6 +680,7 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     links = cluster.links()
     # per (virtual) stage: forward compute seconds of one micro-batch, and its exposed tp / cp / ep seconds
     forward, comm_tp, comm_cp, comm_ep, comm_ep_back, attn_core = [], [], [], [], [], []
+    edge_fwd, edge_bwd = [], []  # per stage: tensor parallelism outside the blocks' regions (_tensor_parallel_edges)
     if sp:  # per region, an all-gather entering and a reduce-scatter leaving, instead of one all-reduce leaving
         def tp_collective(n: float) -> float:
             return (native_collective("all_gather", n, d.tp, cluster.collective_link("all_gather", d.tp)) +
@@ -695,6 +696,7 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     kind_tp = {moe: _overlapped_tp_block(model, d, costs.block[moe], costs.core, activation_bytes, cluster, moe)
                if sp and config.tensor_parallel.comm_overlap else block_tp / (2 if moe else 1) for moe in costs.block}
     block_cp = _context_parallel_block(config, model, d, costs.core, element, cluster)
+    edge = _tensor_parallel_edges(config, model, d, cluster, activation_bytes)
     # per MoE layer: its exchanges' (forward, backward) seconds, and the busiest EP rank's extra routed compute
     # under a measured load (plan/expert_load.py; balanced routing: the same for every layer, no extra)
     rows_to = expert_rows or {}
@@ -711,11 +713,14 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
                        + (costs.head if stage == len(split) - 1 else 0.0))
         attn_core.append(costs.core * len(layers))
         comm_tp.append(sum(kind_tp[m] for m in moe_blocks))
+        edge_fwd.append((edge.embedding_forward if stage == 0 else 0.0) + (edge.head_forward if stage == len(split) - 1 else 0.0))
+        edge_bwd.append((edge.embedding_backward if stage == 0 else 0.0) + (edge.head_backward if stage == len(split) - 1 else 0.0)
+                        + edge.norms_backward * len(layers))
         comm_cp.append(block_cp * len(layers))
         comm_ep.append(sum(block_ep.get(layer, balanced)[0] for layer in moe_layers))
         comm_ep_back.append(sum(block_ep.get(layer, balanced)[1] for layer in moe_layers))
     recompute = {"none": 0.0, "selective": 1.0, "full": 1.0}[t.recompute]
-    stage_fwd = [f + 2 * tpc + ep + cp for f, tpc, ep, cp in zip(forward, comm_tp, comm_ep, comm_cp)]
+    stage_fwd = [f + 2 * tpc + ep + cp + e for f, tpc, ep, cp, e in zip(forward, comm_tp, comm_ep, comm_cp, edge_fwd)]
     # backward: twice the compute, the same tp / ep traffic again, cp's ring twice (K/V, then their gradients;
     # Ulysses' all-to-alls once); recompute re-runs the forward (selective: the attention core, cp included)
     cp_backward = 1.0 if config.context_parallel.method == "ulysses" else 2.0
@@ -725,10 +730,11 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     for i in range(len(split)):
         again = blocks_forward[i] + 2 * comm_tp[i] + comm_ep[i] if t.recompute == "full" else recompute * attn_core[i]
         again += recompute * comm_cp[i]
-        stage_bwd.append(2 * forward[i] + 2 * comm_tp[i] + comm_ep_back[i] + cp_backward * comm_cp[i] + again)
+        stage_bwd.append(2 * forward[i] + 2 * comm_tp[i] + comm_ep_back[i] + cp_backward * comm_cp[i] + again + edge_bwd[i])
     compute_total = m * sum(forward[i] * 3 + (blocks_forward[i] if t.recompute == "full" else recompute * attn_core[i])
                             for i in range(len(split))) / d.pp
-    tp_total = m * sum(4 * c + (2 * c if t.recompute == "full" else 0) for c in comm_tp) / d.pp
+    tp_total = m * sum(4 * c + (2 * c if t.recompute == "full" else 0) + f + b
+                       for c, f, b in zip(comm_tp, edge_fwd, edge_bwd)) / d.pp
     cp_total = m * sum((1 + cp_backward + recompute) * c for c in comm_cp) / d.pp
     ep_total = m * sum(c + b + (c if t.recompute == "full" else 0) for c, b in zip(comm_ep, comm_ep_back)) / d.pp
     if d.pp > 1:
@@ -762,6 +768,43 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     return StepTime(compute_total, tp_total, cp_total, ep_total, pp_comm, bubble, dp_time,
                     _offload_time(config, model, d, split, cluster),
                     _optimizer_time(config, model, d, split, cluster.accelerator))
+
+
+@dataclass(frozen=True)
+class TensorParallelEdges:
+    """Seconds of one micro-batch's tensor-parallel collectives outside the blocks' regions
+    (parallel/tensor_parallel.py): the vocab-parallel embedding's, the head's and the vocab-parallel loss's,
+    and under sequence parallelism each norm's weight-gradient sum (two per block)."""
+
+    embedding_forward: float = 0.0
+    embedding_backward: float = 0.0
+    head_forward: float = 0.0
+    head_backward: float = 0.0
+    norms_backward: float = 0.0  # per block
+
+
+def _tensor_parallel_edges(config: JobConfig, model: ModelConfig, d: Degrees, cluster: ClusterSpec,
+                           activation: float) -> TensorParallelEdges:
+    """The embedding sums its vocabulary shards' lookups as it leaves its region (an all-reduce, or with sequence
+    parallelism a reduce-scatter; backward: nothing, or an all-gather); the final norm's output enters the
+    head's region (nothing, or an all-gather; backward: an all-reduce, or a reduce-scatter and the final norm's
+    weight-gradient sum); the loss all-reduces each token's max logit, sum of exponentials and target logit
+    (fp32). Until 2026-11-26 the planner left these out; `fivefold simulate` played them."""
+    if d.tp == 1:
+        return TensorParallelEdges()
+
+    def collective(kind: str, n: float) -> float:
+        return native_collective(kind, n, d.tp, cluster.collective_link(kind, d.tp))
+
+    t = config.train
+    loss = 3 * collective("all_reduce", t.micro_batch_size * (t.seq_len // d.cp) * 4)
+    if not (config.tensor_parallel.sequence_parallel and d.tp > 1):
+        return TensorParallelEdges(collective("all_reduce", activation), 0.0, loss, collective("all_reduce", activation))
+    z = config.data_parallel
+    norm = collective("all_reduce", model.dim * (2 if z.zero_stage and z.param_dtype == "bf16" else 4))
+    return TensorParallelEdges(collective("reduce_scatter", activation), collective("all_gather", activation),
+                               collective("all_gather", activation) + loss,
+                               collective("reduce_scatter", activation) + norm, 2 * norm)
 
 
 def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, core: float, element: int,
