@@ -28,23 +28,28 @@ Step time (seconds) = pipeline makespan + exposed data-parallel communication:
                 accelerator's peak x efficiency, the attention core 4 q s per token at peak x the
                 attention efficiency, split by tp and cp; the head on the last stage), plus the bytes the blocks write outside their
                 matmuls (the kept activations, the logits) at its memory bandwidth, plus the
-                accelerator's fixed pass_overhead_us per block; backward twice the forward;
+                accelerator's fixed pass_overhead_us per block (a MoE block's by its operators over a
+                dense block's, plan/operators.py); backward twice the forward;
                 `full` recompute adds a forward to every backward, `selective` the attention
                 core's
     optimizer   AdamW reads 16 and writes 12 bytes per parameter it updates (its ZeRO shard) at the
                 accelerator's optimizer rate (default: the memory bandwidth), plus its cost per tensor
                 updated (parameter tensors; ZeRO's flat groups), on the busiest pipeline rank
     tp          4 all-reduces of b s/cp h per block and micro-batch (ring, on the link the tp group
-                spans), 6 with full recompute; not overlapped
+                spans), 6 with full recompute; not overlapped; plus those outside the blocks (the
+                vocab-parallel embedding's and head's, the loss's three, under SP each norm's and the
+                MoE router's and shared experts' weight-gradient sums)
     cp          ring attention passes K and V around cp ranks (cp - 1 steps forward, twice that in
                 backward), overlapped with the attention core: only the excess is exposed
     ep          per MoE block and pass: the counts' all-to-all (forward only) and 2 of the rows (k per
                 token held, out and home) over the EP group; with etp > 1, 2 of etp x the rows over
-                the ETP group (its gather and reduce-scatter); balanced routing
+                the ETP group (its gather and reduce-scatter); balanced routing; the routing
+                statistics' all-reduce per micro-batch and the routing report's per step
     pipeline    the schedule simulator run on the schedule's own instruction streams with these
                 per-stage times and the activation send time as latency: its makespan includes
                 the bubble
-    dp          over dp x cp on the link the group spans: DDP / ZeRO-1 reduce once in the last
+    dp          over dp x cp on the link the group spans (routed experts: a second instance over
+                their expert-data-parallel group): DDP / ZeRO-1 reduce once in the last
                 micro-batch's backward, ZeRO-2 reduce-scatters in every micro-batch's, ZeRO-3
                 also gathers weights in each forward and backward; ZeRO-1/2 gather the updated
                 weights after the step; only what a pass cannot hide (at least a bucket) counts
@@ -61,7 +66,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fivefold.comm.cost import native_collective, uneven_all_to_all
+from fivefold.comm.cost import Link, native_collective, uneven_all_to_all
 from fivefold.config.schema import JobConfig
 from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
@@ -681,6 +686,7 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     # per (virtual) stage: forward compute seconds of one micro-batch, and its exposed tp / cp / ep seconds
     forward, comm_tp, comm_cp, comm_ep, comm_ep_back, attn_core = [], [], [], [], [], []
     edge_fwd, edge_bwd = [], []  # per stage: tensor parallelism outside the blocks' regions (_tensor_parallel_edges)
+    statistics = []  # per stage: the MoE layers' routing statistics (once per micro-batch: forward, or its recompute)
     if sp:  # per region, an all-gather entering and a reduce-scatter leaving, instead of one all-reduce leaving
         def tp_collective(n: float) -> float:
             return (native_collective("all_gather", n, d.tp, cluster.collective_link("all_gather", d.tp)) +
@@ -697,6 +703,7 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
                if sp and config.tensor_parallel.comm_overlap else block_tp / (2 if moe else 1) for moe in costs.block}
     block_cp = _context_parallel_block(config, model, d, costs.core, element, cluster)
     edge = _tensor_parallel_edges(config, model, d, cluster, activation_bytes)
+    routing = _routing_collectives(config, model, d, cluster)
     # per MoE layer: its exchanges' (forward, backward) seconds, and the busiest EP rank's extra routed compute
     # under a measured load (plan/expert_load.py; balanced routing: the same for every layer, no extra)
     rows_to = expert_rows or {}
@@ -715,12 +722,15 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
         comm_tp.append(sum(kind_tp[m] for m in moe_blocks))
         edge_fwd.append((edge.embedding_forward if stage == 0 else 0.0) + (edge.head_forward if stage == len(split) - 1 else 0.0))
         edge_bwd.append((edge.embedding_backward if stage == 0 else 0.0) + (edge.head_backward if stage == len(split) - 1 else 0.0)
-                        + edge.norms_backward * len(layers))
+                        + edge.norms_backward * len(layers) + routing.replicas_backward * len(moe_layers))
+        statistics.append(routing.statistics * len(moe_layers))
         comm_cp.append(block_cp * len(layers))
         comm_ep.append(sum(block_ep.get(layer, balanced)[0] for layer in moe_layers))
         comm_ep_back.append(sum(block_ep.get(layer, balanced)[1] for layer in moe_layers))
     recompute = {"none": 0.0, "selective": 1.0, "full": 1.0}[t.recompute]
-    stage_fwd = [f + 2 * tpc + ep + cp + e for f, tpc, ep, cp, e in zip(forward, comm_tp, comm_ep, comm_cp, edge_fwd)]
+    full = t.recompute == "full"
+    stage_fwd = [f + 2 * tpc + ep + cp + e + (0.0 if full else r)
+                 for f, tpc, ep, cp, e, r in zip(forward, comm_tp, comm_ep, comm_cp, edge_fwd, statistics)]
     # backward: twice the compute, the same tp / ep traffic again, cp's ring twice (K/V, then their gradients;
     # Ulysses' all-to-alls once); recompute re-runs the forward (selective: the attention core, cp included)
     cp_backward = 1.0 if config.context_parallel.method == "ulysses" else 2.0
@@ -730,13 +740,17 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     for i in range(len(split)):
         again = blocks_forward[i] + 2 * comm_tp[i] + comm_ep[i] if t.recompute == "full" else recompute * attn_core[i]
         again += recompute * comm_cp[i]
-        stage_bwd.append(2 * forward[i] + 2 * comm_tp[i] + comm_ep_back[i] + cp_backward * comm_cp[i] + again + edge_bwd[i])
+        stage_bwd.append(2 * forward[i] + 2 * comm_tp[i] + comm_ep_back[i] + cp_backward * comm_cp[i] + again + edge_bwd[i]
+                         + (statistics[i] if full else 0.0))
     compute_total = m * sum(forward[i] * 3 + (blocks_forward[i] if t.recompute == "full" else recompute * attn_core[i])
                             for i in range(len(split))) / d.pp
     tp_total = m * sum(4 * c + (2 * c if t.recompute == "full" else 0) + f + b
                        for c, f, b in zip(comm_tp, edge_fwd, edge_bwd)) / d.pp
     cp_total = m * sum((1 + cp_backward + recompute) * c for c in comm_cp) / d.pp
-    ep_total = m * sum(c + b + (c if t.recompute == "full" else 0) for c, b in zip(comm_ep, comm_ep_back)) / d.pp
+    # the routing report: after the step, one all-reduce per pipeline rank of its MoE layers' loads
+    report = sum(routing.report(sum(model.is_moe_layer(layer) for s in range(r, len(split), d.pp) for layer in split[s]))
+                 for r in range(d.pp)) / d.pp
+    ep_total = m * sum(c + b + (c if full else 0) + r for c, b, r in zip(comm_ep, comm_ep_back, statistics)) / d.pp + report
     if d.pp > 1:
         pipe = config.pipeline_parallel
         unit_f, unit_b = max(stage_fwd), max(stage_bwd)
@@ -768,6 +782,58 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     return StepTime(compute_total, tp_total, cp_total, ep_total, pp_comm, bubble, dp_time,
                     _offload_time(config, model, d, split, cluster),
                     _optimizer_time(config, model, d, split, cluster.accelerator))
+
+
+@dataclass(frozen=True)
+class RoutingCollectives:
+    """Seconds of a MoE layer's small collectives beside its exchanges: its routing statistics' all-reduce for the
+    balancing loss, once per micro-batch (model/moe.py), the all-reduces summing the router's and shared experts'
+    weight gradients over the tp ranks under sequence parallelism, per backward, and the trainer's routing report
+    after the step (train/routing_report.py), per layer of a stage."""
+
+    statistics: float = 0.0
+    replicas_backward: float = 0.0
+    report_link: Link | None = None  # the distinct-token ranks' all-reduce link
+    token_ranks: int = 1
+    experts: int = 0
+
+    def report(self, layers: int) -> float:
+        """The routing report of a pipeline rank holding `layers` MoE layers: (E + 4) float64 each, one all-reduce."""
+        if not layers or self.report_link is None:
+            return 0.0
+        return native_collective("all_reduce", layers * (self.experts + 4) * 8, self.token_ranks, self.report_link)
+
+
+def _routing_collectives(config: JobConfig, model: ModelConfig, d: Degrees, cluster: ClusterSpec) -> RoutingCollectives:
+    """The switch loss all-reduces the layer's expert counts (E float64) over the ranks holding the micro-batch's
+    distinct tokens (dp x cp, x tp under sequence parallelism), the sequence loss each sequence's counts (b x E
+    float32) over the sequence's ranks (cp, x tp under SP); the report sends E + 4 float64 per layer over the
+    distinct-token ranks, in one all-reduce per pipeline rank."""
+    if not model.n_experts:
+        return RoutingCollectives()
+    sp = config.tensor_parallel.sequence_parallel and d.tp > 1
+
+    def all_reduce(n: float, ranks: int, span: int) -> float:
+        return native_collective("all_reduce", n, ranks, cluster.collective_link("all_reduce", span))
+
+    tokens = d.dp * d.cp * (d.tp if sp else 1)
+    token_span = tokens if sp else (tokens - 1) * d.tp + 1
+    statistics = 0.0
+    if model.moe_aux_loss == "switch":
+        statistics = all_reduce(8 * model.n_experts, tokens, token_span)
+    elif model.moe_aux_loss != "none":
+        sequence = d.cp * (d.tp if sp else 1)
+        statistics = all_reduce(4 * config.train.micro_batch_size * model.n_experts, sequence,
+                                sequence if sp else (sequence - 1) * d.tp + 1)
+    replicas = 0.0
+    if sp:
+        z = config.data_parallel
+        element = 2 if z.zero_stage and z.param_dtype == "bf16" else 4
+        weights = ([model.shared_hidden_dim * model.dim] * 3 if model.shared_hidden_dim else []) + \
+            ([model.dim] if model.shared_hidden_dim and model.moe_shared_gate else []) + [model.n_experts * model.dim]
+        replicas = sum(all_reduce(n * element, d.tp, d.tp) for n in weights)
+    return RoutingCollectives(statistics, replicas, cluster.collective_link("all_reduce", token_span), tokens,
+                              model.n_experts)
 
 
 @dataclass(frozen=True)
@@ -921,26 +987,32 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
     step, exposed. What one pass cannot hide is exposed, and never less than the last bucket."""
     from fivefold.comm.cost import best_all_reduce, predict
 
-    group = d.dp * d.cp
-    if group == 1:
+    group, experts = d.dp * d.cp, _expert_dp(config, d)
+    if group == 1 and experts == 1:
         return 0.0
     z, m, g = config.data_parallel, config.train.grad_accum_steps, config.gradient_comm
     stages = list(range(0, len(split), d.pp))
     layers = [layer for s in stages for layer in split[s]]
     params = rank_parameters(model, layers, True, len(split) == 1, d.tp, d.ep, d.etp, pipelined=d.pp > 1)
-    weight_bytes = params.total * (2 if z.zero_stage and z.param_dtype == "bf16" else 4)
-    grad_bytes = params.total * 2 if g.reduce_dtype == "bf16" else weight_bytes
+    weight_element = 2 if z.zero_stage and z.param_dtype == "bf16" else 4
+    grad_element = 2 if g.reduce_dtype == "bf16" else weight_element
+    # the routed experts are a second instance over their expert-data-parallel group (parallel/data_parallel.py)
+    dense, routed = params.dense, params.experts
+    weight_bytes, grad_bytes = dense * weight_element, dense * grad_element
     span = group * d.tp
-    buckets = max(1, int(grad_bytes // (g.bucket_mb * 2**20)))
+    buckets = max(1, int((params.total * grad_element) // (g.bucket_mb * 2**20)))
 
-    def native(collective: str, n: float) -> float:
-        return native_collective(collective, n, group, cluster.collective_link(collective, span))
+    def native(collective: str, n: float, ranks: int = group) -> float:
+        return native_collective(collective, n, ranks, cluster.collective_link(collective, span))
 
     def hidden_behind(comm: float, compute: float) -> float:
         return max(comm - compute, comm / buckets)
 
     if z.zero_stage == 0:
-        if g.allreduce_algorithm == "native":
+        expert_reduce = native("all_reduce", routed * grad_element, experts) if routed and experts > 1 else 0.0
+        if group == 1:
+            reduce = 0.0
+        elif g.allreduce_algorithm == "native":
             reduce = native("all_reduce", grad_bytes)
         else:
             links = cluster.links()
@@ -948,11 +1020,18 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
             if algorithm == "auto":
                 algorithm = best_all_reduce(grad_bytes / buckets, group, links)
             reduce = predict(algorithm, grad_bytes, group, links)
-        return hidden_behind(reduce, backward)
+        return hidden_behind(reduce + expert_reduce, backward)
     if z.quantized_weights or z.hpz_partition > 1 or z.gradient_bits:
         forward_gather, backward_gather, scatter = _zero_pp_times(config, params.total, d, cluster)
         return m * (hidden_behind(forward_gather, forward) + hidden_behind(backward_gather + scatter, backward))
-    return _sharded_time(zero_degrees(config, d), d, cluster, weight_bytes, grad_bytes, m, forward, backward, buckets)
+    time = _sharded_time(zero_degrees(config, d), d, cluster, weight_bytes, grad_bytes, m, forward, backward, buckets) \
+        if group > 1 else 0.0
+    if routed and experts > 1:  # plain ZeRO at the same stage over the EDP group
+        from fivefold.parallel.shard_layout import stage_degrees
+
+        time += _sharded_time(stage_degrees(z, experts, experts), d, cluster, routed * weight_element,
+                              routed * grad_element, m, forward, backward, buckets)
+    return time
 
 
 def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, weight_bytes: float, grad_bytes: float, m: int,
