@@ -749,7 +749,7 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     cp_total = m * sum((1 + cp_backward + recompute) * c for c in comm_cp) / d.pp
     # the routing report: after the step, one all-reduce per pipeline rank of its MoE layers' loads
     report = sum(routing.report(sum(model.is_moe_layer(layer) for s in range(r, len(split), d.pp) for layer in split[s]))
-                 for r in range(d.pp)) / d.pp
+                 for r in range(d.pp)) / d.pp if model.n_experts else 0.0
     ep_total = m * sum(c + b + (c if full else 0) + r for c, b, r in zip(comm_ep, comm_ep_back, statistics)) / d.pp + report
     if d.pp > 1:
         pipe = config.pipeline_parallel
