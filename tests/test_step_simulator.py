@@ -524,11 +524,15 @@ def test_collectives_by_formula_read_their_measured_times():
 @pytest.mark.parametrize("overrides", [
     [], ["--tensor_parallel.sequence_parallel", "true"], ["--train.recompute", "full"], ["--model.preset", "tiny-moe"],
     ["--context_parallel.degree", "2"], ["--train.grad_accum_steps", "3", "--train.recompute", "selective"],
+    ["--tensor_parallel.sequence_parallel", "true", "--tensor_parallel.comm_overlap", "true"],
+    ["--tensor_parallel.sequence_parallel", "true", "--tensor_parallel.comm_overlap", "true", "--train.recompute", "full"],
+    ["--tensor_parallel.sequence_parallel", "true", "--tensor_parallel.comm_overlap", "true", "--train.seq_len", "1024"],
 ])
 def test_tensor_parallel_time_is_priced_as_the_simulator_plays_it(overrides):
     """Inside one node (collectives by formula) the planner's tp term is the simulated step's tp phase: the blocks'
     regions and the collectives outside them (the vocab-parallel embedding, the head, the loss's three
-    all-reduces, and with sequence parallelism each norm's weight-gradient sum)."""
+    all-reduces, and with sequence parallelism each norm's weight-gradient sum); with the overlapped rings of
+    `comm_overlap` a backward hides its steps behind twice the forward's matmul."""
     config = _config("--tensor_parallel.degree", "2", *overrides)
     gpus = 4 if "--context_parallel.degree" in overrides else 2
     simulated = simulate_step(config, gpus, H100, 0.5, "hybrid", vocab_size=257)

@@ -685,6 +685,7 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     links = cluster.links()
     # per (virtual) stage: forward compute seconds of one micro-batch, and its exposed tp / cp / ep seconds
     forward, comm_tp, comm_cp, comm_ep, comm_ep_back, attn_core = [], [], [], [], [], []
+    comm_tp_back = []
     edge_fwd, edge_bwd = [], []  # per stage: tensor parallelism outside the blocks' regions (_tensor_parallel_edges)
     statistics = []  # per stage: the MoE layers' routing statistics (once per micro-batch: forward, or its recompute)
     if sp:  # per region, an all-gather entering and a reduce-scatter leaving, instead of one all-reduce leaving
@@ -699,8 +700,12 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     # one block's exposed tp seconds (dense, MoE) and cp seconds are the same on every stage
     block_tp = tp_collective(activation_bytes) if d.tp > 1 else 0.0
     # a MoE block's MLP runs outside the tensor-parallel region: only its attention region's collectives
+    overlap = sp and config.tensor_parallel.comm_overlap
     kind_tp = {moe: _overlapped_tp_block(model, d, costs.block[moe], costs.core, activation_bytes, cluster, moe)
-               if sp and config.tensor_parallel.comm_overlap else block_tp / (2 if moe else 1) for moe in costs.block}
+               if overlap else block_tp / (2 if moe else 1) for moe in costs.block}
+    # overlapped rings hide behind twice the matmul in backward
+    kind_tp_back = {moe: _overlapped_tp_block(model, d, 2 * costs.block[moe], 2 * costs.core, activation_bytes, cluster,
+                                              moe) if overlap else kind_tp[moe] for moe in costs.block}
     block_cp = _context_parallel_block(config, model, d, costs.core, element, cluster)
     edge = _tensor_parallel_edges(config, model, d, cluster, activation_bytes)
     routing = _routing_collectives(config, model, d, cluster)
@@ -720,6 +725,7 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
                        + (costs.head if stage == len(split) - 1 else 0.0))
         attn_core.append(costs.core * len(layers))
         comm_tp.append(sum(kind_tp[m] for m in moe_blocks))
+        comm_tp_back.append(sum(kind_tp_back[m] for m in moe_blocks))
         edge_fwd.append((edge.embedding_forward if stage == 0 else 0.0) + (edge.head_forward if stage == len(split) - 1 else 0.0))
         edge_bwd.append((edge.embedding_backward if stage == 0 else 0.0) + (edge.head_backward if stage == len(split) - 1 else 0.0)
                         + edge.norms_backward * len(layers) + routing.replicas_backward * len(moe_layers))
@@ -740,12 +746,12 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     for i in range(len(split)):
         again = blocks_forward[i] + 2 * comm_tp[i] + comm_ep[i] if t.recompute == "full" else recompute * attn_core[i]
         again += recompute * comm_cp[i]
-        stage_bwd.append(2 * forward[i] + 2 * comm_tp[i] + comm_ep_back[i] + cp_backward * comm_cp[i] + again + edge_bwd[i]
+        stage_bwd.append(2 * forward[i] + 2 * comm_tp_back[i] + comm_ep_back[i] + cp_backward * comm_cp[i] + again + edge_bwd[i]
                          + (statistics[i] if full else 0.0))
     compute_total = m * sum(forward[i] * 3 + (blocks_forward[i] if t.recompute == "full" else recompute * attn_core[i])
                             for i in range(len(split))) / d.pp
-    tp_total = m * sum(4 * c + (2 * c if t.recompute == "full" else 0) + f + b
-                       for c, f, b in zip(comm_tp, edge_fwd, edge_bwd)) / d.pp
+    tp_total = m * sum(2 * c + 2 * cb + (2 * c if t.recompute == "full" else 0) + f + b
+                       for c, cb, f, b in zip(comm_tp, comm_tp_back, edge_fwd, edge_bwd)) / d.pp
     cp_total = m * sum((1 + cp_backward + recompute) * c for c in comm_cp) / d.pp
     # the routing report: after the step, one all-reduce per pipeline rank of its MoE layers' loads
     report = sum(routing.report(sum(model.is_moe_layer(layer) for s in range(r, len(split), d.pp) for layer in split[s]))
