@@ -192,17 +192,13 @@ def _measure(rank: int, world_size: int, job) -> dict:
 def _cluster(world_size: int, measured: dict):
     from fivefold.plan.cluster import Accelerator, ClusterSpec, LinkSpec
 
-    def spec(link: dict) -> LinkSpec:  # a native collective also brings its measured times (median per size)
-        return LinkSpec(1 / max(link["beta"], 1e-30) / 1e9, max(link["alpha"], 0.0) * 1e6, link.get("ranks", 0),
-                        tuple((size, seconds * 1e6) for size, seconds in link.get("measured", ())))
-
-    link = spec(measured["links"]["intra"] if measured["links"] else {"alpha": 1e-6, "beta": 1e-9})
+    link = LinkSpec.from_fit(measured["links"]["intra"] if measured["links"] else {"alpha": 1e-6, "beta": 1e-9})
     return ClusterSpec(f"this machine, {world_size} ranks",
                        Accelerator("cpu rank", 8.0, measured["rates"], measured["memory_gbs"], shared_cores=measured["cores"],
                                    oversubscribed_efficiency=measured["oversubscribed_efficiency"],
                                    optimizer_gbs=measured["optimizer_gbs"], optimizer_tensor_us=measured["optimizer_tensor_us"]),
                        max(world_size, 1), link, link,
-                       collectives={name: spec(native) for name, native in measured.get("native", {}).items()})
+                       collectives={name: LinkSpec.from_fit(native) for name, native in measured.get("native", {}).items()})
 
 
 def fit_compute(rows: list[dict]) -> tuple[float, float, list[dict]]:

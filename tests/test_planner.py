@@ -375,7 +375,8 @@ def test_a_collectives_measured_times_are_read_at_the_ranks_they_were_timed_over
     data = json.loads(json.dumps(timed.to_dict()))
     for bad in ({"measured": [[16384, 400.0]]}, {"measured": [[16384, 400.0], [16384, 500.0]]},
                 {"measured": [[16384, -1.0], [32768, 500.0]]}, {"ranks": 1}, {"ranks": 0}, {"measured": []},
-                {"measured": [[1, 2, 3], [4, 5, 6]]},
+                {"measured": [[1, 2, 3], [4, 5, 6]]}, {"measured": [[16384, float("nan")], [32768, 500.0]]},
+                {"measured": [[16384, 400.0], [float("inf"), 500.0]]}, {"ranks": True},
                 {"measured": "fast"}, {"spread": 3}):
         broken = json.loads(json.dumps(data))
         broken["collectives"]["all_reduce"].update(bad)

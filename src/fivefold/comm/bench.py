@@ -338,10 +338,6 @@ def cluster_file_of(report: dict) -> str:
     """This machine as a planner cluster file: achieved matmul rates (use `plan --efficiency 1`), fitted links."""
     from fivefold.plan.cluster import Accelerator, ClusterSpec, LinkSpec, cluster_toml
 
-    def spec(link: dict) -> LinkSpec:  # a fit's latency can dip below 0; a native collective brings its measured times
-        return LinkSpec(1 / max(link["beta"], 1e-30) / 1e9, max(link["alpha"], 0.0) * 1e6, link.get("ranks", 0),
-                        tuple((size, seconds * 1e6) for size, seconds in link.get("measured", ())))
-
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / report["node_size"] / 2**30
     spec_ = ClusterSpec(f"this-machine-{report['backend']}",
                         Accelerator(f"{report['device']} rank", round(memory, 2), report["matmul_tflops"],
@@ -349,10 +345,10 @@ def cluster_file_of(report: dict) -> str:
                                     oversubscribed_efficiency=report.get("oversubscribed_efficiency", 1.0),
                                     optimizer_gbs=report.get("optimizer_gbs", 0.0),
                                     optimizer_tensor_us=report.get("optimizer_tensor_us", 0.0)),
-                        report["node_size"], spec(report["links"]["intra"]), spec(report["links"]["inter"]),
+                        report["node_size"], LinkSpec.from_fit(report["links"]["intra"]), LinkSpec.from_fit(report["links"]["inter"]),
                         source=f"fivefold bench comm on {report['world_size']} ranks: fitted links and native "
                                "collectives, timed matmuls (achieved rates: plan with --efficiency 1)",
-                        collectives={name: spec(link) for name, link in report.get("native_links", {}).items()})
+                        collectives={name: LinkSpec.from_fit(link) for name, link in report.get("native_links", {}).items()})
     return cluster_toml(spec_)
 
 

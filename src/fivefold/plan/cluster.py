@@ -130,6 +130,13 @@ class LinkSpec:
         return Link(alpha=self.latency_us * 1e-6, beta=1 / (self.bandwidth_gbs * 1e9), ranks=self.ranks,
                     measured=tuple((size, us * 1e-6) for size, us in self.measured))
 
+    @classmethod
+    def from_fit(cls, link: dict) -> "LinkSpec":
+        """The spec of a fitted `Link` given as a dict (comm/bench.py reports; a fit's latency can dip below 0),
+        with a native collective's measured times if it carries them."""
+        return cls(1 / max(link["beta"], 1e-30) / 1e9, max(link["alpha"], 0.0) * 1e6, link.get("ranks", 0),
+                   tuple((size, seconds * 1e6) for size, seconds in link.get("measured", ())))
+
 
 
 @dataclass(frozen=True)

@@ -211,6 +211,12 @@ def compute_dtype(config: JobConfig) -> str:
     return "bf16" if config.train.dtype == "bf16" or (z.zero_stage and z.param_dtype == "bf16") else "fp32"
 
 
+def weight_element(config: JobConfig) -> int:
+    """Bytes per weight element the collectives move: ZeRO's bf16 compute weights (param_dtype), else fp32."""
+    z = config.data_parallel
+    return 2 if z.zero_stage and z.param_dtype == "bf16" else 4
+
+
 def degrees_of(config: JobConfig, gpus: int) -> Degrees:
     """The runtime's checks, then the degrees (`dims_for`): an infeasible layout raises ConfigError with the reason."""
     from fivefold.parallel.expert_parallel import check_expert_parallel, token_fiber_size
@@ -795,7 +801,7 @@ class RoutingCollectives:
     """Seconds of a MoE layer's small collectives beside its exchanges: its routing statistics' all-reduce for the
     balancing loss, once per micro-batch (model/moe.py), the all-reduces summing the router's and shared experts'
     weight gradients over the tp ranks under sequence parallelism, per backward, and the trainer's routing report
-    after the step (train/routing_report.py), per layer of a stage."""
+    after the step (train/routing_report.py), one all-reduce per pipeline rank (`report`)."""
 
     statistics: float = 0.0
     replicas_backward: float = 0.0
@@ -833,8 +839,7 @@ def _routing_collectives(config: JobConfig, model: ModelConfig, d: Degrees, clus
                                 sequence if sp else (sequence - 1) * d.tp + 1)
     replicas = 0.0
     if sp:
-        z = config.data_parallel
-        element = 2 if z.zero_stage and z.param_dtype == "bf16" else 4
+        element = weight_element(config)
         weights = ([model.shared_hidden_dim * model.dim] * 3 if model.shared_hidden_dim else []) + \
             ([model.dim] if model.shared_hidden_dim and model.moe_shared_gate else []) + [model.n_experts * model.dim]
         replicas = sum(all_reduce(n * element, d.tp, d.tp) for n in weights)
@@ -870,10 +875,9 @@ def _tensor_parallel_edges(config: JobConfig, model: ModelConfig, d: Degrees, cl
 
     t = config.train
     loss = 3 * collective("all_reduce", t.micro_batch_size * (t.seq_len // d.cp) * 4)
-    if not (config.tensor_parallel.sequence_parallel and d.tp > 1):
+    if not config.tensor_parallel.sequence_parallel:
         return TensorParallelEdges(collective("all_reduce", activation), 0.0, loss, collective("all_reduce", activation))
-    z = config.data_parallel
-    norm = collective("all_reduce", model.dim * (2 if z.zero_stage and z.param_dtype == "bf16" else 4))
+    norm = collective("all_reduce", model.dim * weight_element(config))
     return TensorParallelEdges(collective("reduce_scatter", activation), collective("all_gather", activation),
                                collective("all_gather", activation) + loss,
                                collective("reduce_scatter", activation) + norm, 2 * norm)
@@ -1000,11 +1004,11 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
     stages = list(range(0, len(split), d.pp))
     layers = [layer for s in stages for layer in split[s]]
     params = rank_parameters(model, layers, True, len(split) == 1, d.tp, d.ep, d.etp, pipelined=d.pp > 1)
-    weight_element = 2 if z.zero_stage and z.param_dtype == "bf16" else 4
-    grad_element = 2 if g.reduce_dtype == "bf16" else weight_element
+    element = weight_element(config)
+    grad_element = 2 if g.reduce_dtype == "bf16" else element
     # the routed experts are a second instance over their expert-data-parallel group (parallel/data_parallel.py)
     dense, routed = params.dense, params.experts
-    weight_bytes, grad_bytes = dense * weight_element, dense * grad_element
+    weight_bytes, grad_bytes = dense * element, dense * grad_element
     span = group * d.tp
     buckets = max(1, int((params.total * grad_element) // (g.bucket_mb * 2**20)))
 
@@ -1035,7 +1039,7 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
     if routed and experts > 1:  # plain ZeRO at the same stage over the EDP group
         from fivefold.parallel.shard_layout import stage_degrees
 
-        time += _sharded_time(stage_degrees(z, experts, experts), d, cluster, routed * weight_element,
+        time += _sharded_time(stage_degrees(z, experts, experts), d, cluster, routed * element,
                               routed * grad_element, m, forward, backward, buckets)
     return time
 

@@ -75,7 +75,7 @@ from fivefold.parallel.shard_layout import GROUP_KINDS
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.estimate import (Degrees, PassCosts, compute_dtype, degrees_of, dispatch_rows, model_for, offload_seconds,
-                                    pass_costs, zero_degrees)
+                                    pass_costs, weight_element, zero_degrees)
 from fivefold.plan.expert_load import Matrix, exchange_matrices, expert_rows_by_load, imbalance
 from fivefold.plan.parameters import padded_vocab
 from fivefold.plan.zero_traffic import quantized_parts
@@ -294,10 +294,8 @@ class _Builder:
         self.tp_overlap = self.sp and config.tensor_parallel.comm_overlap
         self.activation = t.micro_batch_size * (t.seq_len // d.cp) * self.model.dim * self.element
         self.per_node = cluster.accelerators_per_node
-        z = config.data_parallel
-        self.reduce_element = 2 if config.gradient_comm.reduce_dtype == "bf16" else \
-            (2 if z.zero_stage and z.param_dtype == "bf16" else 4)
-        self.weight_element = 2 if z.zero_stage and z.param_dtype == "bf16" else 4
+        self.weight_element = weight_element(config)
+        self.reduce_element = 2 if config.gradient_comm.reduce_dtype == "bf16" else self.weight_element
         self.zero_node = config.gradient_comm.node_size or cluster.accelerators_per_node  # ZeRO++'s nodes
         self.expert_groups: dict[str, dict[int, tuple[int, ...]]] = {}  # "ep" / "etp" / "edp" -> rank -> its group
         if self.model.n_experts:
