@@ -75,6 +75,12 @@ def test_preset_from_command_line():
         (["--gradient_comm.bucket_mb", "nan"], r"gradient_comm.bucket_mb = nan: must be a finite number"),
         (["--train.recompute", "some"], r"train.recompute = 'some' is not one of none, full, selective"),
         (["--parameter_server.staleness", "-1"], r"parameter_server.staleness = -1: must be >= 0"),
+        (["--pipeline_parallel.scatter_gather", "true"], r"scatter_gather splits the messages between pipeline stages: "
+                                                          r"set pipeline_parallel.degree > 1"),
+        (["--pipeline_parallel.degree", "2", "--pipeline_parallel.scatter_gather", "true"],
+         r"whole on every rank of a tensor-parallel group of 1: set tensor_parallel.degree > 1"),
+        (["--pipeline_parallel.degree", "2", "--pipeline_parallel.scatter_gather", "true", "--tensor_parallel.degree",
+          "2", "--tensor_parallel.sequence_parallel", "true"], r"sequence_parallel already sends each rank's own sequence"),
     ],
 )
 def test_bad_input_names_the_setting(args, message):

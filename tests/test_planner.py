@@ -188,6 +188,17 @@ def test_search_ranks_feasible_layouts_and_writes_a_config_train_accepts(tmp_pat
     assert (tmp_path / "memory.png").stat().st_size > 0
 
 
+def test_a_search_from_a_scattering_pipeline_layout_searches_every_layout():
+    """The search gives every tp > 1 layout sequence parallelism, whose stage messages are split already: a base
+    config with pipeline_parallel.scatter_gather (valid for its own pp 2 x tp 2 without sp) searches the same
+    layouts as one without, instead of refusing all of them."""
+    plain = search(_config(), 16, CLUSTERS["h100-sxm"], 32, refine=5)
+    scattering = search(_config("--pipeline_parallel.degree", "2", "--tensor_parallel.degree", "2",
+                                "--pipeline_parallel.scatter_gather", "true"), 16, CLUSTERS["h100-sxm"], 32, refine=5)
+    assert (scattering.considered, scattering.rejected) == (plain.considered, plain.rejected)
+    assert [c.pipeline_parallel for c, _ in scattering.ranked] == [c.pipeline_parallel for c, _ in plain.ranked]
+
+
 def test_refusing_a_family_at_once_gives_the_one_by_one_result(monkeypatch):
     """The search checks the data-parallel rules once per family of layouts (they read none of what varies
     inside it): the same candidates are considered, refused for the same reasons in the same numbers, and

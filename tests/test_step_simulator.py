@@ -237,6 +237,31 @@ def test_pipeline_on_a_free_network_is_the_schedule_makespan(schedule, virtual):
     assert phases["pipeline"] > 0
 
 
+def test_scattered_pipeline_messages_are_a_tp_share_plus_an_all_gather():
+    """pipeline_parallel.scatter_gather: each tp rank sends 1/tp of every activation and gradient to its peer
+    stage, whose ranks all-gather the pieces over tp (one per message received). With the stages on different
+    nodes (2 GPUs per node: tp inside, pp across) the step is shorter, in the simulator as in the planner."""
+    from fivefold.sim.workload import build_workload
+
+    two_per_node = dataclasses.replace(H100, accelerators_per_node=2)
+    steps, plans, calls = {}, {}, {}
+    for scatter in ("false", "true"):
+        config = _config("--pipeline_parallel.degree", "4", "--tensor_parallel.degree", "2", "--model.n_layers", "8",
+                         "--train.grad_accum_steps", "8", "--train.micro_batch_size", "8",
+                         "--pipeline_parallel.scatter_gather", scatter)
+        steps[scatter] = simulate_step(config, 8, two_per_node, 0.5, "flow", vocab_size=257).time
+        plans[scatter] = estimate(config, 8, two_per_node, 0.5, vocab_size=257).time.total
+        calls[scatter] = build_workload(config, 8, two_per_node, 0.5, "flow", vocab_size=257).calls(2)  # stage 1, tp 0
+    activation = 8 * 128 * 256 * 4  # micro-batch x sequence x dim x fp32
+    sends = lambda scatter: sorted(n for kind, _, n in calls[scatter] if kind == "send")  # noqa: E731
+    gathers = [(members, n) for kind, members, n in calls["true"] if kind == "all_gather"]
+    assert sends("false") == [activation] * 16  # 8 micro-batches: an activation on, a gradient back
+    assert sends("true") == [activation // 2] * 16
+    assert gathers == [((2, 3), activation)] * 16  # every message received, all-gathered over the stage's tp pair
+    assert steps["true"] < steps["false"] and plans["true"] < plans["false"]
+    assert plans["true"] == pytest.approx(steps["true"], rel=0.03)
+
+
 def test_ranks_sharing_a_hosts_cores_lend_them_while_they_wait():
     """Processor sharing in the engine (sim/cores.py). By hand: two ranks on one core, each given 1 s of compute
     (its time with both computing), then rank 1 computes 1 s more: together they finish the first at 1 s,

@@ -7,7 +7,7 @@ point-to-point send as (sender, receiver, bytes). The simulator builds the same 
 be equal. This covers DDP's buckets (backend and hand-written all-reduce, in which case every
 message of the algorithm is compared), ZeRO-1/2/3, hybrid sharding and independent P/G/OS degrees (AMSP, MiCS), tensor parallelism with and
 without sequence parallelism (blocks, vocab-parallel embedding, head and loss, the norms' summed
-gradients), the pipeline schedules' activations and gradients, ring, Ulysses and 2D context
+gradients), the pipeline schedules' activations and gradients (whole, or scattered over tp and all-gathered), ring, Ulysses and 2D context
 parallelism, recomputation, collective matmuls (tensor_parallel.comm_overlap), ZeRO++ (quantised gathers, hpZ's in-node backward gathers, qgZ's two levels
 of all-to-alls) and mixture-of-experts layers (expert and expert-tensor parallelism's all-to-alls, the
 experts' own DDP buckets and ZeRO groups over their expert-data-parallel group, the router's and
@@ -67,6 +67,10 @@ LAYOUTS = {
                                          pipeline_parallel={"degree": 2, "schedule": "zb-h1"}, train={"grad_accum_steps": 2}),
         "tp2-pp2-sp": dict(tensor_parallel={"degree": 2, "sequence_parallel": True}, pipeline_parallel={"degree": 2},
                            train={"grad_accum_steps": 2}),
+        "tp2-pp2-scatter-gather-interleaved": dict(tensor_parallel={"degree": 2},
+                                                   pipeline_parallel={"degree": 2, "schedule": "interleaved", "virtual": 2,
+                                                                      "scatter_gather": True},
+                                                   model={"n_layers": 4}, train={"grad_accum_steps": 2}),
         "cp2-tp2": dict(context_parallel={"degree": 2}, tensor_parallel={"degree": 2}),
         "cp4-ulysses-selective": dict(context_parallel={"degree": 4, "method": "ulysses"},
                                       model={"n_heads": 4, "n_kv_heads": 4}, train={"recompute": "selective"}),

@@ -12,6 +12,8 @@ while every pipeline schedule lands within 3e-7 of accumulation. Comparing with 
 keeps the tolerance tight (PARAM_ATOL = 1e-5) and isolates what the pipeline changes.
 """
 
+import json
+
 import pytest
 
 from parity.harness import CP_PARAM_ATOL, TP_PARAM_ATOL, assert_parity, train_distributed, train_single, with_changes
@@ -79,6 +81,25 @@ def test_pp2_x_tp2_sequence_parallel_zero_bubble(deep, deep_reference, tmp_path,
                         tensor_parallel={"degree": 2, "sequence_parallel": True, "comm_overlap": overlap})
     diffs = assert_parity(deep_reference, train_distributed(config, 4), param_atol=TP_PARAM_ATOL)
     print(f"pp2 x tp2 sp zb-h1 (overlap {overlap}): {diffs}")
+
+
+@pytest.mark.parametrize("schedule,virtual", [("interleaved", 2), ("zb-h1", 1)])
+def test_pp2_x_tp2_scatter_gather(deep, deep_reference, tmp_path, schedule, virtual):
+    """Each tp rank sends half of every activation and gradient; the receivers all-gather them (SC21's
+    scatter/gather): the same training as whole messages."""
+    config = with_changes(_pipelined(deep, tmp_path, f"pp-tp-sg-{schedule}", 4, pp=2, schedule=schedule,
+                                     virtual=virtual, tensor_parallel={"degree": 2}),
+                          pipeline_parallel={"scatter_gather": True})
+    diffs = assert_parity(deep_reference, train_distributed(config, 4), param_atol=TP_PARAM_ATOL)
+    # evaluation runs the forward-only path, which scatters and gathers as well
+    single, pipelined = (_validation_loss(c.train.output_dir) for c in (deep, config))
+    assert abs(single - pipelined) <= 1e-5 * single, (single, pipelined)
+    print(f"pp2 x tp2 scatter/gather {schedule}: {diffs}, validation loss {single} vs {pipelined}")
+
+
+def _validation_loss(output_dir: str) -> float:
+    with open(f"{output_dir}/metrics.jsonl") as f:
+        return [row for row in map(json.loads, f) if "val_loss" in row][-1]["val_loss"]
 
 
 def test_pp2_x_cp2_ring(deep, deep_reference, tmp_path):

@@ -380,9 +380,14 @@ class PipelineParallelConfig:
     """Blocks per stage, e.g. `3,4,4,3`, overriding the balanced split; empty = balance by `balance`."""
     balance: str = "flops"
     """Cost the stage split balances: `flops` (training FLOPs, head included) or `params` (parameters, embedding included)."""
+    scatter_gather: bool = False
+    """With tensor_parallel.degree > 1 and no sequence parallelism: each tensor-parallel rank sends 1/degree of a stage's activation (and gradient) and the receiving stage all-gathers the pieces over its tensor-parallel group (Megatron-LM's scatter/gather): degree times fewer bytes between stages, one all-gather inside each."""
 
     def validate(self) -> None:
         _positive("pipeline_parallel", self, "degree", "virtual")
+        if self.scatter_gather and self.degree == 1:
+            raise ConfigError("pipeline_parallel.scatter_gather splits the messages between pipeline stages: set "
+                              "pipeline_parallel.degree > 1 or leave scatter_gather off")
         if self.degree == 1 and (self.virtual > 1 or self.layers_per_stage):
             raise ConfigError("pipeline_parallel.virtual and pipeline_parallel.layers_per_stage split a pipeline: "
                               "set pipeline_parallel.degree > 1")
@@ -540,6 +545,7 @@ class JobConfig:
             raise ConfigError(f"fault.step = {self.fault.step} lies after the last step (train.steps = {self.train.steps}): "
                               "the fault would never fire")
         self.validate_data_parallel()
+        self._validate_scatter_gather()
         self._validate_gradient_comm()
         self._validate_parameter_server()
         return self
@@ -567,6 +573,15 @@ class JobConfig:
                 "ZeRO-2/3 reduce-scatter (and ZeRO-3 regathers) per micro-batch backward, which the pipeline interleaves; "
                 "use zero_stage 0 or 1 with pipelining (as DeepSpeed's pipeline engine does)"
             )
+
+    def _validate_scatter_gather(self) -> None:
+        tp = self.tensor_parallel
+        if self.pipeline_parallel.scatter_gather and (tp.degree == 1 or tp.sequence_parallel):
+            why = ("the stages' activations are whole on every rank of a tensor-parallel group of 1"
+                   if tp.degree == 1 else "tensor_parallel.sequence_parallel already sends each rank's own sequence slice")
+            raise ConfigError(f"pipeline_parallel.scatter_gather splits a stage's activation over its tensor-parallel "
+                              f"ranks, but {why}: set tensor_parallel.degree > 1 without sequence_parallel, or leave "
+                              "scatter_gather off")
 
     def _validate_gradient_comm(self) -> None:
         """Settings that a mode would ignore are errors, never silence."""

@@ -262,7 +262,7 @@ def build_step(model: Transformer, folds: ModelParallel, sync: GradientSync, mes
     dtype = next(model.parameters()).dtype  # the residual stream's dtype (autocast leaves it)
     executor = PipelineExecutor(model, stages, shape, pipe.schedule, mesh.group("pp"), loss,
                                 (t.micro_batch_size, seq, model.config.dim), dtype, next(model.parameters()).device,
-                                autocast)
+                                autocast, folds.tp_group if pipe.scatter_gather else None)
     return PipelineStep(executor, pipe.schedule, sync, mesh.group("pp"), dp_rank, dp, mesh.group("dp_cp"))
 
 

@@ -767,7 +767,12 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
         pipe = config.pipeline_parallel
         unit_f, unit_b = max(stage_fwd), max(stage_bwd)
         scale = tuple(max(f / unit_f, bw / unit_b) for f, bw in zip(stage_fwd, stage_bwd))
-        send = links.link_for(d.world).message(activation_bytes // (d.tp if sp else 1))
+        # a message between stages: the whole activation, or 1/tp of it (sequence parallelism; scatter/gather,
+        # whose receivers then all-gather the pieces over tp before the compute that needs them)
+        scatter = pipe.scatter_gather and d.tp > 1
+        send = links.link_for(d.world).message(activation_bytes // (d.tp if sp or scatter else 1))
+        if scatter:
+            send += native_collective("all_gather", activation_bytes, d.tp, cluster.collective_link("all_gather", d.tp))
         sharing = core_sharing(config, d, cluster)
         costs = Costs(forward=unit_f, backward=unit_b, backward_input=unit_b / 2, backward_weight=unit_b / 2,
                       latency=send, stage_scale=scale, sharing=sharing)

@@ -86,7 +86,8 @@ def gpt_config(hidden: int, heads: int, layers: int, tp: int, pp: int, micro_bat
                virtual: int = 1) -> JobConfig:
     """A published GPT row as a fivefold job: width, depth and heads, the papers' vocabulary and sequence,
     tied embeddings, a SwiGLU width of 8h/3 (rounded to a multiple of tp: the MLP keeps its 8h^2 weights),
-    bf16, the given recomputation and tp / sp / pp layout, DDP (neither paper shards optimizer states)."""
+    bf16, the given recomputation and tp / sp / pp layout, DDP (neither paper shards optimizer states); with
+    tp and pp but no sp, messages between stages scattered over tp and all-gathered (Megatron-LM's scatter/gather)."""
     ffn = round(8 * hidden / 3 / tp) * tp
     overrides = [
         f"--model.dim={hidden}", f"--model.n_layers={layers}", f"--model.n_heads={heads}", f"--model.n_kv_heads={heads}",
@@ -99,6 +100,8 @@ def gpt_config(hidden: int, heads: int, layers: int, tp: int, pp: int, micro_bat
         overrides.append("--tensor_parallel.sequence_parallel=true")
     if pp > 1:
         overrides += [f"--pipeline_parallel.schedule={schedule}", f"--pipeline_parallel.virtual={virtual}"]
+    if pp > 1 and tp > 1 and not sequence_parallel:  # Megatron-LM's default (SC21, section 4.1)
+        overrides.append("--pipeline_parallel.scatter_gather=true")
     return load_config(None, overrides)
 
 

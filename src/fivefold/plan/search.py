@@ -140,8 +140,9 @@ def _member(family: JobConfig, pp: int, recompute: str, micro: int, accum: int, 
     r = dataclasses.replace
     return r(family,
              train=r(family.train, micro_batch_size=micro, grad_accum_steps=accum, recompute=recompute),
+             # tp > 1 always comes with sequence parallelism here, whose stage messages are already split over tp
              pipeline_parallel=r(family.pipeline_parallel, degree=pp, schedule=schedule, virtual=virtual,
-                                 layers_per_stage=list(layers)))
+                                 layers_per_stage=list(layers), scatter_gather=False))
 
 
 def fit_stages(config: JobConfig, found: Estimate, gpus: int, cluster: ClusterSpec, efficiency: float = 0.5,

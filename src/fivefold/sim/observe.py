@@ -38,6 +38,7 @@ def recording_traffic(calls: list[Call]) -> Iterator[list[Call]]:
     metrics of a logged step: bookkeeping, not the step) calls all_gather itself."""
     from fivefold.comm import native
     from fivefold.parallel import collectives, tensor_parallel, zero, zero_pp
+    from fivefold.parallel.pipeline import executor
 
     saved: list[tuple[object, str, object]] = []
     inside: list[bool] = []
@@ -84,7 +85,7 @@ def recording_traffic(calls: list[Call]) -> Iterator[list[Call]]:
     for module in (dist, c10d):
         for name, wrapper in wrappers.items():
             patch(module, name, wrapper)
-    for module in (native, collectives, tensor_parallel, zero, zero_pp):
+    for module in (native, collectives, tensor_parallel, zero, zero_pp, executor):
         if hasattr(module, "all_gather_flat"):
             patch(module, "all_gather_flat", gather)
         if hasattr(module, "reduce_scatter_flat"):

@@ -975,7 +975,8 @@ class _Builder:
         self.reduced: set[tuple[int, int, str]] = set()  # (ZeRO part, stage, unit)
         self.gathering: dict[tuple[int, str], str] = {}
         self.root_gathered: set[int] = set()
-        wire = self.activation // (d.tp if self.sp else 1)
+        scatter = pipe.scatter_gather and d.tp > 1  # each tp rank sends its piece; the receivers all-gather
+        wire = self.activation // (d.tp if self.sp or scatter else 1)
         key = (rank, COMPUTE)
         posts: list[Op] = []
         receives: list[int] = []
@@ -999,6 +1000,8 @@ class _Builder:
             self.programs[key].extend(posts)  # the executor's batch_isend_irecv at the next compute
             if receives:
                 self.programs[key].append(Wait(tuple(receives), "pp"))
+                for _ in receives if scatter else ():
+                    self.collective(rank, COMPUTE, "all_gather", self.grid.group(rank, ("tp",)), self.activation, "pp")
             posts, receives = [], []
             # DDP and whole-gradient ZeRO reduce in the last micro-batch's backward without a pipeline (the
             # pipeline's micro-batches all run under no_sync); sharded gradients in every one

@@ -18,6 +18,13 @@ Communication instructions that follow each other are posted together with one
 `batch_isend_irecv` when the next compute instruction (or the end) is reached, so a forward's
 send and the next backward's receive travel together (Megatron-LM's send_forward_recv_backward);
 a compute waits only for the receives it needs, sends are waited for at the end of the step.
+
+Scatter/gather (pipeline_parallel.scatter_gather; Narayanan et al., SC21, section 4.1): without
+sequence parallelism a stage's output, and the gradient of its input, are whole and equal on every
+tensor-parallel rank, so each tp rank sends only its 1/tp contiguous piece of the flattened tensor to
+the same tp rank of the next (previous) stage, and the receivers all-gather the pieces over their tp
+group once the receives are in, before the compute that needs them. Between stages (across nodes,
+as Megatron-LM lays them out) tp times fewer bytes travel; the all-gather stays inside the node.
 All messages between two ranks use one tag: the order the streams post them in is the order they
 are matched in (the simulator checks the streams are FIFO per channel, as NCCL requires).
 
@@ -36,6 +43,7 @@ trainer turns the times into the measured bubble and the Chrome trace (pipeline/
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -46,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from fivefold.comm.native import all_gather_flat
 from fivefold.parallel.pipeline.schedules import Instruction, Op, PipelineShape, schedule
 from fivefold.parallel.pipeline.stages import PipelineStage
 from fivefold.reliability.activity import phase
@@ -169,6 +178,7 @@ class _Pending:
     ops: list[dist.P2POp] = field(default_factory=list)
     receives: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # labels for the trace
     sends: list[torch.Tensor] = field(default_factory=list)
+    gathers: list[tuple[str, int, int]] = field(default_factory=list)  # inbox keys holding a scattered piece
 
 
 class PipelineExecutor:
@@ -186,7 +196,9 @@ class PipelineExecutor:
         dtype: torch.dtype,
         device: torch.device,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        scatter_group: dist.ProcessGroup | None = None,
     ):
+        """scatter_group: the tensor-parallel group messages are scattered over (pipeline_parallel.scatter_gather)."""
         self.model, self.shape, self.group = model, shape, group
         self.rank = dist.get_rank(group)
         self.stages = {stage.index: stage for stage in stages}
@@ -196,6 +208,10 @@ class PipelineExecutor:
         # a plain (logits, labels) function, as benchmarks pass, wants logits
         self.project = getattr(loss_sum, "project", True)
         self.activation_shape, self.dtype, self.device = activation_shape, dtype, device
+        self.scatter_group = scatter_group
+        self.pieces = dist.get_world_size(scatter_group) if scatter_group is not None else 1
+        if self.pieces > 1 and math.prod(activation_shape) % self.pieces:
+            raise ValueError(f"a stage's activation {activation_shape} does not split into {self.pieces} equal pieces")
         self.global_rank = {r: dist.get_global_rank(group, r) for r in range(shape.ranks)}
         self.store = WeightGradStore()
         self.splits_backward = any(i.op == Op.BACKWARD_INPUT for i in self.stream)
@@ -224,15 +240,17 @@ class PipelineExecutor:
         pending = _Pending()
         for ins in self.stream:
             if ins.op in (Op.RECV_ACT, Op.RECV_GRAD):
-                buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+                buffer = self._receive_buffer()
                 kind = "act" if ins.op == Op.RECV_ACT else "grad"
                 self._inbox[(kind, ins.stage, ins.microbatch)] = buffer
+                if self.pieces > 1:
+                    pending.gathers.append((kind, ins.stage, ins.microbatch))
                 pending.ops.append(dist.P2POp(dist.irecv, buffer, self.global_rank[ins.peer], self.group))
                 pending.receives.append((str(ins), buffer))
             elif ins.op in (Op.SEND_ACT, Op.SEND_GRAD):
                 key = (ins.stage, ins.microbatch)
                 tensor = self._saved[key][1].detach() if ins.op == Op.SEND_ACT else self._input_grads.pop(key)
-                tensor = tensor.contiguous()
+                tensor = self._piece(tensor.contiguous())
                 pending.ops.append(dist.P2POp(dist.isend, tensor, self.global_rank[ins.peer], self.group))
                 pending.sends.append(tensor)
             elif ins.op == Op.FORWARD:
@@ -277,11 +295,32 @@ class PipelineExecutor:
         with phase(f"pipeline {names}", comm=True):
             for work in receive_works:
                 work.wait()
+            for key in pending.gathers:
+                self._inbox[key] = self._gather(self._inbox[key])
         if self.synchronize and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.events.append(TimedEvent(names, "comm", start - self._t0, time.perf_counter() - self._t0))
         self._send_works = [(w, t) for w, t in self._send_works if not w.is_completed()]
         return _Pending()
+
+    # ------------------------------------------------------------------------ scatter / gather
+    def _receive_buffer(self) -> torch.Tensor:
+        """A buffer for one incoming message: the whole activation, or this rank's piece of it."""
+        if self.pieces == 1:
+            return torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+        return torch.empty(math.prod(self.activation_shape) // self.pieces, dtype=self.dtype, device=self.device)
+
+    def _piece(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What this rank sends of a whole (tp-replicated) contiguous tensor: all of it, or its piece (a view)."""
+        if self.pieces == 1:
+            return tensor
+        return tensor.view(-1).chunk(self.pieces)[dist.get_rank(self.scatter_group)]
+
+    def _gather(self, piece: torch.Tensor) -> torch.Tensor:
+        """The whole tensor from every tp rank's piece (each received from its own peer in the other stage)."""
+        whole = torch.empty(piece.numel() * self.pieces, dtype=piece.dtype, device=piece.device)
+        all_gather_flat(whole, piece, group=self.scatter_group)
+        return whole.view(self.activation_shape)
 
     def _wait_sends(self) -> None:
         with phase(f"pipeline wait for {len(self._send_works)} sends", comm=True):
@@ -347,14 +386,16 @@ class PipelineExecutor:
                 if stage.is_first:
                     x = batch.inputs
                 else:
-                    x = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+                    x = self._receive_buffer()
                     dist.recv(x, self.global_rank[self.shape.rank_of(index - 1)], group=self.group)
+                    if self.pieces > 1:
+                        x = self._gather(x)
                 with self.autocast():
                     out = stage.forward(self.model, x, batch.positions, self.project)
                 if stage.is_last:
                     loss += self.loss_sum(out, batch.labels).double()
                 else:
-                    out = out.contiguous()
+                    out = self._piece(out.contiguous())
                     sends.append((dist.isend(out, self.global_rank[self.shape.rank_of(index + 1)], group=self.group), out))
         for work, _ in sends:
             work.wait()
