@@ -24,14 +24,17 @@ parallel splits, communication, recomputation, the pipeline bubble.
     python benchmarks/plan_vs_measured.py                    # the table of docs/planner.md
     python benchmarks/plan_vs_measured.py --steps 2 --quick  # a few layouts (the test's run)
     python benchmarks/plan_vs_measured.py --replay rows.json # predict an earlier run's --json again
+    python benchmarks/plan_vs_measured.py --replay rows.json --fidelity flow  # ... simulating at flow level
     python benchmarks/plan_vs_measured.py --only single,ep2  # the named layouts only
 
 Prints one row per layout (predicted, measured, error) and
 RESULT name=plan_vs_measured layouts=N efficiency=... overhead_us=... median_abs_error=...
        multi_rank_median_abs_error=... within_10pct=... worst_abs_error=... kendall_tau=... best_gap=...
        sim_median_abs_error=... sim_worst_abs_error=... sim_within_10pct=...
-(the sim_ figures: `fivefold simulate`'s step, sim/step.py at flow level, on the same fitted cluster and
-efficiency: the same compute model, the runtime's own collectives and their overlap played out)
+(the sim_ figures: `fivefold simulate`'s step, sim/step.py at --fidelity, default hybrid as the command's, on
+the same fitted cluster and efficiency: the same compute model, the runtime's own collectives and their
+overlap played out; on one host hybrid plays each gloo collective for its measured time, flow as a ring's
+messages on the ping-pong links)
 (Kendall's tau between the predicted and measured order of the layouts of the largest world size,
 and how much slower the predicted best measures than the measured best).
 """
@@ -49,6 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ranks import spawn  # noqa: E402
+from fivefold.sim.names import FIDELITIES  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
 
@@ -284,6 +288,8 @@ def main() -> int:
     parser.add_argument("--plot", help="draw predicted vs measured (PNG)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--replay", help="predict again the measurements stored by an earlier run's --json")
+    parser.add_argument("--fidelity", default="hybrid", choices=FIDELITIES,
+                        help="how the simulator plays collectives (default hybrid, as `fivefold simulate`)")
     args = parser.parse_args()
     if args.batch < 1:
         parser.error(f"--batch {args.batch}: must be at least 1 (layouts alive together)")
@@ -335,7 +341,7 @@ def main() -> int:
           f"{'sim err':>9}")
     for row in rows:
         predicted = estimate(row["config"], row["world_size"], row["cluster"], efficiency, vocab_size=257).time.total
-        simulated = simulate_step(row["config"], row["world_size"], row["cluster"], efficiency, "flow",
+        simulated = simulate_step(row["config"], row["world_size"], row["cluster"], efficiency, args.fidelity,
                                   vocab_size=257, record_spans=False).time
         error, sim_error = predicted / row["measured"] - 1, simulated / row["measured"] - 1
         row.update(predicted=predicted, error=error, simulated=simulated, sim_error=sim_error)
