@@ -434,6 +434,10 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     states: dict[tuple, tuple[int, int, int, int]] = {}  # pipeline ranks holding alike blocks hold alike states
     out = []
     z = config.data_parallel
+    tokens = t.micro_batch_size * (t.seq_len // d.cp)
+    last_logits = (logits_bytes(tokens, padded_vocab(model.vocab_size, d.tp) // d.tp, held, t.loss_chunk_tokens)
+                   + final_norm_bytes(tokens, model.dim, held, d.tp if sp else 1))
+    alike: dict[tuple, RankMemory] = {}  # (states key, activation bytes) -> the rank's memory (without NVMe)
     for rank in range(d.pp):
         stages, first, last = _rank_stages(split, d.pp, rank)
         if model.n_experts:
@@ -456,18 +460,21 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
             states[key] = (*_model_states(params, config, d), _buffers(config, model, d, layers, moe, sp, first, last),
                            params.total,
                            ddp_bucket_bytes(config, params, d))
+        # with interleaving a rank's peak (micro-batch, stage) pairs spread over its stages: the largest bounds each
+        activations = element * per_stage * in_flight[rank]
+        if not z.nvme_path and (key, activations) in alike:
+            out.append(alike[(key, activations)])
+            continue
         p, g, o, buffers, count, buckets = states[key]
         host = o if z.offload else 0
         nvme = 0
         if z.nvme_path:
             nvme, host = o, nvme_host_bytes([-(-_largest_group(model, layers, count, d) // (d.dp_shard * d.cp))],
                                             z.nvme_sub_group)
-        # with interleaving a rank's peak (micro-batch, stage) pairs spread over its stages: the largest bounds each
-        activations = element * per_stage * in_flight[rank]
-        tokens = t.micro_batch_size * (t.seq_len // d.cp)
-        logits = (logits_bytes(tokens, padded_vocab(model.vocab_size, d.tp) // d.tp, held, t.loss_chunk_tokens)
-                  + final_norm_bytes(tokens, model.dim, held, d.tp if sp else 1)) if last else 0
-        out.append(RankMemory(p, g, 0 if z.offload else o, activations, logits, buffers, host, count, buckets, nvme))
+        logits = last_logits if last else 0
+        memory = RankMemory(p, g, 0 if z.offload else o, activations, logits, buffers, host, count, buckets, nvme)
+        alike[(key, activations)] = memory
+        out.append(memory)
     return out
 
 
@@ -725,13 +732,14 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     routed_extra = {layer: costs.routed * (busiest_received(rows, row_bytes) / dispatched - 1) if dispatched else 0.0
                     for layer, rows in rows_to.items()}
     for stage, layers in enumerate(split):
-        moe_blocks = [model.is_moe_layer(layer) and bool(model.n_experts) for layer in layers]
-        moe_layers = [layer for layer, moe in zip(layers, moe_blocks) if moe]
-        forward.append(sum(costs.block[m] for m in moe_blocks) + sum(routed_extra.get(layer, 0.0) for layer in moe_layers)
+        moe_layers = [layer for layer in layers if model.is_moe_layer(layer)] if model.n_experts else []
+        counts = ((False, len(layers) - len(moe_layers)), (True, len(moe_layers)))  # (MoE?, blocks of that kind)
+        forward.append(sum(costs.block[m] * n for m, n in counts if n)
+                       + sum(routed_extra.get(layer, 0.0) for layer in moe_layers)
                        + (costs.head if stage == len(split) - 1 else 0.0))
         attn_core.append(costs.core * len(layers))
-        comm_tp.append(sum(kind_tp[m] for m in moe_blocks))
-        comm_tp_back.append(sum(kind_tp_back[m] for m in moe_blocks))
+        comm_tp.append(sum(kind_tp[m] * n for m, n in counts if n))
+        comm_tp_back.append(sum(kind_tp_back[m] * n for m, n in counts if n))
         edge_fwd.append((edge.embedding_forward if stage == 0 else 0.0) + (edge.head_forward if stage == len(split) - 1 else 0.0))
         edge_bwd.append((edge.embedding_backward if stage == 0 else 0.0) + (edge.head_backward if stage == len(split) - 1 else 0.0)
                         + edge.norms_backward * len(layers) + routing.replicas_backward * len(moe_layers))
