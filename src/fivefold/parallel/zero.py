@@ -49,7 +49,7 @@ from fivefold.parallel.checkpoint_layout import MOMENTS, PieceRanks
 from fivefold.parallel.collectives import all_gather_flat, reduce_scatter_flat
 from fivefold.parallel.data_parallel import SkipOnAccumulation, broadcast_module
 from fivefold.parallel.flat_groups import GroupLayout, flat_group_layout, units
-from fivefold.parallel.gradient_sync import GradientSync, GradNorm, clip_, step_tensor
+from fivefold.parallel.gradient_sync import GradientSync, GradNorm, clip_, step_tensor, sum_of_squares
 from fivefold.parallel.zero_pp import (ZeroPPGroups, ZeroPPOptions, ZeroTraffic, quantized_all_gather,
                                        quantized_reduce_scatter)
 from fivefold.parallel.nvme_offload import NvmeOptimizer
@@ -211,7 +211,7 @@ class ZeroDataParallel(SkipOnAccumulation):
         """Per-element weight of this rank's shard in the norm, so values held by several ranks count once."""
         if self.norm.weight is None:
             return None
-        full = torch.zeros(g.padded_numel, dtype=torch.float64, device=self.device)
+        full = torch.zeros(g.padded_numel, dtype=torch.float32, device=self.device)  # 1 / replicas, within 3e-8
         for param, shape, offset in zip(g.params, g.shapes, g.offsets):
             full[offset : offset + shape.numel()] = self.norm.weight(param)
         return full[self.optim_index * g.shard_numel : (self.optim_index + 1) * g.shard_numel].clone()
@@ -431,8 +431,9 @@ class ZeroDataParallel(SkipOnAccumulation):
     # ---------------------------------------------------------------- the step
     def local_squares(self) -> float:
         """This rank's shards' weighted sum of squared gradients."""
-        return sum(float(g.grad_shard.double().pow(2).sum() if g.norm_weights is None
-                         else (g.grad_shard.double().pow(2) * g.norm_weights).sum()) for g in self.groups)
+        weighted = [(g.grad_shard.float().square() * g.norm_weights).sum() for g in self.groups if g.norm_weights is not None]
+        return sum_of_squares([g.grad_shard for g in self.groups if g.norm_weights is None]) + \
+            (float(torch.stack(weighted).double().sum()) if weighted else 0.0)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
