@@ -5,7 +5,7 @@ calls recorded (sim/observe.py): each collective as (kind, the group's ranks, by
 point-to-point send as (sender, receiver, bytes). The simulator builds the same config's workload
 (sim/workload.py, fidelity flow) and logs its calls the same way; per rank the two multisets must
 be equal. This covers DDP's buckets (backend and hand-written all-reduce, in which case every
-message of the algorithm is compared), ZeRO-1/2/3, hybrid sharding and independent P/G/OS degrees (AMSP, MiCS), tensor parallelism with and
+message of the algorithm is compared, and the int8, sign and top-k codecs' exchanges), ZeRO-1/2/3, hybrid sharding and independent P/G/OS degrees (AMSP, MiCS), tensor parallelism with and
 without sequence parallelism (blocks, vocab-parallel embedding, head and loss, the norms' summed
 gradients), the pipeline schedules' activations and gradients (whole, or scattered over tp and all-gathered), ring, Ulysses and 2D context
 parallelism, recomputation, collective matmuls (tensor_parallel.comm_overlap), ZeRO++ (quantised gathers, hpZ's in-node backward gathers, qgZ's two levels
@@ -44,6 +44,9 @@ LAYOUTS = {
         "tp2-full-recompute": dict(tensor_parallel={"degree": 2}, train={"recompute": "full"}),
         "pp2-1f1b": dict(pipeline_parallel={"degree": 2}, train={"grad_accum_steps": 2}),
         "pp2-zb-h1": dict(pipeline_parallel={"degree": 2, "schedule": "zb-h1"}, train={"grad_accum_steps": 2}),
+        "dp2-int8-small-buckets": dict(gradient_comm={"compression": "int8", "bucket_mb": 0.5}),
+        "dp2-sign-block-64": dict(gradient_comm={"compression": "sign", "compression_block": 64}),
+        "dp2-topk": dict(gradient_comm={"compression": "topk", "topk_ratio": 0.05}),
         "dp2-zero1": dict(data_parallel={"zero_stage": 1, "shard": 2}),
         "dp2-zero2-accum2": dict(data_parallel={"zero_stage": 2, "shard": 2}, train={"grad_accum_steps": 2}),
         "dp2-zero3": dict(data_parallel={"zero_stage": 3, "shard": 2}),

@@ -63,6 +63,7 @@ against. Model states are exact against the runtime; the time model's measured e
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -1032,6 +1033,13 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
         return max(comm - compute, comm / buckets)
 
     if z.zero_stage == 0:
+        # every bucket through the codec, the routed experts' over their EDP group (PowerSGD: priced as the plain
+        # all-reduce below, an upper bound: its low-rank factors' sizes follow each weight matrix's shape)
+        if g.compression in ("int8", "sign", "topk"):
+            reduce = _compressed_reduce_time(g, dense, group, buckets, cluster, span) if group > 1 else 0.0
+            expert_reduce = _compressed_reduce_time(g, routed, experts, buckets, cluster, span) \
+                if routed and experts > 1 else 0.0
+            return hidden_behind(reduce + expert_reduce, backward)
         expert_reduce = native("all_reduce", routed * grad_element, experts) if routed and experts > 1 else 0.0
         if group == 1:
             reduce = 0.0
@@ -1055,6 +1063,24 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
         time += _sharded_time(stage_degrees(z, experts, experts), d, cluster, routed * element,
                               routed * grad_element, m, forward, backward, buckets)
     return time
+
+
+def _compressed_reduce_time(g, numel: int, p: int, buckets: int, cluster: ClusterSpec, span: int) -> float:
+    """A step's DDP buckets (`numel` gradients in `buckets` equal buckets) through gradient_comm.compression's codec
+    over p ranks (comm/compression.py), each exchange on the backend's link for the span as the simulator prices it:
+    int8 / sign all-to-all each bucket's codes (bits / 8 bytes per value, the bucket padded to p x block values) and
+    its fp32 scales (one per block), then all-gather the chunk owners' re-compressed sums (the same bytes again);
+    top-k all-gathers every rank's k = ratio x n values and int32 indices (8 bytes each). The codecs' elementwise
+    work (quantising, summing, error feedback) is not priced."""
+    def exchange(kind: str, nbytes: float) -> float:
+        return native_collective(kind, nbytes, p, cluster.collective_link(kind, span))
+
+    per = -(-numel // buckets)
+    if g.compression == "topk":
+        return buckets * exchange("all_gather", p * 8 * max(1, math.ceil(g.topk_ratio * per)))
+    padded = -(-per // (p * g.compression_block)) * p * g.compression_block
+    codes, scales = padded * (1 if g.compression == "sign" else 8) // 8, 4 * padded // g.compression_block
+    return buckets * sum(exchange(kind, n) for kind in ("all_to_all", "all_gather") for n in (codes, scales))
 
 
 def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, weight_bytes: float, grad_bytes: float, m: int,

@@ -52,14 +52,18 @@ fast path, one `Collective` op priced by comm/cost.py:
                 rank per pipeline stage simulated (without contention the ranks of a stage are
                 identical): the path for tens of thousands of accelerators
 
-Not modelled (stated in docs/simulator.md): EPLB's replicated experts, gradient
-compression and priority scheduling, parameter servers, the gradient-norm all-reduce, tied
+Gradient compression's int8, sign and top-k codecs run each DDP bucket as their own exchanges
+(`compressed_reduce`, comm/compression.py): their messages, not the codecs' elementwise work.
+
+Not modelled (stated in docs/simulator.md): EPLB's replicated experts, PowerSGD and priority
+scheduling, parameter servers, the gradient-norm all-reduce, tied
 embeddings across pipeline stages.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -742,8 +746,11 @@ class _Builder:
             if last:
                 for b in part.bucket_of.get((stage, unit.name), []):
                     nbytes = part.buckets[b]
-                    self.pending.append(self.launch(rank, "all_reduce", nbytes, part.group,
-                                                    self.dp_algorithm(nbytes, len(part.group))))
+                    if self.config.gradient_comm.compression != "none" and len(part.group) > 1:
+                        self.compressed_reduce(rank, nbytes // self.reduce_element, part.group)
+                    else:
+                        self.pending.append(self.launch(rank, "all_reduce", nbytes, part.group,
+                                                        self.dp_algorithm(nbytes, len(part.group))))
                     self.launched.add((i, b))
         for i, part in enumerate(self.zero_parts):
             whole = part.degrees.grads == 1  # whole gradients: reduced once, over the block, into optimizer pieces
@@ -757,6 +764,22 @@ class _Builder:
                 if len(group) > 1:
                     self.pending.append(self.launch(rank, "reduce_scatter", n * self.reduce_element, group))
             self.reduced.add((i, stage, unit.name))
+
+    def compressed_reduce(self, rank: int, numel: int, group: tuple[int, ...]) -> None:
+        """One DDP bucket of `numel` values through its codec (comm/compression.py), on the communication thread:
+        int8 / sign all-to-all the bucket's codes and its scales (pairwise), then ring-all-gather the chunk owners'
+        re-compressed sums; top-k ring-all-gathers every rank's k values and int32 indices."""
+        g, p = self.config.gradient_comm, len(group)
+        if g.compression == "topk":
+            k = max(1, math.ceil(g.topk_ratio * numel))
+            self.pending.append(self.launch(rank, "all_gather", p * 8 * k, group, "ring"))
+            return
+        padded = -(-numel // (p * g.compression_block)) * p * g.compression_block
+        codes = padded * (1 if g.compression == "sign" else 8) // 8
+        scales = 4 * padded // g.compression_block
+        for kind, algorithm in (("all_to_all", "pairwise"), ("all_gather", "ring")):
+            for nbytes in (codes, scales):
+                self.pending.append(self.launch(rank, kind, nbytes, group, algorithm))
 
     def quantized_reduce_scatter(self, rank: int, padded: int) -> None:
         """qgZ (parallel/zero_pp.py): all-to-alls of codes and scales within the node, then across the nodes."""
@@ -1026,8 +1049,11 @@ def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:
         reasons.append("data_parallel.mode = ps (parameter servers)")
     if ep.replicas:
         reasons.append("expert_parallel.replicas > 0 (EPLB's replicated experts and their gradient sums)")
-    if g.compression != "none":
-        reasons.append(f"gradient_comm.compression = {g.compression}")
+    if g.compression == "powersgd":
+        reasons.append("gradient_comm.compression = powersgd")
+    if g.compression == "sign" and g.compression_block % 32:
+        reasons.append(f"gradient_comm.compression = sign with compression_block = {g.compression_block}, not a multiple "
+                       "of 32 (its 1-bit codes are played as 4-byte words)")
     if g.schedule != "fifo":
         reasons.append(f"gradient_comm.schedule = {g.schedule}")
     if reasons:
