@@ -121,6 +121,12 @@ LAYOUTS = [
     (4, "dp2-ep2", ["--model.preset", "tiny-moe", "--expert_parallel.degree", "2"]),
 ]
 QUICK = {"single", "single-full", "dp2", "tp2", "pp2-1f1b"}
+# parameter servers: their ranks take roles (the servers answer pushes and pulls until the workers' last step), so
+# each runs alone as a `fivefold train` job after its world size's batches, on that world size's fitted cluster
+SOLO = [
+    (4, "ps3-bsp", ["--data_parallel.mode", "ps"]),
+    (4, "ps2-servers2-bsp", ["--data_parallel.mode", "ps", "--parameter_server.servers", "2"]),
+]
 
 
 def _measure(rank: int, world_size: int, job) -> dict:
@@ -191,6 +197,23 @@ def _measure(rank: int, world_size: int, job) -> dict:
             "oversubscribed_efficiency": oversubscribed_share(world_size, statistics.median(rates["fp32"]),
                                                               ranks_fitting(cores, threads), statistics.median(fitting))
             if fitting else 1.0}
+
+
+def _measure_solo(world_size: int, name: str, argv: list[str], out_root: Path, timed: int, timeout: float) -> float:
+    """A layout run alone by `fivefold train` on `world_size` ranks: the median of its last `timed` steps' seconds
+    (each step's tokens over its logged tokens/s; every step logged)."""
+    import subprocess
+
+    out = out_root / name
+    command = [sys.executable, "-m", "fivefold", "train", "--nproc-per-node", str(world_size), *argv,
+               "--train.log_every", "1", "--train.output_dir", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"{name}: fivefold train exited {done.returncode}: {done.stderr[-2000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "tokens_per_s" in r]
+    seconds = [(b["tokens_seen"] - a["tokens_seen"]) / b["tokens_per_s"] for a, b in zip(rows, rows[1:])]
+    return statistics.median(seconds[-timed:])
 
 
 def _cluster(world_size: int, measured: dict):
@@ -305,10 +328,11 @@ def main() -> int:
             "--logging.tensorboard", "false", "--logging.plot", "false", "--logging.sample_tokens", "0",
             "--train.log_every", "1000"]
     only = {name for name in args.only.split(",") if name}
-    unknown = only - {name for _, name, _ in LAYOUTS}
+    unknown = only - {name for _, name, _ in LAYOUTS + SOLO}
     if unknown:
         parser.error(f"--only: unknown layout(s) {', '.join(sorted(unknown))}")
-    layouts = [row for row in LAYOUTS if (not args.quick or row[1] in QUICK) and (not only or row[1] in only)]
+    layouts = [row for row in LAYOUTS + SOLO if (not args.quick or row[1] in QUICK) and (not only or row[1] in only)]
+    solo = {name for _, name, _ in SOLO}
     if args.replay:  # the stored measurements of an earlier run (its --json), predicted again
         stored = {r["name"]: r for r in json.loads(Path(args.replay).read_text())}
         layouts = [row for row in layouts if row[1] in stored]
@@ -317,13 +341,19 @@ def main() -> int:
         configs = [(name, load_config(ROOT / "configs" / "tiny.toml",
                                       [*base, *extra, "--train.output_dir", str(out_root / name)]))
                    for w, name, extra in layouts if w == world_size]
+        alone = {name: extra for w, name, extra in layouts if w == world_size and name in solo}
         if args.replay:
             for name, config in configs:
                 rows.append({"world_size": world_size, "name": name, "config": config,
                              "cluster": cluster_from_dict(stored[name]["cluster"]), "measured": stored[name]["measured"],
                              "cores": stored[name].get("cores", os.cpu_count() or 1)})
             continue
-        measured = spawn(_measure, world_size, (configs, args.steps, args.warmup, args.batch), args.timeout)
+        together = [(name, config) for name, config in configs if name not in alone] or \
+            [("_fit", load_config(ROOT / "configs" / "tiny.toml", [*base, "--train.output_dir", str(out_root / "_fit")]))]
+        measured = spawn(_measure, world_size, (together, args.steps, args.warmup, args.batch), args.timeout)
+        for name, extra in alone.items():
+            measured["times"][name] = _measure_solo(world_size, name, ["--config", str(ROOT / "configs" / "tiny.toml"),
+                                                                       *base, *extra], out_root, args.steps, args.timeout)
         cluster = _cluster(world_size, measured)
         for name, config in configs:
             rows.append({"world_size": world_size, "name": name, "config": config, "cluster": cluster,
@@ -341,16 +371,21 @@ def main() -> int:
           f"{'sim err':>9}")
     for row in rows:
         predicted = estimate(row["config"], row["world_size"], row["cluster"], efficiency, vocab_size=257).time.total
-        simulated = simulate_step(row["config"], row["world_size"], row["cluster"], efficiency, args.fidelity,
-                                  vocab_size=257, record_spans=False).time
-        error, sim_error = predicted / row["measured"] - 1, simulated / row["measured"] - 1
+        if row["config"].data_parallel.mode == "ps":  # the simulator does not model parameter servers
+            simulated = sim_error = None
+        else:
+            simulated = simulate_step(row["config"], row["world_size"], row["cluster"], efficiency, args.fidelity,
+                                      vocab_size=257, record_spans=False).time
+            sim_error = simulated / row["measured"] - 1
+            sim_errors.append(abs(sim_error))
+        error = predicted / row["measured"] - 1
         row.update(predicted=predicted, error=error, simulated=simulated, sim_error=sim_error)
         errors.append(abs(error))
-        sim_errors.append(abs(sim_error))
         if row["world_size"] > 1:
             multi.append(abs(error))
-        print(f"  {row['name']:<18}{row['world_size']:>6}{predicted:>14.4f}{simulated:>14.4f}{row['measured']:>13.4f}"
-              f"{100 * error:>9.1f}%{100 * sim_error:>8.1f}%")
+        sim_text = ("-", "-") if simulated is None else (f"{simulated:.4f}", f"{100 * sim_error:.1f}%")
+        print(f"  {row['name']:<18}{row['world_size']:>6}{predicted:>14.4f}{sim_text[0]:>14}{row['measured']:>13.4f}"
+              f"{100 * error:>9.1f}%{sim_text[1]:>9}")
     four = [r for r in rows if r["world_size"] == max(w for w, _, _ in layouts)]
     tau = kendall_tau([r["predicted"] for r in four], [r["measured"] for r in four])
     chosen = min(four, key=lambda r: r["predicted"])

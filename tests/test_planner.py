@@ -541,6 +541,26 @@ def test_a_moe_blocks_fixed_cost_scales_with_its_operators():
     assert 1.5 < ratios["grouped"] < ratios["loop"]
 
 
+def test_parameter_server_roles_on_one_host_take_turns_with_its_cores():
+    """Parameter servers on a CPU host (accelerator.shared_cores; rates measured with every rank computing): the
+    workers compute while the servers wait for their pushes, and the servers update while the workers wait, so each
+    role runs at CoreSharing.speed of its own count. 2 cores, 4 ranks of one thread: 2 workers have a core each
+    (4 x 1 / 2 / efficiency times the shared rate); 3 workers share 2 cores (4 / 3 times)."""
+    h100 = CLUSTERS["h100-sxm"]
+    host = dataclasses.replace(h100, accelerators_per_node=4, accelerator=dataclasses.replace(
+        h100.accelerator, shared_cores=2, oversubscribed_efficiency=0.8))
+
+    def ps(servers: int):
+        return load_config(None, ["--model.preset", "tiny", "--model.vocab_size", "257", "--train.seq_len", "128",
+                                  "--data_parallel.mode", "ps", "--parameter_server.servers", str(servers)])
+
+    for servers, workers_speed, servers_speed in ((2, 4 / 2 / 0.8, 4 / 2 / 0.8), (1, 4 / 3, 4 / 2 / 0.8)):
+        plain, shared = estimate(ps(servers), 4, h100).time, estimate(ps(servers), 4, host).time
+        assert shared.compute == pytest.approx(plain.compute / workers_speed, rel=1e-12)
+        assert shared.optimizer == pytest.approx(plain.optimizer / servers_speed, rel=1e-12)
+        assert shared.dp == plain.dp  # the pushes and pulls: the links'
+
+
 def test_ranks_sharing_a_hosts_cores_lend_them_in_the_pipeline_bubble(tmp_path):
     """accelerator.shared_cores (a CPU host, rates measured with every rank computing): the pipeline is
     simulated with processor sharing, so the bubble shrinks and the passes beside idle ranks take less

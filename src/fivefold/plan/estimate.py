@@ -385,6 +385,17 @@ def core_sharing(config: JobConfig, d: Degrees, cluster: ClusterSpec) -> CoreSha
     return CoreSharing(cores, d.world // d.pp, threads, cluster.accelerator.oversubscribed_efficiency)
 
 
+def _host_sharing(config: JobConfig, gpus: int, cluster: ClusterSpec) -> CoreSharing | None:
+    """Parameter servers on one CPU host (`accelerator.shared_cores`): all `gpus` ranks share its cores, the rates
+    were measured with every rank computing, and a role computes while the other waits (`CoreSharing.speed`)."""
+    from fivefold.parallel.pipeline.simulate import CoreSharing
+
+    cores = cluster.accelerator.shared_cores
+    if not cores or gpus > cluster.accelerators_per_node:
+        return None
+    return CoreSharing(cores, 1, config.train.threads or max(1, cores // gpus), cluster.accelerator.oversubscribed_efficiency)
+
+
 def saturation(pp: int, virtual: int) -> int:
     """A micro-batch count (a multiple of pp) past which every schedule here is in its steady state."""
     return 2 * pp * virtual + 2 * pp
@@ -1202,7 +1213,12 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
     time = None if over and not time_if_over else step_time(config, model, d, split, cluster, efficiency, runs, rows)
     if time is not None and server is not None:
         push_pull, update = _parameter_server_time(config, loads, d.dp, gpus, cluster)
-        time = dataclasses.replace(time, dp=push_pull, optimizer=update)
+        compute = time.compute
+        sharing = _host_sharing(config, gpus, cluster)
+        if sharing is not None:  # the workers compute while the servers wait, and the other way round
+            compute /= sharing.speed(d.dp, gpus)
+            update /= sharing.speed(gpus - d.dp, gpus)
+        time = dataclasses.replace(time, compute=compute, dp=push_pull, optimizer=update)
     tokens = t.micro_batch_size * t.grad_accum_steps * d.dp * t.seq_len
     notes = []
     if model.n_experts and (d.tp > 1 or model.attention != "mha"):
