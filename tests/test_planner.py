@@ -147,12 +147,13 @@ def test_estimate_components():
 
 
 def test_memory_bound_terms():
-    """AdamW moves 28 bytes per parameter it updates (its ZeRO shard) at the memory bandwidth; without a
-    bandwidth the memory-bound terms are left out, and compute is then the matmul time alone."""
+    """AdamW moves 28 bytes per parameter it updates (its ZeRO shard) at the memory bandwidth, after the gradient
+    norm and clipping's 12 over the same shard; without a bandwidth the memory-bound terms are left out, and compute
+    is then the matmul time alone."""
     h100 = CLUSTERS["h100-sxm"]
     config = _config("--data_parallel.zero_stage", "1", "--data_parallel.shard", "8")
     found = estimate(config, 8, h100)
-    assert found.time.optimizer == pytest.approx(28 * found.memory.parameter_count / 8 / 3350e9)
+    assert found.time.optimizer == pytest.approx((28 + 12) * found.memory.parameter_count / 8 / 3350e9)
     blind = dataclasses.replace(h100, accelerator=dataclasses.replace(h100.accelerator, memory_bandwidth_gbs=0.0))
     plain = estimate(config, 8, blind)
     assert plain.time.optimizer == 0 and plain.time.compute < found.time.compute
@@ -651,8 +652,10 @@ def test_tensors_the_optimizer_updates_are_the_models(changes):
 def test_optimizer_step_is_priced_at_the_accelerators_optimizer_rate(tmp_path):
     """The optimizer phase is 28 bytes per parameter the rank updates at accelerator.optimizer_gbs (default the
     memory bandwidth: a fused kernel) plus optimizer_tensor_us per tensor: parameter tensors under DDP, flat groups
-    under ZeRO (each rank updating its shard), on the busiest pipeline rank; the parameter servers' update too.
-    The fields round-trip through a cluster file, a bad or unknown one is refused naming it."""
+    under ZeRO (each rank updating its shard), on the busiest pipeline rank, after the gradient norm and clipping
+    over the same gradients at the memory bandwidth (4 + 8 bytes each; 4 with train.max_grad_norm = 0); the
+    parameter servers' update too. The fields round-trip through a cluster file, a bad or unknown one is refused
+    naming it."""
     h100 = CLUSTERS["h100-sxm"]
     cpu = dataclasses.replace(h100, accelerator=dataclasses.replace(h100.accelerator, optimizer_gbs=10.0,
                                                                     optimizer_tensor_us=20.0))
@@ -664,19 +667,23 @@ def test_optimizer_step_is_priced_at_the_accelerators_optimizer_rate(tmp_path):
                                   *overrides])
 
     psi = rank_parameters(model, layers, True, True).total
+    clip = 12 / 3350e9  # seconds per gradient: its norm (4 bytes) and scaling (8) at the H100's memory bandwidth
     ddp = estimate(tiny(), 2, cpu).time.optimizer
-    assert ddp == pytest.approx(28 * psi / 10e9 + rank_tensors(model, layers, True, True) * 20e-6)
+    assert ddp == pytest.approx(28 * psi / 10e9 + rank_tensors(model, layers, True, True) * 20e-6 + clip * psi)
+    unclipped = estimate(tiny("--train.max_grad_norm", "0"), 2, cpu).time.optimizer
+    assert unclipped == pytest.approx(ddp - 8 * psi / 3350e9)
     zero = estimate(tiny("--data_parallel.zero_stage", "1", "--data_parallel.shard", "2"), 2, cpu).time.optimizer
-    assert zero == pytest.approx(28 * psi / 2 / 10e9 + rank_tensors(model, layers, True, True, flat=True) * 20e-6)
+    assert zero == pytest.approx(28 * psi / 2 / 10e9 + rank_tensors(model, layers, True, True, flat=True) * 20e-6
+                                 + clip * psi / 2)
     stages = [[0, 1], [2, 3]]
     pp = estimate(tiny("--model.n_layers", "4", "--pipeline_parallel.degree", "2", "--train.grad_accum_steps", "2"), 2,
                   cpu).time.optimizer
     model4 = dataclasses.replace(model, n_layers=4)
-    assert pp == pytest.approx(max(28 * rank_parameters(model4, s, i == 0, i == 1, pipelined=True).total / 10e9
+    assert pp == pytest.approx(max((28 / 10e9 + clip) * rank_parameters(model4, s, i == 0, i == 1, pipelined=True).total
                                    + rank_tensors(model4, s, i == 0, i == 1, pipelined=True) * 20e-6
                                    for i, s in enumerate(stages)))
     # defaults: the memory bandwidth, nothing per tensor
-    assert estimate(tiny(), 2, h100).time.optimizer == pytest.approx(28 * psi / 3350e9)
+    assert estimate(tiny(), 2, h100).time.optimizer == pytest.approx(40 * psi / 3350e9)
     # a parameter server's update: the summed pushes at memory bandwidth, AdamW at the optimizer rate
     from fivefold.plan.estimate import server_loads
 

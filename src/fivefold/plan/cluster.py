@@ -110,6 +110,14 @@ class Accelerator:
         rate = (self.optimizer_gbs or self.memory_bandwidth_gbs) * 1e9
         return (28 * params / rate if rate else 0.0) + tensors * self.optimizer_tensor_us * 1e-6
 
+    def clip_seconds(self, params: float, clipping: bool) -> float:
+        """The gradient norm before each update over a rank's `params` gradients (parallel/gradient_sync.py: one
+        foreach norm, reading 4 bytes each) and, when clipping is on, their scaling (read and write, 8 more; counted
+        whenever train.max_grad_norm > 0: an upper bound for steps whose norm stays below it), at the memory
+        bandwidth (0 when none is known)."""
+        rate = self.memory_bandwidth_gbs * 1e9
+        return (12 if clipping else 4) * params / rate if rate else 0.0
+
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.tflops:
             raise ConfigError(f"accelerator {self.name} has no peak rate for {dtype}: add tflops.{dtype} to the "

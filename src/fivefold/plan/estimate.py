@@ -980,14 +980,20 @@ def _optimizer_time(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     """AdamW on the accelerator, on the busiest pipeline rank: 28 bytes per parameter it updates (read weight,
     gradient and both moments, write weight and moments; `optimizer_shard`) at the accelerator's optimizer rate,
     plus its fixed cost per tensor (parameter tensors; under ZeRO the flat groups, each rank updating its shard of
-    every group); offload runs it on the host."""
+    every group), after the gradient norm and clipping over the same gradients (`Accelerator.clip_seconds`);
+    offload runs both on the host."""
     if config.data_parallel.offload:
         return 0.0
     flat = zero_degrees(config, d) is not None
-    return max(accelerator.optimizer_seconds(
-        optimizer_shard(rank_parameters(model, layers, first, last, d.tp, d.ep, d.etp, pipelined=d.pp > 1), config, d),
-        rank_tensors(model, layers, first, last, d.ep, pipelined=d.pp > 1, flat=flat))
-        for layers, first, last in _pipeline_ranks(model, d, split))
+    clipping = config.train.max_grad_norm > 0
+
+    def seconds(layers: list[int], first: bool, last: bool) -> float:
+        shard = optimizer_shard(rank_parameters(model, layers, first, last, d.tp, d.ep, d.etp, pipelined=d.pp > 1),
+                                config, d)
+        tensors = rank_tensors(model, layers, first, last, d.ep, pipelined=d.pp > 1, flat=flat)
+        return accelerator.optimizer_seconds(shard, tensors) + accelerator.clip_seconds(shard, clipping)
+
+    return max(seconds(layers, first, last) for layers, first, last in _pipeline_ranks(model, d, split))
 
 
 def _offload_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], cluster: ClusterSpec) -> float:

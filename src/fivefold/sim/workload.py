@@ -969,8 +969,10 @@ class _Builder:
             sum(e / shards.get(True, 1) for unit in units for _, e in unit.experts)
         tensors = sum((len(unit.flat_groups) if False in shards else len(unit.params))
                       + (len(unit.expert_groups) if True in shards else len(unit.experts)) for unit in units)
-        if not z.offload:
-            self.compute(rank, self.cluster.accelerator.optimizer_seconds(params, tensors), "optimizer")
+        if not z.offload:  # the gradient norm and clipping, then AdamW
+            accelerator = self.cluster.accelerator
+            self.compute(rank, accelerator.clip_seconds(params, self.config.train.max_grad_norm > 0)
+                         + accelerator.optimizer_seconds(params, tensors), "optimizer")
         self.compute(rank, offload_seconds(self.config, params, self.cluster), "offload")
         for part in self.zero_parts:
             if len(part.groups["publish"]) > 1:  # the updated optimizer pieces into each rank's parameter piece
