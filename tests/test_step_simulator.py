@@ -377,7 +377,6 @@ def test_contention_free_network_prices_alpha_beta():
 @pytest.mark.parametrize("overrides,message", [
     (["--expert_parallel.degree", "2", "--model.n_experts", "4", "--expert_parallel.replicas", "1",
       "--expert_parallel.load_from", "runs/x"], "replicas"),
-    (["--gradient_comm.compression", "powersgd"], "compression = powersgd"),
     (["--gradient_comm.compression", "sign", "--gradient_comm.compression_block", "8"], "not a multiple of 32"),
     (["--gradient_comm.schedule", "priority", "--train.max_grad_norm", "0"], "schedule"),
 ])
@@ -571,12 +570,15 @@ def test_tensor_parallel_time_is_priced_as_the_simulator_plays_it(overrides):
     (2, ["--gradient_comm.compression", "sign"]), (4, ["--gradient_comm.compression", "sign", "--model.n_layers", "2"]),
     (4, ["--gradient_comm.compression", "topk", "--gradient_comm.topk_ratio", "0.1"]),
     (2, ["--gradient_comm.compression", "int8", "--model.preset", "tiny-moe"]),
+    (2, ["--gradient_comm.compression", "powersgd"]), (4, ["--gradient_comm.compression", "powersgd", "--tensor_parallel.degree", "2"]),
+    (2, ["--gradient_comm.compression", "powersgd", "--model.preset", "tiny-moe"]),
 ])
 def test_compressed_buckets_are_priced_as_the_simulator_plays_them(gpus, overrides):
     """DDP with gradient compression, one bucket (exposed after backward): the planner's dp term is the simulated
     one, the codec's exchanges each by formula inside a node (int8 / sign: all-to-all and all-gather of the codes
-    and of the scales; top-k: one all-gather of values and indices; a MoE model's experts over their own group);
-    and it is below the uncompressed all-reduce's."""
+    and of the scales; top-k: one all-gather of values and indices; PowerSGD: two all-reduces of its factors, the
+    tensors it does not compress with the first, the matrices' shapes as tensor parallelism cuts them; a MoE
+    model's experts over their own group); and it is below the uncompressed all-reduce's."""
     config = _config(*overrides)
     simulated = simulate_step(config, gpus, H100, 0.5, "hybrid", vocab_size=257).breakdown()
     planned = estimate(config, gpus, H100, 0.5, vocab_size=257).time

@@ -5,7 +5,7 @@ calls recorded (sim/observe.py): each collective as (kind, the group's ranks, by
 point-to-point send as (sender, receiver, bytes). The simulator builds the same config's workload
 (sim/workload.py, fidelity flow) and logs its calls the same way; per rank the two multisets must
 be equal. This covers DDP's buckets (backend and hand-written all-reduce, in which case every
-message of the algorithm is compared, and the int8, sign and top-k codecs' exchanges), ZeRO-1/2/3, hybrid sharding and independent P/G/OS degrees (AMSP, MiCS), tensor parallelism with and
+message of the algorithm is compared, and the int8, sign, top-k and PowerSGD codecs' exchanges), ZeRO-1/2/3, hybrid sharding and independent P/G/OS degrees (AMSP, MiCS), tensor parallelism with and
 without sequence parallelism (blocks, vocab-parallel embedding, head and loss, the norms' summed
 gradients), the pipeline schedules' activations and gradients (whole, or scattered over tp and all-gathered), ring, Ulysses and 2D context
 parallelism, recomputation, collective matmuls (tensor_parallel.comm_overlap), ZeRO++ (quantised gathers, hpZ's in-node backward gathers, qgZ's two levels
@@ -47,6 +47,9 @@ LAYOUTS = {
         "dp2-int8-small-buckets": dict(gradient_comm={"compression": "int8", "bucket_mb": 0.5}),
         "dp2-sign-block-64": dict(gradient_comm={"compression": "sign", "compression_block": 64}),
         "dp2-topk": dict(gradient_comm={"compression": "topk", "topk_ratio": 0.05}),
+        "dp2-powersgd-ring-small-buckets": dict(gradient_comm={"compression": "powersgd", "powersgd_rank": 2,
+                                                               "allreduce_algorithm": "ring", "bucket_mb": 0.5}),
+        "moe-dp2-powersgd": dict(model=MOE, gradient_comm={"compression": "powersgd"}),
         "dp2-zero1": dict(data_parallel={"zero_stage": 1, "shard": 2}),
         "dp2-zero2-accum2": dict(data_parallel={"zero_stage": 2, "shard": 2}, train={"grad_accum_steps": 2}),
         "dp2-zero3": dict(data_parallel={"zero_stage": 3, "shard": 2}),
@@ -57,6 +60,7 @@ LAYOUTS = {
     },
     4: {
         "dp2-tp2": dict(tensor_parallel={"degree": 2}),
+        "dp2-tp2-powersgd": dict(tensor_parallel={"degree": 2}, gradient_comm={"compression": "powersgd"}),
         "pp2-dp2-interleaved": dict(pipeline_parallel={"degree": 2, "schedule": "interleaved", "virtual": 2},
                                     model={"n_layers": 4}, train={"grad_accum_steps": 2}),
         "hsdp-2x2-zero3": dict(data_parallel={"zero_stage": 3, "shard": 2, "replicate": 2}),

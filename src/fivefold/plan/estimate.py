@@ -79,8 +79,8 @@ from fivefold.plan.expert_load import busiest_received, exchange_matrices, exper
 from fivefold.plan.flops import flops_per_token
 from fivefold.plan.memory import nvme_host_bytes, sharded_model_states, zero_model_states
 from fivefold.plan.operators import operator_ratio
-from fivefold.plan.parameters import (RankParameters, first_block, block_parameters, padded_vocab, rank_parameters,
-                                     rank_tensors)
+from fivefold.plan.parameters import (RankParameters, first_block, block_parameters, padded_vocab, powersgd_shares,
+                                     rank_parameters, rank_tensors)
 
 if TYPE_CHECKING:
     from fivefold.parallel.pipeline.simulate import CoreSharing
@@ -1050,8 +1050,13 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
         return max(comm - compute, comm / buckets)
 
     if z.zero_stage == 0:
-        # every bucket through the codec, the routed experts' over their EDP group (PowerSGD: priced as the plain
-        # all-reduce below, an upper bound: its low-rank factors' sizes follow each weight matrix's shape)
+        # every bucket through the codec, the routed experts' over their EDP group
+        if g.compression == "powersgd":  # per bucket: P factors and the uncompressed tensors, then Q factors
+            shares = powersgd_shares(model, d.tp, d.etp, g.powersgd_rank)
+            reduce = sum(buckets * _dense_all_reduce(g, 4 * share * values / buckets, ranks, cluster, span)
+                         for values, ranks, pair in ((dense, group, shares[0]), (routed, experts, shares[1]))
+                         if values and ranks > 1 for share in pair)
+            return hidden_behind(reduce, backward)
         if g.compression in ("int8", "sign", "topk"):
             reduce = _compressed_reduce_time(g, dense, group, buckets, cluster, span) if group > 1 else 0.0
             expert_reduce = _compressed_reduce_time(g, routed, experts, buckets, cluster, span) \
@@ -1080,6 +1085,20 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
         time += _sharded_time(stage_degrees(z, experts, experts), d, cluster, routed * element,
                               routed * grad_element, m, forward, backward, buckets)
     return time
+
+
+def _dense_all_reduce(g, nbytes: float, p: int, cluster: ClusterSpec, span: int) -> float:
+    """One all-reduce of `nbytes` over p ranks by gradient_comm.allreduce_algorithm (the backend's on its link for
+    the span, or the hand-written algorithm's formula; `auto`: the cheapest for that size)."""
+    from fivefold.comm.cost import best_all_reduce, predict
+
+    if nbytes <= 0:
+        return 0.0
+    if g.allreduce_algorithm == "native":
+        return native_collective("all_reduce", nbytes, p, cluster.collective_link("all_reduce", span))
+    links = cluster.links()
+    algorithm = best_all_reduce(nbytes, p, links) if g.allreduce_algorithm == "auto" else g.allreduce_algorithm
+    return predict(algorithm, nbytes, p, links)
 
 
 def _compressed_reduce_time(g, numel: int, p: int, buckets: int, cluster: ClusterSpec, span: int) -> float:

@@ -27,9 +27,16 @@ for tensor, pipeline (interleaved too), tied-head, GQA-replica, bias, MLA and ex
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 from dataclasses import dataclass
 
 from fivefold.model.config import ModelConfig
+
+_TP_SPLIT = (".attention.", ".feed_forward.w")  # column- or row-parallel weights of a block's regions
+_WHOLE = (".wq_a.", ".wkv_a.")  # multi-latent attention's down-projections are replicated
+_ROW_PARALLEL = (".wo.weight", ".w2.weight")  # split along their inputs: each rank keeps every row
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,63 @@ class RankParameters:
 
 def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp
+
+
+def local_tensor(name: str, shape: tuple[int, ...], vocab: int, tp: int = 1, etp: int = 1) -> tuple[int, int]:
+    """(elements, rows) of the parameter `name` of full `shape` as one rank holds it: the vocabulary rows (padded V)
+    by tp; a block's attention and dense-MLP matrices by tp, column-parallel ones along their rows, row-parallel
+    ones (wo, w2) along their columns; routed experts by etp the same way; the rest whole. rows: the local first
+    dimension of a matrix, 0 for a vector (the shape PowerSGD factorises, comm/compression.py)."""
+    numel, rows = math.prod(shape), (shape[0] if len(shape) >= 2 else 0)
+    if name.startswith(("tok_embeddings.", "output.")):
+        return vocab // tp * shape[-1], vocab // tp
+    if ".experts." in name:
+        split = etp
+    elif len(shape) >= 2 and any(part in name for part in _TP_SPLIT) and not any(x in name for x in _WHOLE):
+        split = tp
+    else:
+        return numel, rows
+    return numel // split, (rows if name.endswith(_ROW_PARALLEL) else rows // split)
+
+
+def powersgd_factors(tensors: list[tuple[int, int]], rank: int) -> tuple[int, int]:
+    """Values in PowerSGD's two all-reduces (comm/compression.py) over tensors of (elements, rows): each matrix it
+    compresses (r = min(rank, rows, cols), (rows + cols) r < rows x cols) sends P (rows x r) in the first and
+    Q (cols x r) in the second; every other tensor goes whole in the first."""
+    first = second = 0
+    for numel, rows in tensors:
+        cols = numel // rows if rows else 0
+        r = min(rank, rows, cols)
+        if rows and (rows + cols) * r < rows * cols:
+            first, second = first + rows * r, second + cols * r
+        else:
+            first += numel
+    return first, second
+
+
+def powersgd_shares(model: ModelConfig, tp: int, etp: int, rank: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """PowerSGD's (first, second) all-reduce values per gradient value, over the dense parameters and over the
+    routed experts' (tp- and etp-cut as a rank holds them; ratios, so a pipeline stage's or expert-parallel rank's
+    share of the model is priced by the whole model's mix of shapes)."""
+    return _powersgd_shares(dataclasses.astuple(model), tp, etp, rank)
+
+
+@functools.lru_cache(maxsize=64)  # a search prices thousands of layouts of one model
+def _powersgd_shares(fields: tuple, tp: int, etp: int, rank: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    from fivefold.model import build_model
+
+    model = ModelConfig(*fields)
+    tensors = {False: [], True: []}
+    for name, p in build_model(model).named_parameters():  # meta device: shapes only
+        if p.requires_grad:
+            tensors[".experts." in name].append(local_tensor(name, tuple(p.shape), padded_vocab(model.vocab_size, tp),
+                                                             tp, etp))
+    shares = []
+    for experts in (False, True):
+        total = sum(n for n, _ in tensors[experts])
+        first, second = powersgd_factors(tensors[experts], rank)
+        shares.append((first / total, second / total) if total else (1.0, 0.0))
+    return shares[0], shares[1]
 
 
 def _attention(model: ModelConfig, tp: int) -> int:

@@ -12,6 +12,7 @@ a send, whose "group" is (sender, receiver).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -35,13 +36,15 @@ def recording_traffic(calls: list[Call]) -> Iterator[list[Call]]:
 
     A call made while another is being recorded is not recorded again: under a TorchFunctionMode (the
     zero-bubble W split) torch re-enters the entry point for one call, and all_gather_object (the
-    metrics of a logged step: bookkeeping, not the step) calls all_gather itself."""
+    metrics of a logged step: bookkeeping, not the step) calls all_gather itself. "While" is per thread: the
+    data-parallel communication threads (one per DDP instance: the dense weights' and the routed experts') call
+    at the same time as each other and as the training thread, and each of their calls is the runtime's own."""
     from fivefold.comm import native
     from fivefold.parallel import collectives, tensor_parallel, zero, zero_pp
     from fivefold.parallel.pipeline import executor
 
     saved: list[tuple[object, str, object]] = []
-    inside: list[bool] = []
+    local = threading.local()  # local.inside: this thread is inside a recorded call
 
     def patch(module, name: str, wrapper) -> None:
         saved.append((module, name, getattr(module, name)))
@@ -50,13 +53,14 @@ def recording_traffic(calls: list[Call]) -> Iterator[list[Call]]:
     def recorded(kind: str, original, describe):
         """`original` noting (kind, group ranks, bytes) first, unless inside another recorded call."""
         def wrapper(*args, **kwargs):
-            if not inside and describe is not None:
+            depth = getattr(local, "inside", 0)
+            if not depth and describe is not None:
                 calls.append((kind, *describe(*args, **kwargs)))
-            inside.append(True)
+            local.inside = depth + 1
             try:
                 return original(*args, **kwargs)
             finally:
-                inside.pop()
+                local.inside = depth
         return wrapper
 
     def whole(tensor, *args, group=None, **kwargs):  # all-reduce: the vector

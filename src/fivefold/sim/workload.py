@@ -52,11 +52,11 @@ fast path, one `Collective` op priced by comm/cost.py:
                 rank per pipeline stage simulated (without contention the ranks of a stage are
                 identical): the path for tens of thousands of accelerators
 
-Gradient compression's int8, sign and top-k codecs run each DDP bucket as their own exchanges
-(`compressed_reduce`, comm/compression.py): their messages, not the codecs' elementwise work.
+Gradient compression's codecs run each DDP bucket as their own exchanges (`compressed_reduce`,
+comm/compression.py): their messages, not the codecs' elementwise work.
 
-Not modelled (stated in docs/simulator.md): EPLB's replicated experts, PowerSGD and priority
-scheduling, parameter servers, the gradient-norm all-reduce, tied
+Not modelled (stated in docs/simulator.md): EPLB's replicated experts, priority scheduling,
+parameter servers, the gradient-norm all-reduce, tied
 embeddings across pipeline stages.
 """
 
@@ -81,7 +81,7 @@ from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.estimate import (Degrees, PassCosts, compute_dtype, degrees_of, dispatch_rows, model_for, offload_seconds,
                                     pass_costs, weight_element, zero_degrees)
 from fivefold.plan.expert_load import Matrix, exchange_matrices, expert_rows_by_load, imbalance
-from fivefold.plan.parameters import padded_vocab
+from fivefold.plan.parameters import local_tensor, padded_vocab, powersgd_factors
 from fivefold.plan.zero_traffic import quantized_parts
 from fivefold.sim.names import FIDELITIES
 from fivefold.sim.routing import Router, cluster_router
@@ -90,8 +90,6 @@ from fivefold.sim.trace import collective_programs, resolve_algorithm, uneven_al
 
 COMPUTE, DP = "compute", "dp"
 _RING_FLOWS = ("all_reduce", "reduce_scatter", "all_gather")  # aggregate: the ring collectives played as flows
-_TP_SPLIT = (".attention.", ".feed_forward.w")  # column/row-parallel weights
-_WHOLE = (".wq_a.", ".wkv_a.")  # multi-latent attention's down-projections are replicated
 
 
 @dataclass(frozen=True)
@@ -167,6 +165,7 @@ class Unit:
     flat_groups: list[int] = field(default_factory=list)  # ZeRO's groups of this unit (elements on this rank, unpadded)
     experts: list[tuple[str, int]] = field(default_factory=list)  # this rank's routed experts' parameters (its EP slots)
     expert_groups: list[int] = field(default_factory=list)  # their flat groups (one per expert and weight-decay class)
+    rows: dict[str, int] = field(default_factory=dict)  # a matrix's local first dimension (PowerSGD's factors)
 
 
 @dataclass
@@ -213,6 +212,7 @@ def stage_units(model: ModelConfig, split: list[list[int]], d: Degrees) -> list[
     if model.n_experts and d.ep > 1:
         cut_experts(net, {layer: contiguous_placement(model.n_experts, d.ep) for layer in model.moe_layers}, 0)
     local: dict[str, int] = {}
+    rows: dict[str, int] = {}
     unit_of: dict[str, str] = {}
     vocab = padded_vocab(model.vocab_size, d.tp)
     by_unit: dict[str, list[tuple[str, int]]] = defaultdict(list)
@@ -220,14 +220,8 @@ def stage_units(model: ModelConfig, split: list[list[int]], d: Degrees) -> list[
     for name, p in net.named_parameters():
         if not p.requires_grad:
             continue
-        numel = p.numel()
+        numel, rows[name] = local_tensor(name, tuple(p.shape), vocab, d.tp, d.etp)
         expert = ".experts." in name
-        if name.startswith(("tok_embeddings.", "output.")):
-            numel = vocab // d.tp * p.shape[-1]
-        elif expert:
-            numel //= d.etp
-        elif p.ndim >= 2 and any(part in name for part in _TP_SPLIT) and not any(x in name for x in _WHOLE):
-            numel //= d.tp
         unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else name.split(".")[0]
         (experts if expert else by_unit)[unit].append((name, numel))
         local[name] = numel
@@ -242,11 +236,11 @@ def stage_units(model: ModelConfig, split: list[list[int]], d: Degrees) -> list[
     for s, layers in enumerate(split):
         units = []
         if s == 0:
-            units.append(Unit("embedding", -1, by_unit["tok_embeddings"], flat_groups=groups["embedding"]))
+            units.append(Unit("embedding", -1, by_unit["tok_embeddings"], flat_groups=groups["embedding"], rows=rows))
         units += [Unit(f"layers.{i}", i, by_unit[f"layers.{i}"], model.is_moe_layer(i), groups[f"layers.{i}"],
-                       experts[f"layers.{i}"], expert_groups[f"layers.{i}"]) for i in layers]
+                       experts[f"layers.{i}"], expert_groups[f"layers.{i}"], rows) for i in layers]
         if s == len(split) - 1:
-            units.append(Unit("head", -1, by_unit["norm"] + by_unit["output"], flat_groups=groups["head"]))
+            units.append(Unit("head", -1, by_unit["norm"] + by_unit["output"], flat_groups=groups["head"], rows=rows))
         stages.append(units)
     return stages
 
@@ -258,6 +252,7 @@ class _DdpPart:
 
     group: tuple[int, ...]
     buckets: list[int] = field(default_factory=list)  # bytes of each bucket, in order
+    contents: list[list[tuple[int, int]]] = field(default_factory=list)  # each bucket's tensors: (elements, rows)
     bucket_of: dict[tuple[int, str], list[int]] = field(default_factory=lambda: defaultdict(list))  # (stage, unit) ->
     # the buckets its backward completes
 
@@ -711,14 +706,16 @@ class _Builder:
 
         g = self.config.gradient_comm
         part = _DdpPart(group)
-        order = [(s, unit.name, e) for s in stages for unit in self.units[s]
-                 for _, e in (unit.experts if experts else unit.params)]
+        order = [(s, unit.name, (e, unit.rows.get(name, 0))) for s in stages for unit in self.units[s]
+                 for name, e in (unit.experts if experts else unit.params)]
         dtype = torch.bfloat16 if g.reduce_dtype == "bf16" else torch.float32
-        tensors = [torch.empty(e, device="meta") for *_, e in order]
+        tensors = [torch.empty(e, device="meta") for *_, (e, _) in order]
         owner = {id(t): (s, unit) for t, (s, unit, _) in zip(tensors, order)}
+        shape = {id(t): kept for t, (*_, kept) in zip(tensors, order)}
         forward_position = {key: i for i, key in enumerate(dict.fromkeys((s, u) for s, u, _ in order))}
         for bucket in make_buckets(tensors, g.bucket_mb, dtype):
             part.buckets.append(bucket.buffer.numel() * bucket.buffer.element_size())
+            part.contents.append([shape[id(t)] for t in bucket.params])
             first = min((owner[id(t)] for t in bucket.params), key=forward_position.get)  # backward runs units in reverse
             part.bucket_of[first].append(len(part.buckets) - 1)
         return part
@@ -747,7 +744,7 @@ class _Builder:
                 for b in part.bucket_of.get((stage, unit.name), []):
                     nbytes = part.buckets[b]
                     if self.config.gradient_comm.compression != "none" and len(part.group) > 1:
-                        self.compressed_reduce(rank, nbytes // self.reduce_element, part.group)
+                        self.compressed_reduce(rank, part.contents[b], part.group)
                     else:
                         self.pending.append(self.launch(rank, "all_reduce", nbytes, part.group,
                                                         self.dp_algorithm(nbytes, len(part.group))))
@@ -765,11 +762,17 @@ class _Builder:
                     self.pending.append(self.launch(rank, "reduce_scatter", n * self.reduce_element, group))
             self.reduced.add((i, stage, unit.name))
 
-    def compressed_reduce(self, rank: int, numel: int, group: tuple[int, ...]) -> None:
-        """One DDP bucket of `numel` values through its codec (comm/compression.py), on the communication thread:
-        int8 / sign all-to-all the bucket's codes and its scales (pairwise), then ring-all-gather the chunk owners'
-        re-compressed sums; top-k ring-all-gathers every rank's k values and int32 indices."""
-        g, p = self.config.gradient_comm, len(group)
+    def compressed_reduce(self, rank: int, tensors: list[tuple[int, int]], group: tuple[int, ...]) -> None:
+        """One DDP bucket of `tensors` ((elements, rows) each) through its codec (comm/compression.py), on the
+        communication thread: int8 / sign all-to-all the bucket's codes and its scales (pairwise), then
+        ring-all-gather the chunk owners' re-compressed sums; top-k ring-all-gathers every rank's k values and int32
+        indices; PowerSGD all-reduces (gradient_comm.allreduce_algorithm) its P factors with the tensors it does not
+        compress, then its Q factors, in fp32."""
+        g, p, numel = self.config.gradient_comm, len(group), sum(n for n, _ in tensors)
+        if g.compression == "powersgd":
+            for values in powersgd_factors(tensors, g.powersgd_rank):
+                self.pending.append(self.launch(rank, "all_reduce", 4 * values, group, self.dp_algorithm(4 * values, p)))
+            return
         if g.compression == "topk":
             k = max(1, math.ceil(g.topk_ratio * numel))
             self.pending.append(self.launch(rank, "all_gather", p * 8 * k, group, "ring"))
@@ -1051,8 +1054,6 @@ def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:
         reasons.append("data_parallel.mode = ps (parameter servers)")
     if ep.replicas:
         reasons.append("expert_parallel.replicas > 0 (EPLB's replicated experts and their gradient sums)")
-    if g.compression == "powersgd":
-        reasons.append("gradient_comm.compression = powersgd")
     if g.compression == "sign" and g.compression_block % 32:
         reasons.append(f"gradient_comm.compression = sign with compression_block = {g.compression_block}, not a multiple "
                        "of 32 (its 1-bit codes are played as 4-byte words)")
