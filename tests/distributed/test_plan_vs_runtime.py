@@ -8,7 +8,8 @@ tensors; ZeRO's flat groups) for the optimizer's cost per tensor; the measured b
 elements of <= 16 bytes per flat group). Layouts cover tensor (GQA split and replicated, biases,
 q/k projection norms, sequence parallel), pipeline (1F1B, interleaved, tied head, 4 stages),
 context, ZeRO 1/2/3 (mixed precision), expert parallelism with ZeRO over EDP, and MLA. DDP's flat
-gradient buckets (the layouts without ZeRO) are planned equal to the bytes the runtime allocates.
+gradient buckets (the layouts without ZeRO), with what a compression codec keeps between steps (sign, top-k and
+PowerSGD error feedback, PowerSGD's Q), are planned equal to the bytes the runtime allocates.
 The peak of the bytes autograd keeps for backward over a whole step (train/memory.py PeakSavedBytes;
 ZeRO-3's gathered weights, which matmuls save as views, are its buffers and are left out) equals the
 planner's activations within 1% on ranks without the head (the blocks of every stage times the
@@ -44,6 +45,10 @@ LAYOUTS = {  # name -> sections changed from the micro job (4 ranks)
     "mla-pp2-dp2": dict(model={**MLA, "q_lora_rank": 0}, pipeline_parallel={"degree": 2}, train={"grad_accum_steps": 2}),
     "ddp4": dict(),
     "ddp4-bf16-reduce": dict(gradient_comm={"reduce_dtype": "bf16", "bucket_mb": 0.01}),
+    "ddp4-sign": dict(gradient_comm={"compression": "sign"}),
+    "ddp4-topk": dict(gradient_comm={"compression": "topk"}),
+    "tp2-dp2-powersgd": dict(tensor_parallel={"degree": 2}, gradient_comm={"compression": "powersgd", "powersgd_rank": 2}),
+    "ep2-dp-powersgd": dict(model=MOE, expert_parallel={"degree": 2}, gradient_comm={"compression": "powersgd"}),
     "dp4-zero1": dict(data_parallel={"zero_stage": 1, "shard": 4}),
     "dp4-zero1-bf16": dict(data_parallel={"zero_stage": 1, "shard": 4, "param_dtype": "bf16"}),
     "dp4-zero2": dict(data_parallel={"zero_stage": 2, "shard": 4}),
@@ -95,7 +100,7 @@ def _measure(rank, world_size, configs):
         with PeakSavedBytes(trainer.model.parameters(), gathered) as saved:  # a second step: the activations at their peak
             trainer.train_step()
         ddps = [getattr(trainer.sync, name, None) for name in ("ddp", "expert_ddp")]
-        buckets = sum(ddp.gradient_bytes() for ddp in ddps if ddp is not None)
+        buckets = sum(ddp.gradient_bytes() + ddp.codec_bytes() for ddp in ddps if ddp is not None)
         pp, position = config.pipeline_parallel.degree, trainer.mesh.local_rank("pp")
         split = trainer.parallel.stage_split or [tuple(range(trainer.model_config.n_layers))]
         layers = [layer for s in range(position, len(split), pp) for layer in split[s]]

@@ -80,6 +80,11 @@ class _Codec:
         self.p = self.ranks.size
         self.error: dict[object, torch.Tensor] = {}
 
+    def state_bytes(self) -> int:
+        """Bytes kept from step to step: the error-feedback memories (and PowerSGD's warm-start Q)."""
+        kept = [*self.error.values(), *getattr(self, "q", {}).values()]
+        return sum(t.numel() * t.element_size() for t in kept)
+
     def _feedback(self, key: object, x: torch.Tensor) -> torch.Tensor:
         """x plus what compression dropped from it last time."""
         if key in self.error:

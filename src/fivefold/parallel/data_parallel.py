@@ -233,6 +233,11 @@ class DataParallel(SkipOnAccumulation):
         """Bytes each all-reduce step reduces (sum of bucket sizes)."""
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
 
+    def codec_bytes(self) -> int:
+        """Bytes a gradient compression codec keeps from step to step (0 without one)."""
+        state = getattr(self.reducer, "state_bytes", None)
+        return state() if state is not None else 0
+
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()

@@ -471,7 +471,7 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
             params = runs.rank_parameters(config, model, key, layers, first, last, d)
             states[key] = (*_model_states(params, config, d), _buffers(config, model, d, layers, moe, sp, first, last),
                            params.total,
-                           ddp_bucket_bytes(config, params, d))
+                           ddp_bucket_bytes(config, model, params, d))
         # with interleaving a rank's peak (micro-batch, stage) pairs spread over its stages: the largest bounds each
         activations = element * per_stage * in_flight[rank]
         if not z.nvme_path and (key, activations) in alike:
@@ -542,18 +542,37 @@ def _parameter_server_time(config: JobConfig, loads: list[tuple[int, int]], work
     return comm, max(update(*load) for load in loads)
 
 
-def ddp_bucket_bytes(config: JobConfig, params: RankParameters, d: Degrees) -> int:
+def ddp_bucket_bytes(config: JobConfig, model: ModelConfig, params: RankParameters, d: Degrees) -> int:
     """DDP (zero_stage 0) copies every gradient into flat buckets in `gradient_comm.reduce_dtype` to all-reduce
     them (parallel/data_parallel.py make_buckets): the dense part's when dp x cp > 1, the routed experts' when
     their expert-data-parallel group (the ranks holding a stage's distinct tokens over ep x etp) has more than
-    one rank. ZeRO reduces in its own flat groups."""
+    one rank; plus what gradient compression keeps from step to step (`codec_state_bytes`). ZeRO reduces in its
+    own flat groups."""
     z = config.data_parallel
     if z.zero_stage or z.mode != "ddp":
         return 0
     element = 2 if config.gradient_comm.reduce_dtype == "bf16" else 4
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
     edp = d.dp * d.cp * (d.tp if sp else 1) // (d.ep * d.etp)
-    return element * ((params.dense if d.dp * d.cp > 1 else 0) + (params.experts if edp > 1 else 0))
+    parts = [(params.dense, d.dp * d.cp, False), (params.experts, edp, True)]
+    return sum(element * values + codec_state_bytes(config, model, d, values, ranks, experts)
+               for values, ranks, experts in parts if values and ranks > 1)
+
+
+def codec_state_bytes(config: JobConfig, model: ModelConfig, d: Degrees, values: int, ranks: int, experts: bool) -> int:
+    """fp32 state a gradient codec keeps per DDP instance of `values` gradients over `ranks` ranks
+    (comm/compression.py; one bucket, the bucket padded to ranks x block for the two-phase codecs): `sign`'s error
+    feedback on the workers' vector and the chunk owner's (N + N / ranks), `topk`'s residual (n), PowerSGD's error
+    per compressed matrix and its warm-start Q (`powersgd_factors`); `int8` keeps none."""
+    g = config.gradient_comm
+    if g.compression == "sign":
+        padded = -(-values // (ranks * g.compression_block)) * ranks * g.compression_block
+        return 4 * (padded + padded // ranks)
+    if g.compression == "topk":
+        return 4 * values
+    if g.compression == "powersgd":
+        return round(4 * values * powersgd_shares(model, d.tp, d.etp, g.powersgd_rank)[experts][2])
+    return 0
 
 
 def _buffers(config: JobConfig, model: ModelConfig, d: Degrees, layers: list[int], moe: list[int], sp: bool,
@@ -1054,8 +1073,8 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
         if g.compression == "powersgd":  # per bucket: P factors and the uncompressed tensors, then Q factors
             shares = powersgd_shares(model, d.tp, d.etp, g.powersgd_rank)
             reduce = sum(buckets * _dense_all_reduce(g, 4 * share * values / buckets, ranks, cluster, span)
-                         for values, ranks, pair in ((dense, group, shares[0]), (routed, experts, shares[1]))
-                         if values and ranks > 1 for share in pair)
+                         for values, ranks, kind in ((dense, group, shares[0]), (routed, experts, shares[1]))
+                         if values and ranks > 1 for share in kind[:2])
             return hidden_behind(reduce, backward)
         if g.compression in ("int8", "sign", "topk"):
             reduce = _compressed_reduce_time(g, dense, group, buckets, cluster, span) if group > 1 else 0.0

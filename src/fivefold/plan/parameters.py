@@ -72,30 +72,31 @@ def local_tensor(name: str, shape: tuple[int, ...], vocab: int, tp: int = 1, etp
     return numel // split, (rows if name.endswith(_ROW_PARALLEL) else rows // split)
 
 
-def powersgd_factors(tensors: list[tuple[int, int]], rank: int) -> tuple[int, int]:
-    """Values in PowerSGD's two all-reduces (comm/compression.py) over tensors of (elements, rows): each matrix it
-    compresses (r = min(rank, rows, cols), (rows + cols) r < rows x cols) sends P (rows x r) in the first and
-    Q (cols x r) in the second; every other tensor goes whole in the first."""
-    first = second = 0
+def powersgd_factors(tensors: list[tuple[int, int]], rank: int) -> tuple[int, int, int]:
+    """Values in PowerSGD's two all-reduces (comm/compression.py) over tensors of (elements, rows), and the values
+    of state it keeps between steps: each matrix it compresses (r = min(rank, rows, cols), (rows + cols) r <
+    rows x cols) sends P (rows x r) in the first and Q (cols x r) in the second and keeps its error (rows x cols)
+    and its warm-start Q; every other tensor goes whole in the first."""
+    first = second = state = 0
     for numel, rows in tensors:
         cols = numel // rows if rows else 0
         r = min(rank, rows, cols)
         if rows and (rows + cols) * r < rows * cols:
-            first, second = first + rows * r, second + cols * r
+            first, second, state = first + rows * r, second + cols * r, state + numel + cols * r
         else:
             first += numel
-    return first, second
+    return first, second, state
 
 
-def powersgd_shares(model: ModelConfig, tp: int, etp: int, rank: int) -> tuple[tuple[float, float], tuple[float, float]]:
-    """PowerSGD's (first, second) all-reduce values per gradient value, over the dense parameters and over the
-    routed experts' (tp- and etp-cut as a rank holds them; ratios, so a pipeline stage's or expert-parallel rank's
-    share of the model is priced by the whole model's mix of shapes)."""
+def powersgd_shares(model: ModelConfig, tp: int, etp: int, rank: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """PowerSGD's (first all-reduce, second all-reduce, kept state) values per gradient value (`powersgd_factors`),
+    over the dense parameters and over the routed experts' (tp- and etp-cut as a rank holds them; ratios, so a
+    pipeline stage's or expert-parallel rank's share of the model is priced by the whole model's mix of shapes)."""
     return _powersgd_shares(dataclasses.astuple(model), tp, etp, rank)
 
 
 @functools.lru_cache(maxsize=64)  # a search prices thousands of layouts of one model
-def _powersgd_shares(fields: tuple, tp: int, etp: int, rank: int) -> tuple[tuple[float, float], tuple[float, float]]:
+def _powersgd_shares(fields: tuple, tp: int, etp: int, rank: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
     from fivefold.model import build_model
 
     model = ModelConfig(*fields)
@@ -107,8 +108,7 @@ def _powersgd_shares(fields: tuple, tp: int, etp: int, rank: int) -> tuple[tuple
     shares = []
     for experts in (False, True):
         total = sum(n for n, _ in tensors[experts])
-        first, second = powersgd_factors(tensors[experts], rank)
-        shares.append((first / total, second / total) if total else (1.0, 0.0))
+        shares.append(tuple(v / total for v in powersgd_factors(tensors[experts], rank)) if total else (1.0, 0.0, 0.0))
     return shares[0], shares[1]
 
 

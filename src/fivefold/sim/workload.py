@@ -770,7 +770,7 @@ class _Builder:
         compress, then its Q factors, in fp32."""
         g, p, numel = self.config.gradient_comm, len(group), sum(n for n, _ in tensors)
         if g.compression == "powersgd":
-            for values in powersgd_factors(tensors, g.powersgd_rank):
+            for values in powersgd_factors(tensors, g.powersgd_rank)[:2]:
                 self.pending.append(self.launch(rank, "all_reduce", 4 * values, group, self.dp_algorithm(4 * values, p)))
             return
         if g.compression == "topk":
