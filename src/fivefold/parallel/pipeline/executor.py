@@ -18,6 +18,8 @@ Communication instructions that follow each other are posted together with one
 `batch_isend_irecv` when the next compute instruction (or the end) is reached, so a forward's
 send and the next backward's receive travel together (Megatron-LM's send_forward_recv_backward);
 a compute waits only for the receives it needs, sends are waited for at the end of the step.
+All messages between two ranks use one tag: the order the streams post them in is the order they
+are matched in (the simulator checks the streams are FIFO per channel, as NCCL requires).
 
 Scatter/gather (pipeline_parallel.scatter_gather; Narayanan et al., SC21, section 4.1): without
 sequence parallelism a stage's output, and the gradient of its input, are whole and equal on every
@@ -25,8 +27,6 @@ tensor-parallel rank, so each tp rank sends only its 1/tp contiguous piece of th
 the same tp rank of the next (previous) stage, and the receivers all-gather the pieces over their tp
 group once the receives are in, before the compute that needs them. Between stages (across nodes,
 as Megatron-LM lays them out) tp times fewer bytes travel; the all-gather stays inside the node.
-All messages between two ranks use one tag: the order the streams post them in is the order they
-are matched in (the simulator checks the streams are FIFO per channel, as NCCL requires).
 
 The I/W split: while a zero-bubble schedule runs F or I, `F.linear` calls on weights that
 require grad go through `_DeferredLinear`, whose backward returns the input gradient and keeps
