@@ -691,11 +691,15 @@ def test_optimizer_step_is_priced_at_the_accelerators_optimizer_rate(tmp_path):
     found = estimate(ps, 5, cpu)
     (elements, tensors), = server_loads(model, 1, 4)
     assert elements == psi and tensors == rank_tensors(model, layers, True, True)
-    assert found.time.optimizer == pytest.approx(4 * 4 * psi / 3350e9 + 28 * psi / 10e9 + tensors * 20e-6)
+    assert found.time.optimizer == pytest.approx(4 * 4 * psi / 3350e9 + 28 * psi / 10e9 + tensors * 20e-6 + clip * psi)
     # two servers (3 workers): the slower server's update, each over its own elements and tensors
     two = estimate(tiny("--data_parallel.mode", "ps", "--parameter_server.servers", "2"), 5, cpu)
-    assert two.time.optimizer == pytest.approx(max(3 * 4 * e / 3350e9 + 28 * e / 10e9 + n * 20e-6
+    assert two.time.optimizer == pytest.approx(max(3 * 4 * e / 3350e9 + 28 * e / 10e9 + n * 20e-6 + clip * e
                                                    for e, n in server_loads(model, 2, 3)))
+    # asp: a server steps per push, unclipped; each worker clipped its own whole gradient before pushing
+    asp = estimate(tiny("--data_parallel.mode", "ps", "--parameter_server.sync", "asp"), 5, cpu).time
+    assert asp.optimizer == pytest.approx(4 * 4 * psi / 3350e9 + 4 * (28 * psi / 10e9 + tensors * 20e-6))
+    assert asp.dp == pytest.approx(found.time.dp + clip * psi)
     path = tmp_path / "cpu.toml"
     path.write_text(cluster_toml(cpu))
     assert load_cluster(str(path)) == cpu

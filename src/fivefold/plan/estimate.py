@@ -527,17 +527,23 @@ def _parameter_server_time(config: JobConfig, loads: list[tuple[int, int]], work
     """(push + pull seconds, the servers' update seconds) per step, `loads` each server's (elements, tensors). The
     busiest server takes every worker's push of its shard (W x 4 x shard bytes in) and answers every pull (as many
     out), over the link spanning the job (servers are the last ranks); a worker waits for both, after its backward.
-    bsp sums W pushes (read 4 W x shard bytes at memory bandwidth) and runs AdamW once over the shard (the
-    accelerator's optimizer rate and cost per tensor); asp and ssp run it per push. The slowest server's update."""
+    bsp sums W pushes (read 4 W x shard bytes at memory bandwidth), takes the gradient norm and clips the sum
+    (`Accelerator.clip_seconds`) and runs AdamW once over the shard (the accelerator's optimizer rate and cost per
+    tensor); asp and ssp run it per push, each worker having clipped its own whole gradient before pushing. The
+    slowest server's update."""
     shard = max(elements for elements, _ in loads)
     comm = 2 * workers * cluster.link_for(gpus).message(4 * shard)
     accelerator = cluster.accelerator
-    updates = 1 if config.parameter_server.sync == "bsp" else workers
+    bsp, clipping = config.parameter_server.sync == "bsp", config.train.max_grad_norm > 0
+    updates = 1 if bsp else workers
     bandwidth = accelerator.memory_bandwidth_gbs * 1e9
+    if not bsp:  # parallel/parameter_server.py: the pusher clips
+        comm += accelerator.clip_seconds(sum(elements for elements, _ in loads), clipping)
 
     def update(elements: int, tensors: int) -> float:
         summing = 4 * workers * elements / bandwidth if bandwidth else 0.0
-        return summing + updates * accelerator.optimizer_seconds(elements, tensors)
+        clip = accelerator.clip_seconds(elements, clipping) if bsp else 0.0
+        return summing + clip + updates * accelerator.optimizer_seconds(elements, tensors)
 
     return comm, max(update(*load) for load in loads)
 
