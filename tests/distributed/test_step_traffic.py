@@ -61,6 +61,8 @@ LAYOUTS = {
     4: {
         "dp2-tp2": dict(tensor_parallel={"degree": 2}),
         "dp2-tp2-powersgd": dict(tensor_parallel={"degree": 2}, gradient_comm={"compression": "powersgd"}),
+        "pp2-dp2-int8": dict(pipeline_parallel={"degree": 2}, gradient_comm={"compression": "int8"},
+                             train={"grad_accum_steps": 2}),
         "pp2-dp2-interleaved": dict(pipeline_parallel={"degree": 2, "schedule": "interleaved", "virtual": 2},
                                     model={"n_layers": 4}, train={"grad_accum_steps": 2}),
         "hsdp-2x2-zero3": dict(data_parallel={"zero_stage": 3, "shard": 2, "replicate": 2}),

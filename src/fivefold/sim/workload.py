@@ -742,13 +742,7 @@ class _Builder:
         for i, part in enumerate(self.ddp_parts):
             if last:
                 for b in part.bucket_of.get((stage, unit.name), []):
-                    nbytes = part.buckets[b]
-                    if self.config.gradient_comm.compression != "none" and len(part.group) > 1:
-                        self.compressed_reduce(rank, part.contents[b], part.group)
-                    else:
-                        self.pending.append(self.launch(rank, "all_reduce", nbytes, part.group,
-                                                        self.dp_algorithm(nbytes, len(part.group))))
-                    self.launched.add((i, b))
+                    self.reduce_bucket(rank, i, b)
         for i, part in enumerate(self.zero_parts):
             whole = part.degrees.grads == 1  # whole gradients: reduced once, over the block, into optimizer pieces
             if whole and not last:
@@ -761,6 +755,16 @@ class _Builder:
                 if len(group) > 1:
                     self.pending.append(self.launch(rank, "reduce_scatter", n * self.reduce_element, group))
             self.reduced.add((i, stage, unit.name))
+
+    def reduce_bucket(self, rank: int, i: int, b: int) -> None:
+        """Launch DDP instance i's bucket b on the communication thread: one all-reduce, or its codec's exchanges."""
+        part = self.ddp_parts[i]
+        if self.config.gradient_comm.compression != "none":
+            self.compressed_reduce(rank, part.contents[b], part.group)
+        else:
+            nbytes = part.buckets[b]
+            self.pending.append(self.launch(rank, "all_reduce", nbytes, part.group, self.dp_algorithm(nbytes, len(part.group))))
+        self.launched.add((i, b))
 
     def compressed_reduce(self, rank: int, tensors: list[tuple[int, int]], group: tuple[int, ...]) -> None:
         """One DDP bucket of `tensors` ((elements, rows) each) through its codec (comm/compression.py), on the
@@ -934,10 +938,9 @@ class _Builder:
         """reduce_grads: launch what is left, wait for the communication thread; hybrid shards over replicas."""
         stages = range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp)
         for i, part in enumerate(self.ddp_parts):
-            for b, nbytes in enumerate(part.buckets):
+            for b in range(len(part.buckets)):
                 if (i, b) not in self.launched:
-                    self.pending.append(self.launch(rank, "all_reduce", nbytes, part.group,
-                                                    self.dp_algorithm(nbytes, len(part.group))))
+                    self.reduce_bucket(rank, i, b)
         for i, part in enumerate(self.zero_parts):
             if part.degrees.grads == 1 and len(part.groups["split"]) > 1:
                 for s in stages:
