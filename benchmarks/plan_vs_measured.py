@@ -371,7 +371,7 @@ def main() -> int:
           f"{'sim err':>9}")
     for row in rows:
         predicted = estimate(row["config"], row["world_size"], row["cluster"], efficiency, vocab_size=257).time.total
-        if row["config"].data_parallel.mode == "ps":  # the simulator does not model parameter servers
+        if row["config"].data_parallel.mode == "ps":  # the simulator does not model them on a host's shared cores
             simulated = sim_error = None
         else:
             simulated = simulate_step(row["config"], row["world_size"], row["cluster"], efficiency, args.fidelity,

@@ -24,7 +24,7 @@ import pytest
 from fivefold.config import load_config
 from fivefold.errors import ConfigError
 from fivefold.plan.cluster import PRESETS, LinkSpec
-from fivefold.plan.estimate import estimate
+from fivefold.plan.estimate import estimate, model_for
 from fivefold.sim.engine import Collective, Compute, Send, simulate
 from fivefold.sim.network import DedicatedNetwork, FlowNetwork
 from fivefold.sim.routing import Router
@@ -262,6 +262,35 @@ def test_scattered_pipeline_messages_are_a_tp_share_plus_an_all_gather():
     assert plans["true"] == pytest.approx(steps["true"], rel=0.03)
 
 
+def test_parameter_servers_are_simulated_as_the_runtime_runs_them():
+    """bsp parameter servers (parallel/parameter_server.py): after its backward each worker pushes every server its
+    shard's gradients (4 bytes a value, the runtime's ServerLayout) and pulls the new weights; a server waits for
+    every push, sums, clips and steps (the planner's seconds), and answers every worker. At flow level the pushes
+    share the server's link, which the planner prices as one after another: the two agree within 4% (their
+    latencies overlap in the simulation). asp / ssp and the contention-free path are refused by name."""
+    from fivefold.plan.estimate import server_loads
+    from fivefold.sim.workload import build_workload
+
+    for servers, gpus in ((1, 4), (2, 4), (1, 3)):
+        config = _config("--data_parallel.mode", "ps", "--parameter_server.servers", str(servers))
+        workers = gpus - servers
+        loads = server_loads(model_for(config, 257), servers, workers)
+        workload = build_workload(config, gpus, H100, 0.5, "flow", vocab_size=257)
+        for worker in range(workers):
+            assert sorted(workload.calls(worker)) == sorted(
+                ("send", (worker, workers + s), 4 * elements) for s, (elements, _) in enumerate(loads))
+        for s, (elements, _) in enumerate(loads):
+            assert sorted(workload.calls(workers + s)) == [("send", (workers + s, w), 4 * elements) for w in range(workers)]
+        run = simulate_step(config, gpus, H100, 0.5, "flow", vocab_size=257)
+        planned = estimate(config, gpus, H100, 0.5, vocab_size=257).time
+        assert run.time == pytest.approx(planned.total, rel=0.04)
+        assert run.breakdown()["compute"] == pytest.approx(planned.compute, rel=1e-9)
+    for overrides, fidelity, message in ((["--parameter_server.sync", "asp"], "flow", "sync = asp"),
+                                         ([], "analytical", "fidelity analytical")):
+        with pytest.raises(ConfigError, match=message):
+            simulate_step(_config("--data_parallel.mode", "ps", *overrides), 3, H100, 0.5, fidelity, vocab_size=257)
+
+
 def test_ranks_sharing_a_hosts_cores_lend_them_while_they_wait():
     """Processor sharing in the engine (sim/cores.py). By hand: two ranks on one core, each given 1 s of compute
     (its time with both computing), then rank 1 computes 1 s more: together they finish the first at 1 s,
@@ -452,7 +481,8 @@ def test_every_step_option_changes_what_is_simulated(capsys):
     ([], "--gpus N"), (["--gpus", "4", "--ranks", "4"], "--gpus N"), (["--gpus", "0"], "--gpus 0"),
     (["--ranks", "8", "--train.steps", "3"], "use --gpus"), (["--gpus", "3", "--tensor_parallel.degree", "2"], "world size is 3"),
     (["--gpus", "2", "--plot", "/no/such/folder/p.png"], "--plot"),
-    (["--gpus", "2", "--data_parallel.mode", "ps"], "parameter servers"),
+    (["--gpus", "3", "--data_parallel.mode", "ps", "--parameter_server.sync", "ssp"], "parameter_server.sync = ssp"),
+    (["--gpus", "3", "--data_parallel.mode", "ps", "--fidelity", "analytical"], "contention-free path"),
 ])
 def test_simulate_step_rejects_bad_input_in_one_line(argv, message, capsys):
     from fivefold.cli import main

@@ -533,19 +533,20 @@ def _parameter_server_time(config: JobConfig, loads: list[tuple[int, int]], work
     slowest server's update."""
     shard = max(elements for elements, _ in loads)
     comm = 2 * workers * cluster.link_for(gpus).message(4 * shard)
-    accelerator = cluster.accelerator
-    bsp, clipping = config.parameter_server.sync == "bsp", config.train.max_grad_norm > 0
-    updates = 1 if bsp else workers
+    if config.parameter_server.sync != "bsp":  # parallel/parameter_server.py: the pusher clips
+        comm += cluster.accelerator.clip_seconds(sum(elements for elements, _ in loads), config.train.max_grad_norm > 0)
+    return comm, max(server_update_seconds(config, elements, tensors, workers, cluster.accelerator)
+                     for elements, tensors in loads)
+
+
+def server_update_seconds(config: JobConfig, elements: int, tensors: int, workers: int, accelerator: Accelerator) -> float:
+    """One server's work per step on its shard (`_parameter_server_time`): bsp sums the W pushes, clips and steps
+    once; asp / ssp step once per push."""
+    bsp = config.parameter_server.sync == "bsp"
     bandwidth = accelerator.memory_bandwidth_gbs * 1e9
-    if not bsp:  # parallel/parameter_server.py: the pusher clips
-        comm += accelerator.clip_seconds(sum(elements for elements, _ in loads), clipping)
-
-    def update(elements: int, tensors: int) -> float:
-        summing = 4 * workers * elements / bandwidth if bandwidth else 0.0
-        clip = accelerator.clip_seconds(elements, clipping) if bsp else 0.0
-        return summing + clip + updates * accelerator.optimizer_seconds(elements, tensors)
-
-    return comm, max(update(*load) for load in loads)
+    summing = 4 * workers * elements / bandwidth if bandwidth else 0.0
+    clip = accelerator.clip_seconds(elements, config.train.max_grad_norm > 0) if bsp else 0.0
+    return summing + clip + (1 if bsp else workers) * accelerator.optimizer_seconds(elements, tensors)
 
 
 def ddp_bucket_bytes(config: JobConfig, model: ModelConfig, params: RankParameters, d: Degrees) -> int:

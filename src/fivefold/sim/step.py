@@ -75,7 +75,7 @@ def shared_cores(config: JobConfig, workload: Workload, cluster: ClusterSpec) ->
     """The host's cores the ranks' compute streams share (accelerator.shared_cores, the job on one host: the
     planner's rule, plan/estimate.py `core_sharing`), and those streams; (None, empty) on accelerators."""
     sharing = core_sharing(config, workload.degrees, cluster)
-    if sharing is None:
+    if sharing is None or config.data_parallel.mode == "ps":  # servers and workers: not modelled on shared cores
         return None, frozenset()
     world = workload.degrees.world
     cores = SharedCores(dataclasses.replace(sharing, replicas=1), world, world // len(workload.simulated))

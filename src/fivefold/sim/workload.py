@@ -55,8 +55,12 @@ fast path, one `Collective` op priced by comm/cost.py:
 Gradient compression's codecs run each DDP bucket as their own exchanges (`compressed_reduce`,
 comm/compression.py): their messages, not the codecs' elementwise work.
 
+Parameter servers (bsp) run as the runtime's pushes and pulls: each worker sends every server its
+shard's gradients after backward and receives the new weights; each server waits for every push,
+updates (the planner's seconds) and answers (`push_pull`, `server_program`).
+
 Not modelled (stated in docs/simulator.md): EPLB's replicated experts, priority scheduling,
-parameter servers, the gradient-norm all-reduce, tied
+asynchronous parameter servers (asp, ssp) and any on a host's shared cores, the gradient-norm all-reduce, tied
 embeddings across pipeline stages.
 """
 
@@ -79,7 +83,7 @@ from fivefold.parallel.shard_layout import GROUP_KINDS
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.estimate import (Degrees, PassCosts, compute_dtype, degrees_of, dispatch_rows, model_for, offload_seconds,
-                                    pass_costs, weight_element, zero_degrees)
+                                    pass_costs, server_loads, server_update_seconds, weight_element, zero_degrees)
 from fivefold.plan.expert_load import Matrix, exchange_matrices, expert_rows_by_load, imbalance
 from fivefold.plan.parameters import local_tensor, padded_vocab, powersgd_factors
 from fivefold.plan.zero_traffic import quantized_parts
@@ -281,6 +285,10 @@ class _Builder:
         self.config, self.cluster, self.fidelity = config, cluster, fidelity
         self.d = d = degrees_of(config, gpus)
         _refuse_unmodelled(config, d)
+        if config.data_parallel.mode == "ps" and fidelity == "analytical":
+            raise ConfigError("data_parallel.mode = ps with --fidelity analytical: every worker's push meets the others "
+                              "at its server's link, which the contention-free path does not share; use --fidelity "
+                              "flow or hybrid")
         self.model = model_for(config, vocab_size)
         t, pipe = config.train, config.pipeline_parallel
         self.split = plan_stages(self.model, t.seq_len, d.pp * pipe.virtual, pipe.layers_per_stage, pipe.balance) \
@@ -306,10 +314,14 @@ class _Builder:
             self.dispatch_bytes = dispatch_rows(self.model, config, d) * self.model.dim * self.element
             self.alltoall = "pairwise" if config.expert_parallel.alltoall == "pairwise" else "native"
         self.expert_rows = expert_rows_by_load(self.model, config, d, expert_load) if expert_load is not None else {}
-        if fidelity == "analytical":
+        # parameter servers (bsp): the last ranks, after the workers' grid (parallel/parameter_server.py)
+        self.ps = config.data_parallel.mode == "ps"
+        self.server_ranks = tuple(range(d.dp, d.dp + config.parameter_server.servers)) if self.ps else ()
+        self.loads = server_loads(self.model, config.parameter_server.servers, d.dp) if self.ps else []
+        if fidelity == "analytical" and not self.ps:
             self.simulated = tuple(self.grid.rank(pp=p) for p in range(d.pp))
         else:
-            self.simulated = tuple(range(self.grid.size))
+            self.simulated = tuple(range(self.grid.size)) + self.server_ranks
         self._simulated = set(self.simulated)
         self.programs: dict[StreamKey, list[Op]] = defaultdict(list)
         self._handles: dict[StreamKey, int] = defaultdict(int)
@@ -676,13 +688,15 @@ class _Builder:
         stages = list(range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp))
         self.dp_group = self.grid.group(rank, ("dp_replicate", "dp_shard", "cp"))
         self.degrees = zero_degrees(self.config, self.d)
+        self.ddp_parts: list[_DdpPart] = []
+        self.zero_parts: list[_ZeroPart] = []
+        if self.ps:  # the workers push to and pull from the servers instead (`push_pull`)
+            return
         if self.degrees is not None:  # the runtime's groups (parallel/shard_layout.py), as global ranks
             position = self.dp_group.index(rank)
             self.zero_groups = {kind: tuple(self.dp_group[i] for i in self.degrees.group_of(kind, position))
                                 for kind in GROUP_KINDS}
             self.shard_group = self.zero_groups["block"]
-        self.ddp_parts: list[_DdpPart] = []
-        self.zero_parts: list[_ZeroPart] = []
         edp = self.expert_groups["edp"][rank] if self.expert_groups else (rank,)
         for experts, group in ((False, self.dp_group), (True, edp)):
             if len(group) == 1:
@@ -988,9 +1002,43 @@ class _Builder:
                             self.collective(rank, COMPUTE, "all_gather", part.groups["publish"],
                                             n // part.degrees.params * self.weight_element, "dp")
 
+    # ------------------------------------------------------------------ parameter servers
+    def push_pull(self, rank: int) -> None:
+        """A worker after its backward (parallel/parameter_server.py, bsp): its gradients pushed to every server
+        (each server's shard, 4 bytes a value), the new weights pulled back, then the next step may start."""
+        key, handles = (rank, COMPUTE), []
+        for server, (elements, _) in zip(self.server_ranks, self.loads):
+            handles.append(self._handle(key))
+            self.programs[key].append(Send(server, 4 * elements, handles[-1]))
+            self.log[rank].append(("send", (rank, server), 4 * elements, "", None))
+        for server, (elements, _) in zip(self.server_ranks, self.loads):
+            handles.append(self._handle(key))
+            self.programs[key].append(Recv(server, 4 * elements, handles[-1]))
+        self.programs[key].append(Wait(tuple(handles), "dp"))
+
+    def server_program(self, rank: int) -> None:
+        """A server's step: every worker's push of its shard, their sum, the norm and clipping, AdamW
+        (`server_update_seconds`, the planner's), then the new shard sent to every worker."""
+        key, workers = (rank, COMPUTE), range(self.d.dp)
+        elements, tensors = self.loads[self.server_ranks.index(rank)]
+        receives = [self._handle(key) for _ in workers]
+        self.programs[key] += [Recv(w, 4 * elements, h) for w, h in zip(workers, receives)]
+        self.programs[key].append(Wait(tuple(receives), "dp"))
+        self.compute(rank, server_update_seconds(self.config, elements, tensors, self.d.dp, self.cluster.accelerator),
+                     "optimizer")
+        sends = [self._handle(key) for _ in workers]
+        for w, h in zip(workers, sends):
+            self.programs[key].append(Send(w, 4 * elements, h))
+            self.log[rank].append(("send", (rank, w), 4 * elements, "", None))
+        self.programs[key].append(Wait(tuple(sends), "dp"))
+
     # ------------------------------------------------------------------ a rank's step
     def rank_program(self, rank: int) -> None:
         from fivefold.parallel.pipeline.schedules import Instruction, Op as P, PipelineShape, schedule
+
+        if rank in self.server_ranks:
+            self.server_program(rank)
+            return
 
         d, t, pipe = self.d, self.config.train, self.config.pipeline_parallel
         m = t.grad_accum_steps
@@ -1044,17 +1092,22 @@ class _Builder:
             elif ins.op == P.REDUCE_GRADS:
                 if sends:
                     self.programs[key].append(Wait(tuple(sends), "pp"))
-                self.finish(rank)
+                if self.ps:
+                    self.push_pull(rank)
+                else:
+                    self.finish(rank)
             elif ins.op == P.OPTIMIZER_STEP:
-                self.optimizer(rank)
+                if not self.ps:  # the servers ran AdamW
+                    self.optimizer(rank)
                 self.routing_report(rank)
 
 
 def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:
     z, g, ep = config.data_parallel, config.gradient_comm, config.expert_parallel
     reasons = []
-    if z.mode == "ps":
-        reasons.append("data_parallel.mode = ps (parameter servers)")
+    if z.mode == "ps" and config.parameter_server.sync != "bsp":
+        reasons.append(f"parameter_server.sync = {config.parameter_server.sync} (workers out of lock step: no one "
+                       "step to simulate; bsp is modelled)")
     if ep.replicas:
         reasons.append("expert_parallel.replicas > 0 (EPLB's replicated experts and their gradient sums)")
     if g.compression == "sign" and g.compression_block % 32:
