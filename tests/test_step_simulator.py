@@ -267,7 +267,8 @@ def test_parameter_servers_are_simulated_as_the_runtime_runs_them():
     shard's gradients (4 bytes a value, the runtime's ServerLayout) and pulls the new weights; a server waits for
     every push, sums, clips and steps (the planner's seconds), and answers every worker. At flow level the pushes
     share the server's link, which the planner prices as one after another: the two agree within 4% (their
-    latencies overlap in the simulation). asp / ssp and the contention-free path are refused by name."""
+    latencies overlap in the simulation). On a host of shared cores the roles take turns with the cores as the
+    planner has them (compute equal, step within 5%). asp / ssp and the contention-free path are refused by name."""
     from fivefold.plan.estimate import server_loads
     from fivefold.sim.workload import build_workload
 
@@ -285,6 +286,12 @@ def test_parameter_servers_are_simulated_as_the_runtime_runs_them():
         planned = estimate(config, gpus, H100, 0.5, vocab_size=257).time
         assert run.time == pytest.approx(planned.total, rel=0.04)
         assert run.breakdown()["compute"] == pytest.approx(planned.compute, rel=1e-9)
+        host = dataclasses.replace(H100, accelerators_per_node=gpus, accelerator=dataclasses.replace(
+            H100.accelerator, shared_cores=2, oversubscribed_efficiency=0.8))
+        shared, planned = simulate_step(config, gpus, host, 0.5, "flow", vocab_size=257), estimate(
+            config, gpus, host, 0.5, vocab_size=257).time
+        assert shared.breakdown()["compute"] == pytest.approx(planned.compute, rel=1e-9) and planned.compute < run.time
+        assert shared.time == pytest.approx(planned.total, rel=0.05)
     for overrides, fidelity, message in ((["--parameter_server.sync", "asp"], "flow", "sync = asp"),
                                          ([], "analytical", "fidelity analytical")):
         with pytest.raises(ConfigError, match=message):

@@ -385,7 +385,7 @@ def core_sharing(config: JobConfig, d: Degrees, cluster: ClusterSpec) -> CoreSha
     return CoreSharing(cores, d.world // d.pp, threads, cluster.accelerator.oversubscribed_efficiency)
 
 
-def _host_sharing(config: JobConfig, gpus: int, cluster: ClusterSpec) -> CoreSharing | None:
+def host_sharing(config: JobConfig, gpus: int, cluster: ClusterSpec) -> CoreSharing | None:
     """Parameter servers on one CPU host (`accelerator.shared_cores`): all `gpus` ranks share its cores, the rates
     were measured with every rank computing, and a role computes while the other waits (`CoreSharing.speed`)."""
     from fivefold.parallel.pipeline.simulate import CoreSharing
@@ -1265,7 +1265,7 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
     if time is not None and server is not None:
         push_pull, update = _parameter_server_time(config, loads, d.dp, gpus, cluster)
         compute = time.compute
-        sharing = _host_sharing(config, gpus, cluster)
+        sharing = host_sharing(config, gpus, cluster)
         if sharing is not None:  # the workers compute while the servers wait, and the other way round
             compute /= sharing.speed(d.dp, gpus)
             update /= sharing.speed(gpus - d.dp, gpus)

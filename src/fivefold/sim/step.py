@@ -25,7 +25,7 @@ from fivefold.config.schema import JobConfig
 from fivefold.errors import ConfigError
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency
-from fivefold.plan.estimate import core_sharing
+from fivefold.plan.estimate import core_sharing, host_sharing
 from fivefold.sim.collective import link_utilisation
 from fivefold.sim.cores import SharedCores
 from fivefold.sim.engine import SimResult, simulate
@@ -74,8 +74,14 @@ class StepRun:
 def shared_cores(config: JobConfig, workload: Workload, cluster: ClusterSpec) -> tuple[SharedCores | None, frozenset]:
     """The host's cores the ranks' compute streams share (accelerator.shared_cores, the job on one host: the
     planner's rule, plan/estimate.py `core_sharing`), and those streams; (None, empty) on accelerators."""
+    if config.data_parallel.mode == "ps":  # workers and servers: every rank's stream shares the cores
+        ranks = len(workload.simulated)
+        sharing = host_sharing(config, ranks, cluster)
+        if sharing is None:
+            return None, frozenset()
+        return SharedCores(sharing, ranks), frozenset((rank, COMPUTE) for rank in workload.simulated)
     sharing = core_sharing(config, workload.degrees, cluster)
-    if sharing is None or config.data_parallel.mode == "ps":  # servers and workers: not modelled on shared cores
+    if sharing is None:
         return None, frozenset()
     world = workload.degrees.world
     cores = SharedCores(dataclasses.replace(sharing, replicas=1), world, world // len(workload.simulated))

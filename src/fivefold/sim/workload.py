@@ -60,7 +60,7 @@ shard's gradients after backward and receives the new weights; each server waits
 updates (the planner's seconds) and answers (`push_pull`, `server_program`).
 
 Not modelled (stated in docs/simulator.md): EPLB's replicated experts, priority scheduling,
-asynchronous parameter servers (asp, ssp) and any on a host's shared cores, the gradient-norm all-reduce, tied
+asynchronous parameter servers (asp, ssp), the gradient-norm all-reduce, tied
 embeddings across pipeline stages.
 """
 
