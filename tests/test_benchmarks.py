@@ -75,6 +75,31 @@ def test_plan_vs_measured_refuses_an_unknown_layout_name():
     assert done.returncode == 2 and "--batch 0: must be at least 1" in done.stderr
 
 
+def test_plan_vs_measured_simulates_at_the_fidelity_asked(tmp_path):
+    """--replay re-predicts stored measurements; --fidelity picks how the simulator plays collectives: at hybrid
+    (the default) a backend all-reduce inside a node lasts its cluster-file link's time, at flow it is a ring's
+    messages on the point-to-point links, so on a cluster whose all-reduce link is slow only the simulated tp2
+    step changes, and the planner's prediction does not."""
+    import json
+
+    from fivefold.plan.cluster import PRESETS
+
+    cluster = PRESETS["h100-sxm"].to_dict() | {"accelerators_per_node": 2}
+    cluster["collectives"] = {"all_reduce": {"bandwidth_gbs": 1.0, "latency_us": 500.0}}
+    rows = [{"world_size": w, "name": name, "cluster": cluster, "measured": 0.002, "cores": 2}
+            for w, name in ((1, "single"), (2, "tp2"))]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    out = {}
+    for fidelity in ("hybrid", "flow"):
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_vs_measured.py"), "--replay",
+                        str(tmp_path / "rows.json"), "--fidelity", fidelity, "--json", str(tmp_path / f"{fidelity}.json")],
+                       capture_output=True, text=True, timeout=300, check=True)
+        out[fidelity] = {r["name"]: r for r in json.loads((tmp_path / f"{fidelity}.json").read_text())}
+    hybrid, flow = out["hybrid"]["tp2"], out["flow"]["tp2"]
+    assert hybrid["predicted"] == flow["predicted"] and hybrid["simulated"] > 1.5 * flow["simulated"]
+    assert out["hybrid"]["single"]["simulated"] == out["flow"]["single"]["simulated"]
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="on a GPU this would run the whole benchmark")
 def test_gpu_benchmark_says_why_it_cannot_run_without_a_gpu():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_train.py")], capture_output=True, text=True,

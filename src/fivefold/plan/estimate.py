@@ -573,7 +573,7 @@ def codec_state_bytes(config: JobConfig, model: ModelConfig, d: Degrees, values:
     per compressed matrix and its warm-start Q (`powersgd_factors`); `int8` keeps none."""
     g = config.gradient_comm
     if g.compression == "sign":
-        padded = -(-values // (ranks * g.compression_block)) * ranks * g.compression_block
+        padded = _codec_padded(g, values, ranks)
         return 4 * (padded + padded // ranks)
     if g.compression == "topk":
         return 4 * values
@@ -1052,7 +1052,6 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
     reduce-scatters in every micro-batch's backward; ZeRO-3 also gathers the weights in each forward and
     backward (prefetched: hidden behind that pass's compute). ZeRO-1/2 gather the updated weights after the
     step, exposed. What one pass cannot hide is exposed, and never less than the last bucket."""
-    from fivefold.comm.cost import best_all_reduce, predict
 
     group, experts = d.dp * d.cp, _expert_dp(config, d)
     if group == 1 and experts == 1:
@@ -1089,16 +1088,7 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
                 if routed and experts > 1 else 0.0
             return hidden_behind(reduce + expert_reduce, backward)
         expert_reduce = native("all_reduce", routed * grad_element, experts) if routed and experts > 1 else 0.0
-        if group == 1:
-            reduce = 0.0
-        elif g.allreduce_algorithm == "native":
-            reduce = native("all_reduce", grad_bytes)
-        else:
-            links = cluster.links()
-            algorithm = g.allreduce_algorithm
-            if algorithm == "auto":
-                algorithm = best_all_reduce(grad_bytes / buckets, group, links)
-            reduce = predict(algorithm, grad_bytes, group, links)
+        reduce = _dense_all_reduce(g, grad_bytes, group, cluster, span, grad_bytes / buckets) if group > 1 else 0.0
         return hidden_behind(reduce + expert_reduce, backward)
     if z.quantized_weights or z.hpz_partition > 1 or z.gradient_bits:
         forward_gather, backward_gather, scatter = _zero_pp_times(config, params.total, d, cluster)
@@ -1113,9 +1103,10 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
     return time
 
 
-def _dense_all_reduce(g, nbytes: float, p: int, cluster: ClusterSpec, span: int) -> float:
+def _dense_all_reduce(g, nbytes: float, p: int, cluster: ClusterSpec, span: int, chosen_at: float = 0.0) -> float:
     """One all-reduce of `nbytes` over p ranks by gradient_comm.allreduce_algorithm (the backend's on its link for
-    the span, or the hand-written algorithm's formula; `auto`: the cheapest for that size)."""
+    the span, or the hand-written algorithm's formula; `auto`: the cheapest at `chosen_at` bytes, a bucket's,
+    default the whole)."""
     from fivefold.comm.cost import best_all_reduce, predict
 
     if nbytes <= 0:
@@ -1123,26 +1114,37 @@ def _dense_all_reduce(g, nbytes: float, p: int, cluster: ClusterSpec, span: int)
     if g.allreduce_algorithm == "native":
         return native_collective("all_reduce", nbytes, p, cluster.collective_link("all_reduce", span))
     links = cluster.links()
-    algorithm = best_all_reduce(nbytes, p, links) if g.allreduce_algorithm == "auto" else g.allreduce_algorithm
+    algorithm = g.allreduce_algorithm
+    if algorithm == "auto":
+        algorithm = best_all_reduce(chosen_at or nbytes, p, links)
     return predict(algorithm, nbytes, p, links)
+
+
+def _codec_padded(g, numel: int, p: int) -> int:
+    """A bucket of `numel` values as the two-phase codecs pad it: to a multiple of p x compression_block."""
+    return -(-numel // (p * g.compression_block)) * p * g.compression_block
+
+
+def codec_exchanges(g, numel: int, p: int) -> list[tuple[str, str, int]]:
+    """(collective, algorithm, bytes) of one DDP bucket of `numel` values through the int8, sign or top-k codec over
+    p ranks (comm/compression.py), in the runtime's order: int8 / sign all-to-all the bucket's codes (bits / 8
+    bytes per value, padded) and its fp32 scales (one per block), then all-gather the chunk owners' re-compressed
+    sums (the same bytes again); top-k all-gathers every rank's k = ratio x n values and int32 indices."""
+    if g.compression == "topk":
+        return [("all_gather", "ring", p * 8 * max(1, math.ceil(g.topk_ratio * numel)))]
+    padded = _codec_padded(g, numel, p)
+    codes, scales = padded * (1 if g.compression == "sign" else 8) // 8, 4 * padded // g.compression_block
+    return [(kind, algorithm, n) for kind, algorithm in (("all_to_all", "pairwise"), ("all_gather", "ring"))
+            for n in (codes, scales)]
 
 
 def _compressed_reduce_time(g, numel: int, p: int, buckets: int, cluster: ClusterSpec, span: int) -> float:
     """A step's DDP buckets (`numel` gradients in `buckets` equal buckets) through gradient_comm.compression's codec
-    over p ranks (comm/compression.py), each exchange on the backend's link for the span as the simulator prices it:
-    int8 / sign all-to-all each bucket's codes (bits / 8 bytes per value, the bucket padded to p x block values) and
-    its fp32 scales (one per block), then all-gather the chunk owners' re-compressed sums (the same bytes again);
-    top-k all-gathers every rank's k = ratio x n values and int32 indices (8 bytes each). The codecs' elementwise
-    work (quantising, summing, error feedback) is not priced."""
-    def exchange(kind: str, nbytes: float) -> float:
-        return native_collective(kind, nbytes, p, cluster.collective_link(kind, span))
-
+    (`codec_exchanges`), each exchange on the backend's link for the span as the simulator prices it. The codecs'
+    elementwise work (quantising, summing, error feedback) is not priced."""
     per = -(-numel // buckets)
-    if g.compression == "topk":
-        return buckets * exchange("all_gather", p * 8 * max(1, math.ceil(g.topk_ratio * per)))
-    padded = -(-per // (p * g.compression_block)) * p * g.compression_block
-    codes, scales = padded * (1 if g.compression == "sign" else 8) // 8, 4 * padded // g.compression_block
-    return buckets * sum(exchange(kind, n) for kind in ("all_to_all", "all_gather") for n in (codes, scales))
+    return buckets * sum(native_collective(kind, n, p, cluster.collective_link(kind, span))
+                         for kind, _, n in codec_exchanges(g, per, p))
 
 
 def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, weight_bytes: float, grad_bytes: float, m: int,

@@ -67,7 +67,6 @@ embeddings across pipeline stages.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,8 +81,9 @@ from fivefold.parallel.mesh import MESH_DIMS
 from fivefold.parallel.shard_layout import GROUP_KINDS
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
-from fivefold.plan.estimate import (Degrees, PassCosts, compute_dtype, degrees_of, dispatch_rows, model_for, offload_seconds,
-                                    pass_costs, server_loads, server_update_seconds, weight_element, zero_degrees)
+from fivefold.plan.estimate import (Degrees, PassCosts, codec_exchanges, compute_dtype, degrees_of, dispatch_rows, model_for,
+                                    offload_seconds, pass_costs, server_loads, server_update_seconds, weight_element,
+                                    zero_degrees)
 from fivefold.plan.expert_load import Matrix, exchange_matrices, expert_rows_by_load, imbalance
 from fivefold.plan.parameters import local_tensor, padded_vocab, powersgd_factors
 from fivefold.plan.zero_traffic import quantized_parts
@@ -786,21 +786,14 @@ class _Builder:
         ring-all-gather the chunk owners' re-compressed sums; top-k ring-all-gathers every rank's k values and int32
         indices; PowerSGD all-reduces (gradient_comm.allreduce_algorithm) its P factors with the tensors it does not
         compress, then its Q factors, in fp32."""
-        g, p, numel = self.config.gradient_comm, len(group), sum(n for n, _ in tensors)
+        g, p = self.config.gradient_comm, len(group)
         if g.compression == "powersgd":
-            for values in powersgd_factors(tensors, g.powersgd_rank)[:2]:
-                self.pending.append(self.launch(rank, "all_reduce", 4 * values, group, self.dp_algorithm(4 * values, p)))
-            return
-        if g.compression == "topk":
-            k = max(1, math.ceil(g.topk_ratio * numel))
-            self.pending.append(self.launch(rank, "all_gather", p * 8 * k, group, "ring"))
-            return
-        padded = -(-numel // (p * g.compression_block)) * p * g.compression_block
-        codes = padded * (1 if g.compression == "sign" else 8) // 8
-        scales = 4 * padded // g.compression_block
-        for kind, algorithm in (("all_to_all", "pairwise"), ("all_gather", "ring")):
-            for nbytes in (codes, scales):
-                self.pending.append(self.launch(rank, kind, nbytes, group, algorithm))
+            exchanges = [("all_reduce", self.dp_algorithm(4 * values, p), 4 * values)
+                         for values in powersgd_factors(tensors, g.powersgd_rank)[:2]]
+        else:
+            exchanges = codec_exchanges(g, sum(n for n, _ in tensors), p)
+        for kind, algorithm, nbytes in exchanges:
+            self.pending.append(self.launch(rank, kind, nbytes, group, algorithm))
 
     def quantized_reduce_scatter(self, rank: int, padded: int) -> None:
         """qgZ (parallel/zero_pp.py): all-to-alls of codes and scales within the node, then across the nodes."""
