@@ -3,7 +3,7 @@
 Run on a lent H100 for docs/gpu.md. Each test checks what the CPU suite cannot: training on CUDA
 equals training on the CPU (fp32; cuBLAS and the CPU BLAS sum in different orders), the defaults
 on CUDA (fused AdamW, SDPA's flash kernel for bf16 causal attention), compiled blocks without
-recompiles, the chunked head's peak-memory saving, FP8 through torch._scaled_mm, and the fused
+recompiles, the chunked head's and the compiled loss's peak-memory savings, FP8 through torch._scaled_mm, and the fused
 kernels' parity with eager.
 """
 
@@ -18,7 +18,8 @@ from fivefold.ops.fused import OPS, fused
 from fivefold.ops.linear_cross_entropy import linear_cross_entropy
 from fivefold.optim import build_optimizer
 from fivefold.config import OptimConfig
-from fivefold.parallel.compile import compiled_graphs
+from fivefold.parallel.compile import compiled_graphs, compiled_loss
+from fivefold.parallel.output_loss import cross_entropy_sum
 from fivefold.plan.estimate import logits_bytes
 from fivefold.train.trainer import Trainer
 
@@ -102,6 +103,43 @@ def test_chunked_head_peak_memory_saving_on_cuda():
     assert torch.allclose(loss, expected, rtol=1e-5)
     assert ((hidden.grad - plain_grads[0]).norm() / plain_grads[0].norm()).item() < 1e-2
     assert saving >= 4 * n * v  # at least the log-probabilities the plain loss keeps
+
+
+def test_compiled_loss_peak_memory_saving_on_cuda():
+    """bf16 logits: eager cross-entropy holds their fp32 copy and fp32 log-probabilities; compiled, only the
+    bf16 logits, 8 bytes a token and the bf16 gradient (the planner's logits term with compiled_element=2)."""
+    n, d, v = 8192, 1024, 32000
+    hidden = torch.randn(n, d, device="cuda", requires_grad=True)
+    weight = (torch.randn(v, d, device="cuda") * 0.02).requires_grad_()
+    labels = torch.randint(0, v, (n,), device="cuda")
+    fast = compiled_loss()
+
+    def peak(loss_fn) -> tuple[int, torch.Tensor]:
+        hidden.grad = weight.grad = None
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = F.linear(hidden, weight)
+        loss = loss_fn(logits, labels)
+        del logits
+        loss.backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before, loss.detach()
+
+    peak(fast)  # compiles (its workspace is not the loss's memory)
+    plain, expected = peak(cross_entropy_sum)
+    plain_grad = weight.grad.clone()
+    compiled, loss = peak(fast)
+    formula = logits_bytes(n, v, 1, compiled_element=2)
+    around = 4 * v * d + 2 * v * d + 4 * n * d  # the weight's fp32 gradient and bf16 copy, the hidden gradient
+    print(f"peak above the inputs: plain {plain / 2**20:.0f} MiB, compiled {compiled / 2**20:.0f} MiB; planner's "
+          f"logits term plain {logits_bytes(n, v, 1) / 2**20:.0f} MiB, compiled {formula / 2**20:.0f} MiB "
+          f"(+ {around / 2**20:.0f} MiB of gradients and the bf16 weight)")
+    assert torch.allclose(loss, expected, rtol=1e-5)
+    assert ((weight.grad - plain_grad).norm() / plain_grad.norm()).item() < 1e-2
+    assert plain - compiled >= logits_bytes(n, v, 1) - formula
+    assert compiled <= 1.1 * (formula + around)
 
 
 def test_fp8_matmul_runs_on_the_tensor_cores_and_equals_the_emulation():

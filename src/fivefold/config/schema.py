@@ -133,7 +133,7 @@ class TrainConfig:
     recompute: str = "none"
     """Activation recomputation: `none`, `full` (each block's forward again in backward) or `selective` (attention core only)."""
     compile: bool = False
-    """torch.compile each transformer block (fused Triton kernels for its norms, RoPE and SwiGLU on CUDA; docs/gpu.md)."""
+    """torch.compile each transformer block (fused Triton kernels for its norms, RoPE and SwiGLU on CUDA) and the loss (no fp32 logits kept), docs/gpu.md."""
     fp8: bool = False
     """Run the blocks' linear layers in FP8 (e4m3 forward, e5m2 gradients, per-tensor current scaling; torch._scaled_mm on H100-class GPUs, the same numerics emulated elsewhere; docs/gpu.md). Not with tensor parallelism."""
     loss_chunk_tokens: int = 0

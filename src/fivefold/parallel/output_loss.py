@@ -6,7 +6,9 @@ Both step functions (single stage and the pipeline's last stage) call the model,
     loss_sum = loss(out, labels)
 
 With `train.loss_chunk_tokens = 0` the model returns logits and the loss is the folds' cross-entropy
-(vocab-parallel under tensor parallelism). With a chunk size the model stops before its output
+(vocab-parallel under tensor parallelism; `cross_entropy_sum` otherwise, which `train.compile` compiles so
+that the fp32 upcast and the log-softmax fuse into one pass and only the logits and a log-sum-exp per token
+are kept for backward, torchtitan's compiled loss). With a chunk size the model stops before its output
 projection and ops/linear_cross_entropy.py applies the head and the cross-entropy chunk by chunk,
 never holding the full tokens x vocab logits.
 """
@@ -17,10 +19,16 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from fivefold.model.llama import Transformer
 from fivefold.ops.linear_cross_entropy import linear_cross_entropy
 from fivefold.parallel.tensor_parallel import IGNORE_INDEX
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of the token cross-entropies of (..., vocab) logits, in fp32; IGNORE_INDEX labels count nothing."""
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -36,7 +35,7 @@ from fivefold.model.hf import load_hf_weights
 from fivefold.optim import build_adamw, build_optimizer
 from fivefold.parallel.checkpoint_layout import CheckpointLayout, PieceRanks, local_layout
 from fivefold.ops.fp8 import apply_fp8
-from fivefold.parallel.compile import apply_compile
+from fivefold.parallel.compile import apply_compile, compiled_loss
 from fivefold.parallel.comm_schedule import PriorityDataParallel, PrioritySync
 from fivefold.parallel.context_parallel import ContextParallelLayout, apply_context_parallel, build_context_parallel_groups
 from fivefold.errors import ConfigError
@@ -70,7 +69,7 @@ from fivefold.parallel.pipeline.stages import (
 )
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.step import PipelineStep, SingleStageStep
-from fivefold.parallel.output_loss import OutputLoss
+from fivefold.parallel.output_loss import OutputLoss, cross_entropy_sum
 from fivefold.parallel.tensor_parallel import IGNORE_INDEX, apply_tensor_parallel, tp_spec, vocab_parallel_cross_entropy
 from fivefold.parallel.shard_layout import config_degrees
 from fivefold.parallel.zero import ZeroDataParallel, ZeroSync
@@ -103,8 +102,7 @@ class ModelParallel:
     def loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum (not mean) of the token cross-entropies, in fp32."""
         if self.tp_group is None:
-            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction="sum")
+            return cross_entropy_sum(logits, labels)
         return vocab_parallel_cross_entropy(logits, labels, self.vocab_size, self.tp_group, IGNORE_INDEX).sum()
 
     def replicas(self, param: nn.Parameter) -> int:
@@ -254,7 +252,10 @@ def build_step(model: Transformer, folds: ModelParallel, sync: GradientSync, mes
     """The step function, chosen once: one stage, or this rank's pipeline schedule."""
     dp_rank, dp = mesh.local_rank("dp"), mesh.dims.dp
     t, pipe, tensor = config.train, config.pipeline_parallel, config.tensor_parallel
-    loss = OutputLoss(folds.loss_sum, model, folds.vocab_size, folds.tp_group, t.loss_chunk_tokens, DTYPES[t.dtype])
+    logits_loss = folds.loss_sum
+    if t.compile and folds.tp_group is None and not t.loss_chunk_tokens:
+        logits_loss = compiled_loss()  # the vocab-parallel loss has collectives inside: it stays eager
+    loss = OutputLoss(logits_loss, model, folds.vocab_size, folds.tp_group, t.loss_chunk_tokens, DTYPES[t.dtype])
     if stages is None:
         return SingleStageStep(model, loss, sync, autocast, dp_rank, dp, mesh.group("dp_cp"))
     shape = PipelineShape(pipe.degree, t.grad_accum_steps, pipe.virtual)

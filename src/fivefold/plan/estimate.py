@@ -412,13 +412,17 @@ def _in_flight(config: JobConfig, d: Degrees) -> dict[int, int]:
     return {r: peak_in_flight(pipe.schedule, shape, r) for r in range(d.pp)}
 
 
-def logits_bytes(tokens: int, vocab: int, held: int, chunk: int = 0) -> int:
+def logits_bytes(tokens: int, vocab: int, held: int, chunk: int = 0, compiled_element: int = 0) -> int:
     """Bytes of the loss's logits on the last stage: `held` micro-batches' fp32 log-probabilities kept for
     backward plus one live logits gradient (tokens x this rank's vocabulary each); with the chunked head
     (train.loss_chunk_tokens = c) 4 bytes per token kept (the log-sum-exp) and one chunk's fp32 logits
-    and gradient live (ops/linear_cross_entropy.py)."""
+    and gradient live (ops/linear_cross_entropy.py). With the compiled loss (train.compile without tensor
+    parallelism, `compiled_element` = the logits' bytes per value) the logits themselves are kept in their
+    dtype with 8 bytes per token (max and log-sum-exp), and their gradient, in that dtype, is live."""
     if chunk:
         return held * 4 * tokens + 2 * 4 * min(chunk, tokens) * vocab
+    if compiled_element:
+        return held * (compiled_element * vocab + 8) * tokens + compiled_element * tokens * vocab
     return (held + 1) * 4 * tokens * vocab
 
 
@@ -447,7 +451,9 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     out = []
     z = config.data_parallel
     tokens = t.micro_batch_size * (t.seq_len // d.cp)
-    last_logits = (logits_bytes(tokens, padded_vocab(model.vocab_size, d.tp) // d.tp, held, t.loss_chunk_tokens)
+    compiled_loss = element if t.compile and d.tp == 1 and not t.loss_chunk_tokens else 0  # parallel/compile.py
+    last_logits = (logits_bytes(tokens, padded_vocab(model.vocab_size, d.tp) // d.tp, held, t.loss_chunk_tokens,
+                                compiled_loss)
                    + final_norm_bytes(tokens, model.dim, held, d.tp if sp else 1))
     alike: dict[tuple, RankMemory] = {}  # (states key, activation bytes) -> the rank's memory (without NVMe)
     for rank in range(d.pp):
