@@ -262,6 +262,35 @@ def test_scattered_pipeline_messages_are_a_tp_share_plus_an_all_gather():
     assert plans["true"] == pytest.approx(steps["true"], rel=0.03)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_tied_embedding_is_summed_across_the_first_and_last_stage(tp):
+    """A tied embedding held by the first stage (the lookup) and the last (the head) has its two gradients summed
+    once per step, after the last backward: one all-reduce of the rank's vocabulary rows x dim between the pair,
+    in the simulator as in the planner (whose pipeline communication grows by exactly its price); none untied.
+    The runtime sends the same (tests/distributed/test_step_traffic.py, the tied-embedding layouts)."""
+    from fivefold.comm.cost import native_collective
+    from fivefold.plan.parameters import padded_vocab
+    from fivefold.sim.workload import build_workload
+
+    two_per_node = dataclasses.replace(H100, accelerators_per_node=2)
+    base = ["--pipeline_parallel.degree", "2", "--tensor_parallel.degree", str(tp), "--train.grad_accum_steps", "4"]
+    plans, calls = {}, {}
+    for tied in ("false", "true"):
+        config = _config(*base, "--model.tie_embeddings", tied)
+        plans[tied] = estimate(config, 2 * tp, two_per_node, 0.5, vocab_size=257).time
+        calls[tied] = [build_workload(config, 2 * tp, two_per_node, 0.5, "flow", vocab_size=257).calls(r)
+                       for r in range(2 * tp)]
+    rows = padded_vocab(257, tp) // tp
+    nbytes = rows * 256 * 4  # the rank's rows x dim, fp32
+    for rank in range(2 * tp):
+        pair = (rank % tp, tp + rank % tp)  # the same tp rank of stage 0 and stage 1
+        added = [c for c in calls["true"][rank] if c not in calls["false"][rank] and c[0] == "all_reduce"]
+        assert added == [("all_reduce", pair, nbytes)]
+    price = native_collective("all_reduce", nbytes, 2, two_per_node.collective_link("all_reduce", tp + 1))
+    assert plans["true"].pp_comm - plans["false"].pp_comm == pytest.approx(price, rel=1e-9)
+    assert price > 0
+
+
 def test_parameter_servers_are_simulated_as_the_runtime_runs_them():
     """bsp parameter servers (parallel/parameter_server.py): after its backward each worker pushes every server its
     shard's gradients (4 bytes a value, the runtime's ServerLayout) and pulls the new weights; a server waits for

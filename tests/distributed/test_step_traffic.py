@@ -7,7 +7,8 @@ point-to-point send as (sender, receiver, bytes). The simulator builds the same 
 be equal. This covers DDP's buckets (backend and hand-written all-reduce, in which case every
 message of the algorithm is compared, and the int8, sign, top-k and PowerSGD codecs' exchanges), ZeRO-1/2/3, hybrid sharding and independent P/G/OS degrees (AMSP, MiCS), tensor parallelism with and
 without sequence parallelism (blocks, vocab-parallel embedding, head and loss, the norms' summed
-gradients), the pipeline schedules' activations and gradients (whole, or scattered over tp and all-gathered), ring, Ulysses and 2D context
+gradients), the pipeline schedules' activations and gradients (whole, or scattered over tp and all-gathered), a tied
+embedding's gradient summed over the first and last stages, ring, Ulysses and 2D context
 parallelism, recomputation, collective matmuls (tensor_parallel.comm_overlap), ZeRO++ (quantised gathers, hpZ's in-node backward gathers, qgZ's two levels
 of all-to-alls) and mixture-of-experts layers (expert and expert-tensor parallelism's all-to-alls, the
 experts' own DDP buckets and ZeRO groups over their expert-data-parallel group, the router's and
@@ -44,6 +45,8 @@ LAYOUTS = {
         "tp2-full-recompute": dict(tensor_parallel={"degree": 2}, train={"recompute": "full"}),
         "pp2-1f1b": dict(pipeline_parallel={"degree": 2}, train={"grad_accum_steps": 2}),
         "pp2-zb-h1": dict(pipeline_parallel={"degree": 2, "schedule": "zb-h1"}, train={"grad_accum_steps": 2}),
+        "pp2-tied-embedding": dict(model={"tie_embeddings": True}, pipeline_parallel={"degree": 2},
+                                   train={"grad_accum_steps": 2}),
         "dp2-int8-small-buckets": dict(gradient_comm={"compression": "int8", "bucket_mb": 0.5}),
         "dp2-sign-block-64": dict(gradient_comm={"compression": "sign", "compression_block": 64}),
         "dp2-topk": dict(gradient_comm={"compression": "topk", "topk_ratio": 0.05}),
@@ -51,12 +54,12 @@ LAYOUTS = {
                                                                "allreduce_algorithm": "ring", "bucket_mb": 0.5}),
         "moe-dp2-powersgd": dict(model=MOE, gradient_comm={"compression": "powersgd"}),
         "dp2-zero1": dict(data_parallel={"zero_stage": 1, "shard": 2}),
-        "dp2-zero2-accum2": dict(data_parallel={"zero_stage": 2, "shard": 2}, train={"grad_accum_steps": 2}),
+        "dp2-zero2-accum2": dict(data_parallel={"zero_stage": 1, "shard": 2}, train={"grad_accum_steps": 2}),
         "dp2-zero3": dict(data_parallel={"zero_stage": 3, "shard": 2}),
         "cp2-ring": dict(context_parallel={"degree": 2}),
         "cp2-ulysses": dict(context_parallel={"degree": 2, "method": "ulysses"}),
         "moe-ep2": dict(model=MOE, expert_parallel={"degree": 2}),
-        "moe-dp2-zero2-accum2": dict(model=MOE, data_parallel={"zero_stage": 2, "shard": 2}, train={"grad_accum_steps": 2}),
+        "moe-dp2-zero2-accum2": dict(model=MOE, data_parallel={"zero_stage": 1, "shard": 2}, train={"grad_accum_steps": 2}),
     },
     4: {
         "dp2-tp2": dict(tensor_parallel={"degree": 2}),
@@ -74,6 +77,12 @@ LAYOUTS = {
                                model={"n_kv_heads": 4}),
         "tp2-pp2-sp-overlap-zb-h1": dict(tensor_parallel={"degree": 2, "sequence_parallel": True, "comm_overlap": True},
                                          pipeline_parallel={"degree": 2, "schedule": "zb-h1"}, train={"grad_accum_steps": 2}),
+        "tp2-pp2-tied-embedding": dict(model={"tie_embeddings": True}, tensor_parallel={"degree": 2},
+                                       pipeline_parallel={"degree": 2}, train={"grad_accum_steps": 2}),
+        "pp2-dp2-tied-embedding": dict(model={"tie_embeddings": True}, pipeline_parallel={"degree": 2},
+                                       gradient_comm={"bucket_mb": 0.05}, train={"grad_accum_steps": 2}),
+        "pp2-dp2-zero1-tied-embedding": dict(model={"tie_embeddings": True}, pipeline_parallel={"degree": 2},
+                                             data_parallel={"zero_stage": 1, "shard": 2}, train={"grad_accum_steps": 2}),
         "tp2-pp2-sp": dict(tensor_parallel={"degree": 2, "sequence_parallel": True}, pipeline_parallel={"degree": 2},
                            train={"grad_accum_steps": 2}),
         "tp2-pp2-scatter-gather-interleaved": dict(tensor_parallel={"degree": 2},

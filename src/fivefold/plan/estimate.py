@@ -843,6 +843,7 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
         idle = max(makespan - busy, 0.0)
         pp_comm = min(idle, 2 * m * len(split) / d.pp * send)
         bubble = idle - pp_comm
+        pp_comm += _tied_embedding_time(config, model, d, split, cluster)
         last_backward = stage_bwd[0]
     else:
         pp_comm = bubble = 0.0
@@ -986,6 +987,33 @@ def _written_per_block(model: ModelConfig, config: JobConfig, d: Degrees) -> dic
     rows = expert_rows(config, model, d)
     return {moe: element * _block_activations(model, layer, shape, rows) for moe in (False, True)
             if (layer := first_block(model, moe)) >= 0}
+
+
+def tied_embedding_pair(model: ModelConfig, d: Degrees, split: list[list[int]], pp_group: tuple[int, ...]) -> tuple[int, ...]:
+    """The ranks of `pp_group` (one pipeline, in stage order) whose tied embedding copies are summed at reduce_grads:
+    the first stage's and the last stage's (parallel/pipeline/stages.py `tied_embedding_rows`); () when the
+    embedding is not tied or there is no pipeline (or were one rank to hold both stages)."""
+    last = (len(split) - 1) % d.pp
+    if not model.tie_embeddings or d.pp == 1 or last == 0:
+        return ()
+    return (pp_group[0], pp_group[last])
+
+
+def tied_embedding_bytes(model: ModelConfig, d: Degrees, config: JobConfig) -> int:
+    """Bytes of the tied embedding's gradient on one rank: its vocabulary rows (1/tp of the padded vocabulary under
+    tensor parallelism) x dim, in the weights' dtype."""
+    rows = padded_vocab(model.vocab_size, d.tp) // d.tp if d.tp > 1 else model.vocab_size
+    return rows * model.dim * weight_element(config)
+
+
+def _tied_embedding_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]],
+                         cluster: ClusterSpec) -> float:
+    """The all-reduce summing the first and last stages' tied embedding gradients: blocking, after the last backward."""
+    pair = tied_embedding_pair(model, d, split, tuple(range(0, d.world, d.world // d.pp)))
+    if not pair:
+        return 0.0
+    return native_collective("all_reduce", tied_embedding_bytes(model, d, config), 2,
+                             cluster.collective_link("all_reduce", pair[1] - pair[0] + 1))
 
 
 def _rank_stages(split: list[list[int]], pp: int, rank: int) -> tuple[range, bool, bool]:

@@ -60,8 +60,11 @@ shard's gradients after backward and receives the new weights; each server waits
 updates (the planner's seconds) and answers (`push_pull`, `server_program`).
 
 Not modelled (stated in docs/simulator.md): EPLB's replicated experts, priority scheduling,
-asynchronous parameter servers (asp, ssp), the gradient-norm all-reduce, tied
-embeddings across pipeline stages.
+asynchronous parameter servers (asp, ssp), the gradient-norm all-reduce.
+
+A tied embedding held by the first and the last pipeline stage has its two copies' gradients summed at
+reduce_grads (gradient_sync.py `finish`): one all-reduce between the two ranks, before the communication
+thread is waited for.
 """
 
 from __future__ import annotations
@@ -82,7 +85,8 @@ from fivefold.parallel.shard_layout import GROUP_KINDS
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.estimate import (Degrees, PassCosts, codec_exchanges, compute_dtype, degrees_of, dispatch_rows, model_for,
-                                    offload_seconds, pass_costs, server_loads, server_update_seconds, weight_element,
+                                    offload_seconds, pass_costs, server_loads, server_update_seconds,
+                                    tied_embedding_bytes, tied_embedding_pair, weight_element,
                                     zero_degrees)
 from fivefold.plan.expert_load import Matrix, exchange_matrices, expert_rows_by_load, imbalance
 from fivefold.plan.parameters import local_tensor, padded_vocab, powersgd_factors
@@ -200,13 +204,17 @@ class Workload:
         return out
 
 
+TIED_COPY = "tied-embedding"  # the last stage's unit holding its copy of a tied embedding
+
+
 def stage_units(model: ModelConfig, split: list[list[int]], d: Degrees) -> list[list[Unit]]:
     """Every (virtual) stage's units in forward order, with each parameter's elements on one rank: the
     meta-device model's tensors, cut as tensor parallelism cuts them (attention and dense MLP weights
     and the vocabulary rows by tp), and its routed experts as expert parallelism cuts them (an expert-parallel
     rank's E/ep experts, each expert's hidden units by etp; every rank's slots are the same size). ZeRO's flat
     groups are the runtime's own (parallel/flat_groups.py `flat_group_layout`: per block and weight-decay class,
-    one per routed expert; the root's per top-level module)."""
+    one per routed expert; the root's per top-level module). A tied embedding whose last stage lies on another rank
+    than the first is a unit of both: the embedding, and on the last stage its copy (`TIED_COPY`) for the head."""
     from fivefold.model import build_model
     from fivefold.parallel.expert_parallel import cut_experts
     from fivefold.parallel.expert_placement import contiguous_placement
@@ -237,6 +245,7 @@ def stage_units(model: ModelConfig, split: list[list[int]], d: Degrees) -> list[
         if present:
             (expert_groups if is_expert_group(layout.key) else groups)[unit_of[layout.names[0]]].append(sum(present))
     stages = []
+    tied_copy = bool(model.tie_embeddings and d.pp > 1 and (len(split) - 1) % d.pp)  # the last stage's rank lacks stage 0
     for s, layers in enumerate(split):
         units = []
         if s == 0:
@@ -244,6 +253,8 @@ def stage_units(model: ModelConfig, split: list[list[int]], d: Degrees) -> list[
         units += [Unit(f"layers.{i}", i, by_unit[f"layers.{i}"], model.is_moe_layer(i), groups[f"layers.{i}"],
                        experts[f"layers.{i}"], expert_groups[f"layers.{i}"], rows) for i in layers]
         if s == len(split) - 1:
+            if tied_copy:  # the last stage's copy of the tied embedding, its gradient complete once the head's is
+                units.append(Unit(TIED_COPY, -1, by_unit["tok_embeddings"], flat_groups=groups["embedding"], rows=rows))
             units.append(Unit("head", -1, by_unit["norm"] + by_unit["output"], flat_groups=groups["head"], rows=rows))
         stages.append(units)
     return stages
@@ -722,11 +733,15 @@ class _Builder:
         part = _DdpPart(group)
         order = [(s, unit.name, (e, unit.rows.get(name, 0))) for s in stages for unit in self.units[s]
                  for name, e in (unit.experts if experts else unit.params)]
+        order.sort(key=lambda item: item[1] != TIED_COPY)  # registered first (tok_embeddings), though used last
+        # a bucket is ready when backward has passed the unit it holds that backward reaches last: the earliest in
+        # the units' forward order (the tied copy's gradient is complete right after the head's)
+        forward_position = {(s, unit.name): i for i, (s, unit) in
+                            enumerate((s, unit) for s in stages for unit in self.units[s])}
         dtype = torch.bfloat16 if g.reduce_dtype == "bf16" else torch.float32
         tensors = [torch.empty(e, device="meta") for *_, (e, _) in order]
         owner = {id(t): (s, unit) for t, (s, unit, _) in zip(tensors, order)}
         shape = {id(t): kept for t, (*_, kept) in zip(tensors, order)}
-        forward_position = {key: i for i, key in enumerate(dict.fromkeys((s, u) for s, u, _ in order))}
         for bucket in make_buckets(tensors, g.bucket_mb, dtype):
             part.buckets.append(bucket.buffer.numel() * bucket.buffer.element_size())
             part.contents.append([shape[id(t)] for t in bucket.params])
@@ -878,7 +893,7 @@ class _Builder:
                 self.vocab_parallel(rank, "head", backward=False)
                 self.compute(rank, self.costs.head, "forward")
                 self.vocab_parallel(rank, "loss", backward=False)
-            else:
+            elif unit.name == "embedding":
                 self.vocab_parallel(rank, "embedding", backward=False)
 
     def vocab_parallel(self, rank: int, part: str, backward: bool) -> None:
@@ -924,7 +939,7 @@ class _Builder:
                 if part != "W":
                     self.vocab_parallel(rank, "head", backward=True)
                     self.norm_gradient(rank)
-            elif part != "W":
+            elif part != "W" and unit.name == "embedding":
                 self.vocab_parallel(rank, "embedding", backward=True)
             if part != "I":
                 self.gradients_ready(rank, stage, unit, last)
@@ -942,8 +957,13 @@ class _Builder:
         self.norm_gradient(rank)
 
     def finish(self, rank: int) -> None:
-        """reduce_grads: launch what is left, wait for the communication thread; hybrid shards over replicas."""
+        """reduce_grads: sum a tied embedding's two stage copies, launch what is left, wait for the communication
+        thread; hybrid shards over replicas."""
         stages = range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp)
+        pair = tied_embedding_pair(self.model, self.d, self.split, self.grid.group(rank, ("pp",)))
+        if rank in pair:
+            self.collective(rank, COMPUTE, "all_reduce", pair, tied_embedding_bytes(self.model, self.d, self.config),
+                            "pp")
         for i, part in enumerate(self.ddp_parts):
             for b in range(len(part.buckets)):
                 if (i, b) not in self.launched:
