@@ -113,6 +113,10 @@ LAYOUTS = [
     (4, "dp2-pp2-zero1", ["--pipeline_parallel.degree", "2", "--train.grad_accum_steps", "4", "--data_parallel.zero_stage", "1",
                           "--data_parallel.shard", "2"]),
     (4, "dp2-cp2-zero3", ["--context_parallel.degree", "2", "--data_parallel.zero_stage", "3", "--data_parallel.shard", "2"]),
+    # priority scheduling of the gradient slices (P3): no global clipping, updates deferred to the next forward
+    (2, "dp2-priority", ["--gradient_comm.schedule", "priority", "--train.max_grad_norm", "0"]),
+    (4, "dp4-priority", ["--gradient_comm.schedule", "priority", "--train.max_grad_norm", "0"]),
+    (4, "dp4-unclipped", ["--train.max_grad_norm", "0"]),
     # mixture of experts (tiny-moe: 8 experts, top-2, one shared expert), experts split by expert parallelism
     (1, "single-moe", ["--model.preset", "tiny-moe"]),
     (2, "dp2-moe", ["--model.preset", "tiny-moe"]),

@@ -146,6 +146,26 @@ def test_estimate_components():
     assert nvme.time.offload == pytest.approx(offload.time.offload + drives)
 
 
+def test_priority_schedule_hides_behind_the_next_forward_and_pays_per_slice():
+    """gradient_comm.schedule = priority (P3): the slices may stay on the wire into the next step's first forward, so
+    where DDP's reduction is longer than backward less of it is exposed than FIFO's; each slice costs one more small
+    all-reduce (the readiness vector, 4 bytes per slice: quadratic in the slices), so a 1B model's 4,700 slices of
+    1 MiB expose more than FIFO on a slow link while 64 MiB slices expose less;
+    and no gradient norm is taken (the schedule refuses clipping)."""
+    from fivefold.plan.cluster import LinkSpec
+
+    slow = dataclasses.replace(CLUSTERS["h100-sxm"], accelerators_per_node=1, inter=LinkSpec(1.0, 50.0))
+    common = ["--model.preset", "llama3.2-1b", "--train.seq_len", "512", "--train.max_grad_norm", "0"]
+    fifo = estimate(load_config(None, common), 2, slow)
+    priority = estimate(load_config(None, [*common, "--gradient_comm.schedule", "priority", "--gradient_comm.slice_mb",
+                                           "64"]), 2, slow)
+    fine = estimate(load_config(None, [*common, "--gradient_comm.schedule", "priority"]), 2, slow)  # 1 MiB slices
+    assert fifo.time.dp > priority.time.dp > 0 and fine.time.dp > priority.time.dp
+    assert fifo.time.compute == priority.time.compute
+    clipped = estimate(load_config(None, [*common[:-2], "--train.max_grad_norm", "1.0"]), 2, slow)
+    assert priority.time.optimizer < fifo.time.optimizer < clipped.time.optimizer
+
+
 def test_memory_bound_terms():
     """AdamW moves 28 bytes per parameter it updates (its ZeRO shard) at the memory bandwidth, after the gradient
     norm and clipping's 12 over the same shard; without a bandwidth the memory-bound terms are left out, and compute

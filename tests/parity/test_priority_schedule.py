@@ -4,7 +4,7 @@ Slices are reduced in a negotiated order and each module is updated just before 
 but every parameter still gets the sum of all ranks' gradients and one AdamW step per step: the
 run must match single-process training (both without clipping, which the schedule excludes). When
 every slice is ready at once (gradients accumulated under no_sync, then handed over together) the
-order must be exactly the next forward's: by priority.
+order must be exactly the next forward's: by priority. The slices are the ones the planner prices.
 """
 
 from __future__ import annotations
@@ -33,10 +33,15 @@ def _order(rank: int, world_size: int) -> tuple[list[int], list[int]]:
     from fivefold.parallel.comm_schedule import PriorityDataParallel
     from fivefold.parallel.mesh import private_copy
 
-    model = materialize(build_model(ModelConfig(name="m", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
-                                                max_seq_len=16, vocab_size=64)), torch.device("cpu"), seed=0)
+    from fivefold.plan.parameters import priority_slice_bytes
+
+    shape = ModelConfig(name="m", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16, max_seq_len=16,
+                        vocab_size=64)
+    model = materialize(build_model(shape), torch.device("cpu"), seed=0)
     group = private_copy(dist.group.WORLD)
     ddp = PriorityDataParallel(model, group, bucket_cap_mb=0.02, reducer=NativeReducer(group), slice_mb=0.005)
+    # the planner prices exactly these slices (plan/estimate.py `_priority_time`)
+    assert priority_slice_bytes(shape, 1, 0.02, 0.005, 4) == tuple(4 * (s.hi - s.lo) for s in ddp.slices)
     with ddp.no_sync():
         model(torch.randint(0, 64, (2, 16))).sum().backward()
     expected = sorted(range(len(ddp.slices)), key=lambda k: (ddp.slices[k].priority, k))

@@ -80,7 +80,7 @@ from fivefold.plan.flops import flops_per_token
 from fivefold.plan.memory import nvme_host_bytes, sharded_model_states, zero_model_states
 from fivefold.plan.operators import operator_ratio
 from fivefold.plan.parameters import (RankParameters, first_block, block_parameters, padded_vocab, powersgd_shares,
-                                     rank_parameters, rank_tensors)
+                                      priority_slice_bytes, rank_parameters, rank_tensors)
 
 if TYPE_CHECKING:
     from fivefold.parallel.pipeline.simulate import CoreSharing
@@ -1046,12 +1046,13 @@ def _optimizer_time(config: JobConfig, model: ModelConfig, d: Degrees, split: li
         return 0.0
     flat = zero_degrees(config, d) is not None
     clipping = config.train.max_grad_norm > 0
+    norm = config.gradient_comm.schedule != "priority" or config.data_parallel.zero_stage > 0  # priority: no norm
 
     def seconds(layers: list[int], first: bool, last: bool) -> float:
         shard = optimizer_shard(rank_parameters(model, layers, first, last, d.tp, d.ep, d.etp, pipelined=d.pp > 1),
                                 config, d)
         tensors = rank_tensors(model, layers, first, last, d.ep, pipelined=d.pp > 1, flat=flat)
-        return accelerator.optimizer_seconds(shard, tensors) + accelerator.clip_seconds(shard, clipping)
+        return accelerator.optimizer_seconds(shard, tensors) + (accelerator.clip_seconds(shard, clipping) if norm else 0.0)
 
     return max(seconds(layers, first, last) for layers, first, last in _pipeline_ranks(model, d, split))
 
@@ -1121,6 +1122,9 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
             expert_reduce = _compressed_reduce_time(g, routed, experts, buckets, cluster, span) \
                 if routed and experts > 1 else 0.0
             return hidden_behind(reduce + expert_reduce, backward)
+        if g.schedule == "priority":  # dense DDP only (MoE, pipelines and codecs are refused with it)
+            pieces = priority_slice_bytes(model, d.tp, g.bucket_mb, g.slice_mb, grad_element)
+            return _priority_time(g, pieces, group, cluster, span, forward, backward)
         expert_reduce = native("all_reduce", routed * grad_element, experts) if routed and experts > 1 else 0.0
         reduce = _dense_all_reduce(g, grad_bytes, group, cluster, span, grad_bytes / buckets) if group > 1 else 0.0
         return hidden_behind(reduce + expert_reduce, backward)
@@ -1135,6 +1139,17 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
         time += _sharded_time(stage_degrees(z, experts, experts), d, cluster, routed * element,
                               routed * grad_element, m, forward, backward, buckets)
     return time
+
+
+def _priority_time(g, pieces: tuple[int, ...], group: int, cluster: ClusterSpec, span: int, forward: float,
+                   backward: float) -> float:
+    """Exposed seconds of the priority schedule (P3: Jayarajan et al. 2019): every slice (`pieces`, bytes each) is one
+    all-reduce after a negotiation all-reduce of the readiness vector (4 bytes per slice, the backend's); slices run
+    in next-forward order and each module's update waits only for its own, so the reduction hides behind this step's
+    backward and the next step's first forward, and at least one slice (the first module's) stays exposed."""
+    negotiate = native_collective("all_reduce", 4 * len(pieces), group, cluster.collective_link("all_reduce", span))
+    reduce = sum(_dense_all_reduce(g, n, group, cluster, span, n) + negotiate for n in pieces)
+    return max(reduce - backward - forward, reduce / len(pieces))
 
 
 def _dense_all_reduce(g, nbytes: float, p: int, cluster: ClusterSpec, span: int, chosen_at: float = 0.0) -> float:

@@ -112,6 +112,31 @@ def _powersgd_shares(fields: tuple, tp: int, etp: int, rank: int) -> tuple[tuple
     return shares[0], shares[1]
 
 
+def priority_slice_bytes(model: ModelConfig, tp: int, bucket_mb: float, slice_mb: float, element: int) -> tuple[int, ...]:
+    """Bytes of every slice the priority schedule reduces (parallel/comm_schedule.py `plan_slices` over DDP's own
+    `make_buckets`, run on this rank's tp-cut tensors in registration order; gradients of `element` bytes)."""
+    return _priority_slice_bytes(dataclasses.astuple(model), tp, bucket_mb, slice_mb, element)
+
+
+@functools.lru_cache(maxsize=64)
+def _priority_slice_bytes(fields: tuple, tp: int, bucket_mb: float, slice_mb: float, element: int) -> tuple[int, ...]:
+    from types import SimpleNamespace
+
+    import torch
+
+    from fivefold.model import build_model
+    from fivefold.parallel.comm_schedule import plan_slices
+    from fivefold.parallel.data_parallel import make_buckets
+
+    model = ModelConfig(*fields)
+    vocab = padded_vocab(model.vocab_size, tp)
+    dtype = {2: torch.bfloat16, 4: torch.float32}[element]
+    params = [torch.empty(local_tensor(name, tuple(p.shape), vocab, tp)[0], device="meta", dtype=dtype)
+              for name, p in build_model(model).named_parameters() if p.requires_grad]
+    ddp = SimpleNamespace(params=params, buckets=make_buckets(params, bucket_mb, dtype))
+    return tuple((s.hi - s.lo) * element for s in plan_slices(ddp, max(1, int(slice_mb * 2**20) // element)))
+
+
 def _attention(model: ModelConfig, tp: int) -> int:
     h = model.dim
     if model.attention == "mla":
