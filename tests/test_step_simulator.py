@@ -439,9 +439,47 @@ def test_contention_free_network_prices_alpha_beta():
     assert shared.time == pytest.approx(0.25 + 2.0)  # the two messages share the link
 
 
+def test_replicated_experts_sum_their_gradients_over_their_holders(tmp_path, monkeypatch):
+    """EPLB (expert_parallel.replicas = 1 from a measured load, expert 0 hot): every EP rank holds 3 expert slots
+    (memory: the planner counts them), the placement [[0, 1, 2], [0, 1, 3]] puts experts 0 and 1 on both EP ranks
+    and their gradients are all-reduced over them after DDP's reduction, in every MoE layer, in the simulator as the
+    planner prices it; a measured load's rows
+    split over expert 0's two copies even the ranks' receipts (--expert-load)."""
+    import json
+
+    from fivefold.plan.estimate import degrees_of, replica_gradient_seconds
+    from fivefold.plan.expert_load import expert_rows_by_load
+    from fivefold.sim.workload import build_workload
+
+    load = [900.0, 50.0, 30.0, 20.0]
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "moe_load": {str(i): load for i in range(4)}}) + "\n")
+    moe = ["--model.n_experts", "4", "--model.moe_ffn_dim", "64", "--expert_parallel.degree", "2"]
+    plain = _config(*moe)
+    eplb = _config(*moe, "--expert_parallel.replicas", "1", "--expert_parallel.load_from", str(tmp_path))
+    expert = 3 * 256 * 64  # one expert's values (w1, w3, w2)
+    plans = {name: estimate(c, 4, H100, 0.5, vocab_size=257) for name, c in (("plain", plain), ("eplb", eplb))}
+    assert plans["eplb"].memory.parameter_count - plans["plain"].memory.parameter_count == 4 * expert  # 4 MoE layers
+    calls = build_workload(eplb, 4, H100, 0.5, "hybrid", vocab_size=257).calls(0)
+    plain_calls = build_workload(plain, 4, H100, 0.5, "hybrid", vocab_size=257).calls(0)
+    ep_sums = [c for c in calls if c[0] == "all_reduce" and c[1] == (0, 1)]  # over the EP group (ranks 0, 1)
+    assert not [c for c in plain_calls if c[0] == "all_reduce" and c[1] == (0, 1)]
+    assert ep_sums == [("all_reduce", (0, 1), expert * 4)] * 8  # experts 0 and 1 on both ranks, fp32, per layer
+    d = degrees_of(eplb, 4)
+    price = replica_gradient_seconds(eplb, model_for(eplb, 257), d, H100)
+    step = simulate_step(eplb, 4, H100, 0.5, "hybrid", vocab_size=257)
+    assert price > 0 and step.breakdown()["dp"] >= price
+    import fivefold.plan.estimate as planner
+
+    monkeypatch.setattr(planner, "replica_gradient_seconds", lambda *args: 0.0)
+    assert plans["eplb"].time.dp - estimate(eplb, 4, H100, 0.5, vocab_size=257).time.dp == pytest.approx(price, rel=1e-9)
+    rows = expert_rows_by_load(model_for(eplb, 257), eplb, d, {str(i): load for i in range(4)})
+    contiguous = expert_rows_by_load(model_for(plain, 257), plain, d, {str(i): load for i in range(4)})
+    assert max(rows[0]) / min(rows[0]) < max(contiguous[0]) / min(contiguous[0])
+    assert sum(rows[0]) == pytest.approx(sum(contiguous[0]))
+
+
 @pytest.mark.parametrize("overrides,message", [
-    (["--expert_parallel.degree", "2", "--model.n_experts", "4", "--expert_parallel.replicas", "1",
-      "--expert_parallel.load_from", "runs/x"], "replicas"),
+    (["--data_parallel.mode", "ps", "--parameter_server.sync", "asp"], "sync = asp"),
     (["--gradient_comm.compression", "sign", "--gradient_comm.compression_block", "8"], "not a multiple of 32"),
     (["--gradient_comm.schedule", "priority", "--train.max_grad_norm", "0"], "schedule"),
 ])

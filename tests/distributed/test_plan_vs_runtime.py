@@ -7,7 +7,8 @@ runtime's own ZeRO formula on that Ψ, and as many tensors as the runtime's Adam
 tensors; ZeRO's flat groups) for the optimizer's cost per tensor; the measured bytes equal them up to ZeRO's padding (< N
 elements of <= 16 bytes per flat group). Layouts cover tensor (GQA split and replicated, biases,
 q/k projection norms, sequence parallel), pipeline (1F1B, interleaved, tied head, 4 stages),
-context, ZeRO 1/2/3 (mixed precision), expert parallelism with ZeRO over EDP, and MLA. DDP's flat
+context, ZeRO 1/2/3 (mixed precision), expert parallelism with ZeRO over EDP and with EPLB's replicated experts
+(a spare slot per rank), and MLA. DDP's flat
 gradient buckets (the layouts without ZeRO), with what a compression codec keeps between steps (sign, top-k and
 PowerSGD error feedback, PowerSGD's Q), are planned equal to the bytes the runtime allocates.
 The peak of the bytes autograd keeps for backward over a whole step (train/memory.py PeakSavedBytes;
@@ -22,7 +23,7 @@ import pytest
 from fivefold.train.trainer import Trainer
 
 from distributed.spawn import run_distributed
-from parity.harness import with_changes
+from parity.harness import EXPERT_LOAD, with_changes, with_expert_load
 
 MOE = {"n_experts": 4, "moe_top_k": 2, "moe_ffn_dim": 32, "moe_shared_experts": 1}
 MLA = {"attention": "mla", "kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}
@@ -66,6 +67,7 @@ LAYOUTS = {  # name -> sections changed from the micro job (4 ranks)
     "cp4-2d": dict(context_parallel={"degree": 4, "method": "2d", "heads": 2}),
     "cp2-dp2-zero3": dict(context_parallel={"degree": 2}, data_parallel={"zero_stage": 3, "shard": 2}),
     "ep4-ddp": dict(model=MOE, expert_parallel={"degree": 4}),
+    "ep2-eplb-ddp": dict(model=MOE, expert_parallel={"degree": 2, "replicas": 1, "load_from": EXPERT_LOAD}),
     "ep2-etp2-ddp": dict(model=MOE, expert_parallel={"degree": 2, "tensor": 2}),
     "ep2-tp2sp": dict(model=MOE, expert_parallel={"degree": 2}, tensor_parallel={"degree": 2, "sequence_parallel": True}),
     "ep2-pp2": dict(model={**MOE, "n_layers": 4}, expert_parallel={"degree": 2}, pipeline_parallel={"degree": 2},
@@ -105,7 +107,8 @@ def _measure(rank, world_size, configs):
         split = trainer.parallel.stage_split or [tuple(range(trainer.model_config.n_layers))]
         layers = [layer for s in range(position, len(split), pp) for layer in split[s]]
         tensors = (rank_tensors(trainer.model_config, layers, position == 0, (len(split) - 1) % pp == position,
-                                config.expert_parallel.degree, pipelined=pp > 1, flat=bool(zero)),
+                                config.expert_parallel.degree, pipelined=pp > 1, flat=bool(zero),
+                                replicas=config.expert_parallel.replicas),
                    sum(len(group["params"]) for group in trainer.optimizer.param_groups))
         out.append((trainer.parallel.parameters, mine.parameter_count,
                     tuple(trainer.report.expected_model_states().__dict__.values()),
@@ -117,10 +120,10 @@ def _measure(rank, world_size, configs):
 
 @pytest.mark.slow
 def test_planner_model_states_equal_the_runtime(job, tmp_path):
-    configs = [with_changes(job, checkpoint={"enabled": False},
-                            train={"eval_every": 0, "micro_batch_size": 2, "output_dir": str(tmp_path / name),
-                                   **changes.get("train", {})},
-                            **{k: v for k, v in changes.items() if k != "train"})
+    configs = [with_expert_load(with_changes(job, checkpoint={"enabled": False},
+                                             train={"eval_every": 0, "micro_batch_size": 2, "output_dir": str(tmp_path / name),
+                                                    **changes.get("train", {})},
+                                             **{k: v for k, v in changes.items() if k != "train"}), tmp_path / name / "load")
                for name, changes in LAYOUTS.items()]
     results = run_distributed(_measure, 4, configs, timeout=600)
     for rank, rank_results in enumerate(results):

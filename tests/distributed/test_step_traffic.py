@@ -11,7 +11,8 @@ gradients), the pipeline schedules' activations and gradients (whole, or scatter
 embedding's gradient summed over the first and last stages, ring, Ulysses and 2D context
 parallelism, recomputation, collective matmuls (tensor_parallel.comm_overlap), ZeRO++ (quantised gathers, hpZ's in-node backward gathers, qgZ's two levels
 of all-to-alls) and mixture-of-experts layers (expert and expert-tensor parallelism's all-to-alls, the
-experts' own DDP buckets and ZeRO groups over their expert-data-parallel group, the router's and
+experts' own DDP buckets and ZeRO groups over their expert-data-parallel group, EPLB's replicated experts
+(their extra slots, and each replica's gradient summed over its holders), the router's and
 shared experts' gradient sums under sequence parallelism, the switch loss's routing statistics). A
 routed all-to-all's size is the router's choice, so for those the calls are compared by count and
 the sizes by their sum over the ranks (every row sent is received: it is k rows per token under any
@@ -28,7 +29,7 @@ from collections import Counter
 import pytest
 
 from distributed.spawn import run_distributed
-from parity.harness import with_changes
+from parity.harness import EXPERT_LOAD, with_changes, with_expert_load
 
 SCALARS = 64  # bytes: calls this small are the trainer's bookkeeping
 MOE = {"n_experts": 4, "moe_top_k": 2}
@@ -59,6 +60,7 @@ LAYOUTS = {
         "cp2-ring": dict(context_parallel={"degree": 2}),
         "cp2-ulysses": dict(context_parallel={"degree": 2, "method": "ulysses"}),
         "moe-ep2": dict(model=MOE, expert_parallel={"degree": 2}),
+        "moe-ep2-eplb": dict(model=MOE, expert_parallel={"degree": 2, "replicas": 1, "load_from": EXPERT_LOAD}),
         "moe-dp2-zero2-accum2": dict(model=MOE, data_parallel={"zero_stage": 1, "shard": 2}, train={"grad_accum_steps": 2}),
     },
     4: {
@@ -109,6 +111,7 @@ LAYOUTS = {
                                              tensor_parallel={"degree": 2, "sequence_parallel": True},
                                              expert_parallel={"degree": 2}),
         "moe-ep2-zero3": dict(model=MOE, expert_parallel={"degree": 2}, data_parallel={"zero_stage": 3, "shard": 4}),
+        "moe-dp2-ep2-eplb": dict(model=MOE, expert_parallel={"degree": 2, "replicas": 1, "load_from": EXPERT_LOAD}),
         "moe-pp2-ep2-zb-h1": dict(model={**MOE, "n_layers": 4}, expert_parallel={"degree": 2},
                                   pipeline_parallel={"degree": 2, "schedule": "zb-h1"}, train={"grad_accum_steps": 2}),
     },
@@ -145,10 +148,11 @@ def _record(rank, world_size, configs):
 
 
 def _configs(job, tmp_path, layouts):
-    return [with_changes(job, checkpoint={"enabled": False}, model=changes.get("model", {}),
-                         train={"eval_every": 0, "micro_batch_size": 2, "output_dir": str(tmp_path / name),
-                                **changes.get("train", {})},
-                         **{k: v for k, v in changes.items() if k not in ("train", "model")})
+    return [with_expert_load(with_changes(job, checkpoint={"enabled": False}, model=changes.get("model", {}),
+                                          train={"eval_every": 0, "micro_batch_size": 2, "output_dir": str(tmp_path / name),
+                                                 **changes.get("train", {})},
+                                          **{k: v for k, v in changes.items() if k not in ("train", "model")}),
+                             tmp_path / name / "load")
             for name, changes in layouts.items()]
 
 

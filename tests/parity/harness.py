@@ -58,6 +58,23 @@ def train_distributed(config: JobConfig, world_size: int, timeout: float = 150.0
     return losses[0], _weights(Path(results[0][1]))
 
 
+EXPERT_LOAD = "<expert-load>"  # expert_parallel.load_from in a layout table: replaced by `with_expert_load`
+
+
+def with_expert_load(config: JobConfig, folder: Path, load: list[float] | None = None) -> JobConfig:
+    """`config` with expert_parallel.load_from = EXPERT_LOAD pointed at a metrics.jsonl written into `folder` whose
+    every MoE layer measured `load` (default: expert 0 hot, for EPLB's replicas); other configs unchanged."""
+    import json
+
+    if config.expert_parallel.load_from != EXPERT_LOAD:
+        return config
+    load = load or [900.0] + [100.0 / (e + 1) for e in range(config.model.n_experts - 1)]
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"step": 1, "moe_load": {str(layer): load for layer in config.model.moe_layers}}
+    (folder / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    return with_changes(config, expert_parallel={"load_from": str(folder)})
+
+
 def with_changes(config: JobConfig, **sections) -> JobConfig:
     """A copy of config with some fields of some sections replaced: with_changes(c, train={"steps": 3})."""
     out = dataclasses.replace(config)

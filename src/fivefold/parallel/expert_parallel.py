@@ -370,8 +370,12 @@ class ReplicaGradients:
             with phase("replicated-expert all-reduce", comm=True):
                 dist.all_reduce(flat, group=group)
             offset = 0
-            for p in params:
-                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            for p in params:  # back in place: a gradient that is a view of DDP's bucket stays one (no second copy)
+                summed = flat[offset : offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = summed
+                else:
+                    p.grad.copy_(summed)
                 offset += p.numel()
 
 

@@ -98,6 +98,7 @@ class Degrees:
     pp: int
     ep: int
     etp: int
+    replicas: int = 0  # EPLB's spare expert slots per expert-parallel rank (expert_parallel.replicas)
 
     @property
     def world(self) -> int:
@@ -230,7 +231,7 @@ def degrees_of(config: JobConfig, gpus: int) -> Degrees:
     ep, tp = config.expert_parallel, config.tensor_parallel
     check_expert_parallel(config.model, ep.degree, ep.alltoall, token_fiber_size(dims, tp.sequence_parallel and tp.degree > 1),
                           ep.tensor, config.data_parallel.zero_stage if config.data_parallel.mode == "ddp" else 0)
-    return Degrees(dims.dp, dims.dp_shard, dims.tp, dims.cp, dims.pp, ep.degree, ep.tensor)
+    return Degrees(dims.dp, dims.dp_shard, dims.tp, dims.cp, dims.pp, ep.degree, ep.tensor, ep.replicas)
 
 
 def zero_degrees(config: JobConfig, d: Degrees):
@@ -311,10 +312,10 @@ class PipelineRuns:
         """plan/parameters.py's Ψ of a pipeline rank, counted once per (blocks held, MoE blocks held, first, last)
         and degrees for the model of the search's candidates (`config.model`, which they share, kept so its id
         stays its own; `model` is it with the vocabulary known)."""
-        memo = (id(config.model), model.vocab_size, key, d.tp, d.ep, d.etp, d.pp > 1)
+        memo = (id(config.model), model.vocab_size, key, d.tp, d.ep, d.etp, d.pp > 1, d.replicas)
         if memo not in self._parameters or self._parameters[memo][0] is not config.model:
             self._parameters[memo] = (config.model, rank_parameters(model, layers, first, last, d.tp, d.ep, d.etp,
-                                                                    pipelined=d.pp > 1))
+                                                                    pipelined=d.pp > 1, replicas=d.replicas))
         return self._parameters[memo][1]
 
     def flops_per_token(self, model: ModelConfig, seq_len: int) -> int:
@@ -499,7 +500,7 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
 def _largest_group(model: ModelConfig, layers: list[int], total: int, d: Degrees) -> int:
     """Parameters of the largest ZeRO flat group on a rank (at most): its largest block, or what is not in a
     block (embedding, head, final norm)."""
-    blocks = [block_parameters(model, layer, d.tp, d.ep, d.etp).total for layer in layers]
+    blocks = [block_parameters(model, layer, d.tp, d.ep, d.etp, d.replicas).total for layer in layers]
     return max([*blocks, total - sum(blocks)])
 
 
@@ -599,11 +600,11 @@ def _buffers(config: JobConfig, model: ModelConfig, d: Degrees, layers: list[int
     if deg is not None and deg.params > 1 and layers:
         weight = 2 if config.data_parallel.param_dtype == "bf16" else 4
         kinds = ({False} if len(moe) < len(layers) else set()) | ({True} if moe else set())
-        biggest = max(block_parameters(model, first_block(model, k), d.tp, d.ep, d.etp).total for k in kinds)
+        biggest = max(block_parameters(model, first_block(model, k), d.tp, d.ep, d.etp, d.replicas).total for k in kinds)
         buffers += 2 * weight * biggest
-        buffers += weight * rank_parameters(model, [], first, last, d.tp, d.ep, d.etp, d.pp > 1).total
+        buffers += weight * rank_parameters(model, [], first, last, d.tp, d.ep, d.etp, d.pp > 1, d.replicas).total
         if config.data_parallel.hpz_partition > 1:  # hpZ: 1/h of every block's weights, from its forward to its backward
-            blocks = sum(block_parameters(model, layer, d.tp, d.ep, d.etp).total for layer in layers)
+            blocks = sum(block_parameters(model, layer, d.tp, d.ep, d.etp, d.replicas).total for layer in layers)
             buffers += weight * blocks // config.data_parallel.hpz_partition
     if moe and d.ep * d.etp > 1:
         rows = model.moe_top_k * t.micro_batch_size * (t.seq_len // d.cp) // (d.tp if sp else 1)
@@ -1049,9 +1050,9 @@ def _optimizer_time(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     norm = config.gradient_comm.schedule != "priority" or config.data_parallel.zero_stage > 0  # priority: no norm
 
     def seconds(layers: list[int], first: bool, last: bool) -> float:
-        shard = optimizer_shard(rank_parameters(model, layers, first, last, d.tp, d.ep, d.etp, pipelined=d.pp > 1),
-                                config, d)
-        tensors = rank_tensors(model, layers, first, last, d.ep, pipelined=d.pp > 1, flat=flat)
+        shard = optimizer_shard(rank_parameters(model, layers, first, last, d.tp, d.ep, d.etp, pipelined=d.pp > 1,
+                                                replicas=d.replicas), config, d)
+        tensors = rank_tensors(model, layers, first, last, d.ep, pipelined=d.pp > 1, flat=flat, replicas=d.replicas)
         return accelerator.optimizer_seconds(shard, tensors) + (accelerator.clip_seconds(shard, clipping) if norm else 0.0)
 
     return max(seconds(layers, first, last) for layers, first, last in _pipeline_ranks(model, d, split))
@@ -1060,7 +1061,8 @@ def _optimizer_time(config: JobConfig, model: ModelConfig, d: Degrees, split: li
 def _offload_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], cluster: ClusterSpec) -> float:
     """The busiest pipeline rank's optimizer shard to the host and back (`offload_seconds`)."""
     return max(offload_seconds(config, optimizer_shard(rank_parameters(model, layers, first, last, d.tp, d.ep, d.etp,
-                                                                       pipelined=d.pp > 1), config, d), cluster)
+                                                                       pipelined=d.pp > 1, replicas=d.replicas),
+                                                       config, d), cluster)
                for layers, first, last in _pipeline_ranks(model, d, split))
 
 
@@ -1094,7 +1096,8 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
     z, m, g = config.data_parallel, config.train.grad_accum_steps, config.gradient_comm
     stages = list(range(0, len(split), d.pp))
     layers = [layer for s in stages for layer in split[s]]
-    params = rank_parameters(model, layers, True, len(split) == 1, d.tp, d.ep, d.etp, pipelined=d.pp > 1)
+    params = rank_parameters(model, layers, True, len(split) == 1, d.tp, d.ep, d.etp, pipelined=d.pp > 1,
+                             replicas=d.replicas)
     element = weight_element(config)
     grad_element = 2 if g.reduce_dtype == "bf16" else element
     # the routed experts are a second instance over their expert-data-parallel group (parallel/data_parallel.py)
@@ -1127,7 +1130,7 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
             return _priority_time(g, pieces, group, cluster, span, forward, backward)
         expert_reduce = native("all_reduce", routed * grad_element, experts) if routed and experts > 1 else 0.0
         reduce = _dense_all_reduce(g, grad_bytes, group, cluster, span, grad_bytes / buckets) if group > 1 else 0.0
-        return hidden_behind(reduce + expert_reduce, backward)
+        return hidden_behind(reduce + expert_reduce, backward) + replica_gradient_seconds(config, model, d, cluster)
     if z.quantized_weights or z.hpz_partition > 1 or z.gradient_bits:
         forward_gather, backward_gather, scatter = _zero_pp_times(config, params.total, d, cluster)
         return m * (hidden_behind(forward_gather, forward) + hidden_behind(backward_gather + scatter, backward))
@@ -1139,6 +1142,29 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
         time += _sharded_time(stage_degrees(z, experts, experts), d, cluster, routed * element,
                               routed * grad_element, m, forward, backward, buckets)
     return time
+
+
+def replica_gradient_seconds(config: JobConfig, model: ModelConfig, d: Degrees, cluster: ClusterSpec) -> float:
+    """EPLB's replicated experts (`expert_parallel.replicas`): after DDP's reduction, each replicated expert's
+    gradient is all-reduced over the expert-parallel ranks holding it (parallel/expert_parallel.py
+    `ReplicaGradients`), exposed; the busiest EP rank's sum, over the placement the runtime computes from
+    `expert_parallel.load_from` (parallel/expert_placement.py `placements_for`)."""
+    if not d.replicas or d.ep < 2:
+        return 0.0
+    from fivefold.parallel.expert_placement import placements_for
+
+    placements = placements_for(model.moe_layers, model.n_experts, d.ep, d.replicas, config.expert_parallel.load_from)
+    nbytes = 3 * model.dim * (model.expert_hidden_dim // d.etp) * weight_element(config)
+    stride = 1 if config.tensor_parallel.sequence_parallel and d.tp > 1 else d.tp
+    link = cluster.collective_link("all_reduce", (d.ep - 1) * d.etp * stride + 1)
+    busiest = 0.0
+    for rank in range(d.ep):
+        seconds = 0.0
+        for placement in placements.values():
+            holders = {e: sum(e in slots for slots in placement) for e in placement[rank]}
+            seconds += sum(native_collective("all_reduce", nbytes, n, link) for n in holders.values() if n > 1)
+        busiest = max(busiest, seconds)
+    return busiest
 
 
 def _priority_time(g, pieces: tuple[int, ...], group: int, cluster: ClusterSpec, span: int, forward: float,

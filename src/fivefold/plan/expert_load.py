@@ -37,13 +37,17 @@ def expert_rows_by_load(model: ModelConfig, config: JobConfig, d,
     """Per MoE layer, the rows one rank sends each expert-parallel rank when its tokens choose experts in
     proportion to `load` (layer -> assignments per expert). A rank holds k rows per token; with a capacity
     factor no expert takes more than its capacity's share of them (model/moe.py `expert_capacity`, per
-    whole sequence), which balanced routing never reaches."""
+    whole sequence), which balanced routing never reaches. With EPLB's replicas (`expert_parallel.replicas`) the
+    experts sit where the runtime places them and each replicated expert's rows split evenly over its copies."""
     from fivefold.model.moe import expert_capacity
-    from fivefold.parallel.expert_placement import contiguous_placement
+    from fivefold.parallel.expert_placement import contiguous_placement, placements_for
 
     if not model.n_experts or d.ep < 2:
         raise ConfigError("--expert-load changes only how rows cross expert-parallel ranks: it needs a MoE model "
                           "with expert_parallel.degree >= 2")
+    ep = config.expert_parallel
+    placements = placements_for(model.moe_layers, model.n_experts, d.ep, ep.replicas, ep.load_from) \
+        if ep.replicas else None  # EPLB: the placement the runtime computes from its load_from
     seq = config.train.seq_len
     wanted = routed_rows(model, config, d)
     capacity = expert_capacity(model, seq)
@@ -56,7 +60,10 @@ def expert_rows_by_load(model: ModelConfig, config: JobConfig, d,
             raise ConfigError(f"--expert-load has no load of {model.n_experts} experts for MoE layer {layer} (finite, "
                               "not negative, not all zero): use the metrics of a run of the same model (moe_load records)")
         per_expert = [min(wanted * v / sum(values), cap) for v in values]
-        out[layer] = [sum(per_expert[e] for e in experts) for experts in contiguous_placement(model.n_experts, d.ep)]
+        placement = placements[layer] if placements else contiguous_placement(model.n_experts, d.ep)
+        holders = [sum(e in slots for slots in placement) for e in range(model.n_experts)]
+        # EPLB: an expert's rows are spread evenly over its replicas (the runtime's (k + rank) mod replicas)
+        out[layer] = [sum(per_expert[e] / holders[e] for e in experts) for experts in placement]
     return out
 
 

@@ -158,19 +158,26 @@ def _attention(model: ModelConfig, tp: int) -> int:
     return total
 
 
-def _mlp(model: ModelConfig, layer: int, tp: int, ep: int, etp: int) -> tuple[int, int]:
+def experts_per_rank(model: ModelConfig, ep: int, replicas: int = 0) -> int:
+    """Routed experts an expert-parallel rank holds: E / ep, plus EPLB's spare slots (`expert_parallel.replicas`,
+    each filled with a replica of a hot expert, parallel/expert_placement.py)."""
+    return model.n_experts // ep + replicas
+
+
+def _mlp(model: ModelConfig, layer: int, tp: int, ep: int, etp: int, replicas: int = 0) -> tuple[int, int]:
     """(dense, routed-expert) parameters of one block's MLP on one rank."""
     h = model.dim
     if not model.is_moe_layer(layer):
         f = model.ffn_hidden_dim // tp
         return 3 * h * f + (2 * f + h if model.mlp_bias else 0), 0
     shared = 3 * h * model.shared_hidden_dim + (h if model.moe_shared_gate else 0)
-    experts = model.n_experts // ep * 3 * h * (model.expert_hidden_dim // etp)
+    experts = experts_per_rank(model, ep, replicas) * 3 * h * (model.expert_hidden_dim // etp)
     return h * model.n_experts + shared, experts
 
 
-def block_parameters(model: ModelConfig, layer: int, tp: int = 1, ep: int = 1, etp: int = 1) -> RankParameters:
-    dense, experts = _mlp(model, layer, tp, ep, etp)
+def block_parameters(model: ModelConfig, layer: int, tp: int = 1, ep: int = 1, etp: int = 1,
+                     replicas: int = 0) -> RankParameters:
+    dense, experts = _mlp(model, layer, tp, ep, etp, replicas)
     return RankParameters(_attention(model, tp) + dense + 2 * model.dim, experts)
 
 
@@ -182,13 +189,14 @@ def first_block(model: ModelConfig, moe: bool) -> int:
 
 
 def rank_parameters(model: ModelConfig, layers: list[int], first: bool, last: bool, tp: int = 1, ep: int = 1,
-                    etp: int = 1, pipelined: bool = False) -> RankParameters:
-    """Ψ of a rank holding blocks `layers` (and the embedding if `first`, the head if `last`)."""
+                    etp: int = 1, pipelined: bool = False, replicas: int = 0) -> RankParameters:
+    """Ψ of a rank holding blocks `layers` (and the embedding if `first`, the head if `last`); `replicas`: EPLB's
+    spare expert slots per rank."""
     moe = sum(model.is_moe_layer(layer) for layer in layers) if model.n_experts else 0
     dense = experts = 0
     for count, layer in ((len(layers) - moe, first_block(model, False)), (moe, first_block(model, True))):
         if count:  # every dense block has the same count, every MoE block too
-            block = block_parameters(model, layer, tp, ep, etp)
+            block = block_parameters(model, layer, tp, ep, etp, replicas)
             dense, experts = dense + count * block.dense, experts + count * block.experts
     vocab_rows = padded_vocab(model.vocab_size, tp) // tp * model.dim
     if first:
@@ -198,9 +206,9 @@ def rank_parameters(model: ModelConfig, layers: list[int], first: bool, last: bo
     return RankParameters(dense, experts)
 
 
-def _block_tensors(model: ModelConfig, layer: int, ep: int, flat: bool) -> int:
+def _block_tensors(model: ModelConfig, layer: int, ep: int, flat: bool, replicas: int = 0) -> int:
     """Tensors AdamW updates for one block on a rank: its parameter tensors, or (ZeRO) its flat groups."""
-    routed = model.n_experts // ep if model.is_moe_layer(layer) else 0
+    routed = experts_per_rank(model, ep, replicas) if model.is_moe_layer(layer) else 0
     if flat:  # decay and no-decay groups (the norms are always there), one per routed expert
         return 2 + routed
     if model.attention == "mla":
@@ -216,10 +224,10 @@ def _block_tensors(model: ModelConfig, layer: int, ep: int, flat: bool) -> int:
 
 
 def rank_tensors(model: ModelConfig, layers: list[int], first: bool, last: bool, ep: int = 1, pipelined: bool = False,
-                 flat: bool = False) -> int:
+                 flat: bool = False, replicas: int = 0) -> int:
     """Tensors AdamW updates on a rank holding blocks `layers` (and the embedding if `first`, the final norm and
     head if `last`): parameter tensors, or with `flat` (ZeRO) flat groups."""
-    total = sum(_block_tensors(model, layer, ep, flat) for layer in layers)
+    total = sum(_block_tensors(model, layer, ep, flat, replicas) for layer in layers)
     if first:
         total += 1
     if last:

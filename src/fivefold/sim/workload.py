@@ -59,7 +59,11 @@ Parameter servers (bsp) run as the runtime's pushes and pulls: each worker sends
 shard's gradients after backward and receives the new weights; each server waits for every push,
 updates (the planner's seconds) and answers (`push_pull`, `server_program`).
 
-Not modelled (stated in docs/simulator.md): EPLB's replicated experts, priority scheduling,
+EPLB's replicated experts (`expert_parallel.replicas`) fill every EP rank's spare slots as the runtime places them
+(from `expert_parallel.load_from`); after DDP's reduction each replicated expert's gradient is all-reduced over
+its holders (`replicated_experts`).
+
+Not modelled (stated in docs/simulator.md): priority scheduling,
 asynchronous parameter servers (asp, ssp), the gradient-norm all-reduce.
 
 A tied embedding held by the first and the last pipeline stage has its two copies' gradients summed at
@@ -89,7 +93,7 @@ from fivefold.plan.estimate import (Degrees, PassCosts, codec_exchanges, compute
                                     tied_embedding_bytes, tied_embedding_pair, weight_element,
                                     zero_degrees)
 from fivefold.plan.expert_load import Matrix, exchange_matrices, expert_rows_by_load, imbalance
-from fivefold.plan.parameters import local_tensor, padded_vocab, powersgd_factors
+from fivefold.plan.parameters import experts_per_rank, local_tensor, padded_vocab, powersgd_factors
 from fivefold.plan.zero_traffic import quantized_parts
 from fivefold.sim.names import FIDELITIES
 from fivefold.sim.routing import Router, cluster_router
@@ -217,12 +221,12 @@ def stage_units(model: ModelConfig, split: list[list[int]], d: Degrees) -> list[
     than the first is a unit of both: the embedding, and on the last stage its copy (`TIED_COPY`) for the head."""
     from fivefold.model import build_model
     from fivefold.parallel.expert_parallel import cut_experts
-    from fivefold.parallel.expert_placement import contiguous_placement
     from fivefold.parallel.flat_groups import flat_group_layout, is_expert_group
 
     net = build_model(model)  # meta device: shapes only
-    if model.n_experts and d.ep > 1:
-        cut_experts(net, {layer: contiguous_placement(model.n_experts, d.ep) for layer in model.moe_layers}, 0)
+    if model.n_experts and d.ep > 1:  # every rank holds as many slots (E / ep, plus EPLB's spares) of one size
+        slots = experts_per_rank(model, d.ep, d.replicas)
+        cut_experts(net, {layer: [list(range(slots))] for layer in model.moe_layers}, 0)
     local: dict[str, int] = {}
     rows: dict[str, int] = {}
     unit_of: dict[str, str] = {}
@@ -324,6 +328,13 @@ class _Builder:
                 self.expert_groups[kind] = {r: tuple(row) for row in rows for r in row}
             self.dispatch_bytes = dispatch_rows(self.model, config, d) * self.model.dim * self.element
             self.alltoall = "pairwise" if config.expert_parallel.alltoall == "pairwise" else "native"
+        self.placements = {}  # EPLB: every MoE layer's experts per EP rank, as the runtime places them
+        if d.replicas and d.ep > 1:
+            from fivefold.parallel.expert_placement import placements_for
+
+            ep = config.expert_parallel
+            self.placements = placements_for(self.model.moe_layers, self.model.n_experts, d.ep, d.replicas, ep.load_from)
+            self.expert_bytes = 3 * self.model.dim * (self.model.expert_hidden_dim // d.etp)  # one expert's values
         self.expert_rows = expert_rows_by_load(self.model, config, d, expert_load) if expert_load is not None else {}
         # parameter servers (bsp): the last ranks, after the workers' grid (parallel/parameter_server.py)
         self.ps = config.data_parallel.mode == "ps"
@@ -978,6 +989,7 @@ class _Builder:
                                                                 part.groups["split"]))
         if self.pending:
             self.programs[(rank, COMPUTE)].append(Await(self.pending[-1], "dp"))
+        self.replicated_experts(rank)
         for part in self.zero_parts:
             deg, groups = part.degrees, part.groups
             pieces = [n for s in stages for unit in self.units[s] for n in part.flat[(s, unit.name)]]
@@ -989,6 +1001,25 @@ class _Builder:
                 for n in pieces:
                     self.collective(rank, COMPUTE, "all_reduce", groups["replica"],
                                     n // deg.optim * self.reduce_element, "dp")
+
+    def replicated_experts(self, rank: int) -> None:
+        """EPLB (parallel/expert_parallel.py `ReplicaGradients`): after DDP's reduction, each replicated expert this
+        rank holds has its gradient all-reduced over the expert-parallel ranks holding it, layer by layer, expert by
+        expert (the runtime's order)."""
+        if not self.placements:
+            return
+        ep = self.expert_groups["ep"][rank]
+        position = ep.index(rank)
+        for layer in sorted(self.placements):
+            placement = self.placements[layer]
+            holders: dict[int, list[int]] = {}
+            for r, experts in enumerate(placement):
+                for e in experts:
+                    holders.setdefault(e, []).append(r)
+            for e in sorted(holders):
+                if len(holders[e]) > 1 and position in holders[e]:
+                    self.collective(rank, COMPUTE, "all_reduce", tuple(ep[p] for p in holders[e]),
+                                    self.expert_bytes * self.weight_element, "dp")
 
     def optimizer(self, rank: int) -> None:
         """AdamW over this rank's (ZeRO: sharded) parameters at the accelerator's optimizer rate, with its cost per
@@ -1116,13 +1147,11 @@ class _Builder:
 
 
 def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:
-    z, g, ep = config.data_parallel, config.gradient_comm, config.expert_parallel
+    z, g = config.data_parallel, config.gradient_comm
     reasons = []
     if z.mode == "ps" and config.parameter_server.sync != "bsp":
         reasons.append(f"parameter_server.sync = {config.parameter_server.sync} (workers out of lock step: no one "
                        "step to simulate; bsp is modelled)")
-    if ep.replicas:
-        reasons.append("expert_parallel.replicas > 0 (EPLB's replicated experts and their gradient sums)")
     if g.compression == "sign" and g.compression_block % 32:
         reasons.append(f"gradient_comm.compression = sign with compression_block = {g.compression_block}, not a multiple "
                        "of 32 (its 1-bit codes are played as 4-byte words)")
