@@ -415,7 +415,9 @@ def _in_flight(config: JobConfig, d: Degrees) -> dict[int, int]:
 
 def logits_bytes(tokens: int, vocab: int, held: int, chunk: int = 0, compiled_element: int = 0) -> int:
     """Bytes of the loss's logits on the last stage: `held` micro-batches' fp32 log-probabilities kept for
-    backward plus one live logits gradient (tokens x this rank's vocabulary each); with the chunked head
+    backward plus, while the loss's backward runs, the gradient of the log-probabilities and the fp32 logits'
+    gradient it makes from them (tokens x this rank's vocabulary each: 12 N V with one held, as measured on an
+    H100 and an H200 at N = 8,192, V = 32,000, docs/gpu.md); with the chunked head
     (train.loss_chunk_tokens = c) 4 bytes per token kept (the log-sum-exp) and one chunk's fp32 logits
     and gradient live (ops/linear_cross_entropy.py). With the compiled loss (train.compile without tensor
     parallelism, `compiled_element` = the logits' bytes per value) the logits themselves are kept in their
@@ -424,7 +426,7 @@ def logits_bytes(tokens: int, vocab: int, held: int, chunk: int = 0, compiled_el
         return held * 4 * tokens + 2 * 4 * min(chunk, tokens) * vocab
     if compiled_element:
         return held * (compiled_element * vocab + 8) * tokens + compiled_element * tokens * vocab
-    return (held + 1) * 4 * tokens * vocab
+    return (held + 2) * 4 * tokens * vocab
 
 
 def final_norm_bytes(tokens: int, dim: int, held: int, sp_degree: int = 1) -> int:
@@ -443,7 +445,7 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     element = 2 if compute_dtype(config) == "bf16" else 4
     in_flight = _in_flight(config, d)
     # the last stage keeps each finished micro-batch's fp32 log-probabilities until its backward (GPipe: all m
-    # of them), and one logits gradient is live while a backward runs
+    # of them), and two logits-sized gradients are live while a loss's backward runs
     held = t.grad_accum_steps if d.pp > 1 and config.pipeline_parallel.schedule == "gpipe" else 1
     rows = expert_rows(config, model, d)
     kinds = {moe: _block_activations(model, layer, shape, rows) for moe in (False, True)
