@@ -66,6 +66,14 @@ def test_pp2_x_dp2_with_zero1_and_tied_embeddings(tied, tmp_path):
     print(f"pp2 x dp2 zero1 tied: {diffs}")
 
 
+def test_pp2_x_dp2_ddp_with_tied_embeddings(tied, tmp_path):
+    """DDP's buckets and the tied copies' sum both touch the embedding's gradient: it still equals one process."""
+    config = with_changes(tied, train={"micro_batch_size": 2, "grad_accum_steps": 2, "output_dir": str(tmp_path / "pp-ddp-tied")},
+                          pipeline_parallel={"degree": 2, "schedule": "1f1b"})
+    diffs = assert_parity(train_single(tied), train_distributed(config, 4))
+    print(f"pp2 x dp2 ddp tied: {diffs}")
+
+
 def test_pp2_x_dp2_ddp_interleaved(deep, deep_reference, tmp_path):
     config = with_changes(deep, train={"micro_batch_size": 2, "grad_accum_steps": 2, "output_dir": str(tmp_path / "pp-ddp")},
                           pipeline_parallel={"degree": 2, "schedule": "interleaved", "virtual": 2})
