@@ -117,6 +117,10 @@ LAYOUTS = [
     (2, "dp2-priority", ["--gradient_comm.schedule", "priority", "--train.max_grad_norm", "0"]),
     (4, "dp4-priority", ["--gradient_comm.schedule", "priority", "--train.max_grad_norm", "0"]),
     (4, "dp4-unclipped", ["--train.max_grad_norm", "0"]),
+    # gradient compression: each codec's messages (and its elementwise work on the communication thread)
+    (2, "dp2-int8", ["--gradient_comm.compression", "int8"]),
+    (2, "dp2-topk", ["--gradient_comm.compression", "topk"]),
+    (2, "dp2-powersgd", ["--gradient_comm.compression", "powersgd"]),
     # mixture of experts (tiny-moe: 8 experts, top-2, one shared expert), experts split by expert parallelism
     (1, "single-moe", ["--model.preset", "tiny-moe"]),
     (2, "dp2-moe", ["--model.preset", "tiny-moe"]),
