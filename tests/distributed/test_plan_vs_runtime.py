@@ -8,7 +8,7 @@ tensors; ZeRO's flat groups) for the optimizer's cost per tensor; the measured b
 elements of <= 16 bytes per flat group). Layouts cover tensor (GQA split and replicated, biases,
 q/k projection norms, sequence parallel), pipeline (1F1B, interleaved, tied head, 4 stages),
 context, ZeRO 1/2/3 (mixed precision), expert parallelism with ZeRO over EDP and with EPLB's replicated experts
-(a spare slot per rank), and MLA. DDP's flat
+(a spare slot per rank), DDP with the priority schedule (whose gradients wait in its buckets between steps), and MLA. DDP's flat
 gradient buckets (the layouts without ZeRO), with what a compression codec keeps between steps (sign, top-k and
 PowerSGD error feedback, PowerSGD's Q), are planned equal to the bytes the runtime allocates.
 The peak of the bytes autograd keeps for backward over a whole step (train/memory.py PeakSavedBytes;
@@ -46,6 +46,8 @@ LAYOUTS = {  # name -> sections changed from the micro job (4 ranks)
     "mla-pp2-dp2": dict(model={**MLA, "q_lora_rank": 0}, pipeline_parallel={"degree": 2}, train={"grad_accum_steps": 2}),
     "ddp4": dict(),
     "ddp4-bf16-reduce": dict(gradient_comm={"reduce_dtype": "bf16", "bucket_mb": 0.01}),
+    "ddp4-priority": dict(gradient_comm={"schedule": "priority", "bucket_mb": 0.02, "slice_mb": 0.005},
+                          train={"max_grad_norm": 0.0}),
     "ddp4-sign": dict(gradient_comm={"compression": "sign"}),
     "ddp4-topk": dict(gradient_comm={"compression": "topk"}),
     "tp2-dp2-powersgd": dict(tensor_parallel={"degree": 2}, gradient_comm={"compression": "powersgd", "powersgd_rank": 2}),

@@ -213,5 +213,11 @@ class PrioritySync(DDPSync):
     def flush(self) -> None:
         self.ddp.flush()
 
+    def model_state_tensors(self) -> tuple[list, list, list]:
+        """Between steps the reduced gradients wait in DDP's buckets (each parameter's gradient is set only for its
+        update, then dropped): those are this scheme's gradient bytes."""
+        params, _, states = super().model_state_tensors()
+        return params, [bucket.buffer for bucket in self.ddp.buckets], states
+
     def describe(self) -> str:
         return super().describe() + f", priority schedule over {len(self.ddp.slices)} slices"
