@@ -59,6 +59,7 @@ from fivefold.comm.p2p import Ranks
 from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
 from fivefold.model.moe import MoE, Routing, RoutingGroups, combine
+from fivefold.parallel.expert_placement import replica_holders
 from fivefold.reliability.activity import phase
 
 ALLTOALL_BACKENDS = ("torch", "pairwise")
@@ -347,10 +348,7 @@ class ReplicaGradients:
         created: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         moes = {m.layer_id: m for m in model.modules() if isinstance(m, MoE)}
         for layer in sorted(placements):  # every rank walks every layer in one order: groups created alike
-            holders: dict[int, list[int]] = {}
-            for r, experts in enumerate(placements[layer]):
-                for e in experts:
-                    holders.setdefault(e, []).append(r)
+            holders = replica_holders(placements[layer])
             for e in sorted(holders):
                 positions = tuple(holders[e])
                 if len(positions) < 2:

@@ -53,12 +53,19 @@ def place_experts(load: list[float], ep: int, slots_per_rank: int) -> list[list[
     return [sorted(r) for r in ranks]
 
 
-def expected_rank_load(load: list[float], placement: list[list[int]]) -> list[float]:
-    counts = [0] * len(load)
-    for experts in placement:
+def replica_holders(placement: list[list[int]]) -> dict[int, list[int]]:
+    """Expert -> the ranks holding a copy of it, ascending, for every expert the placement holds."""
+    holders: dict[int, list[int]] = {}
+    for rank, experts in enumerate(placement):
         for e in experts:
-            counts[e] += 1
-    return [sum(load[e] / counts[e] for e in experts) for experts in placement]
+            holders.setdefault(e, []).append(rank)
+    return holders
+
+
+def expected_rank_load(load: list[float], placement: list[list[int]]) -> list[float]:
+    """Each rank's share of `load` (per expert) when an expert's load splits evenly over its copies."""
+    holders = replica_holders(placement)
+    return [sum(load[e] / len(holders[e]) for e in experts) for experts in placement]
 
 
 def imbalance(load: list[float], placement: list[list[int]]) -> float:

@@ -79,8 +79,8 @@ from fivefold.plan.expert_load import busiest_received, exchange_matrices, exper
 from fivefold.plan.flops import flops_per_token
 from fivefold.plan.memory import nvme_host_bytes, sharded_model_states, zero_model_states
 from fivefold.plan.operators import operator_ratio
-from fivefold.plan.parameters import (RankParameters, first_block, block_parameters, padded_vocab, powersgd_shares,
-                                      priority_slice_bytes, rank_parameters, rank_tensors)
+from fivefold.plan.parameters import (RankParameters, first_block, block_parameters, expert_values, padded_vocab,
+                                      powersgd_shares, priority_slice_bytes, rank_parameters, rank_tensors)
 
 if TYPE_CHECKING:
     from fivefold.parallel.pipeline.simulate import CoreSharing
@@ -1005,8 +1005,7 @@ def tied_embedding_pair(model: ModelConfig, d: Degrees, split: list[list[int]], 
 def tied_embedding_bytes(model: ModelConfig, d: Degrees, config: JobConfig) -> int:
     """Bytes of the tied embedding's gradient on one rank: its vocabulary rows (1/tp of the padded vocabulary under
     tensor parallelism) x dim, in the weights' dtype."""
-    rows = padded_vocab(model.vocab_size, d.tp) // d.tp if d.tp > 1 else model.vocab_size
-    return rows * model.dim * weight_element(config)
+    return padded_vocab(model.vocab_size, d.tp) // d.tp * model.dim * weight_element(config)
 
 
 def _tied_embedding_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]],
@@ -1049,7 +1048,7 @@ def _optimizer_time(config: JobConfig, model: ModelConfig, d: Degrees, split: li
         return 0.0
     flat = zero_degrees(config, d) is not None
     clipping = config.train.max_grad_norm > 0
-    norm = config.gradient_comm.schedule != "priority" or config.data_parallel.zero_stage > 0  # priority: no norm
+    norm = config.gradient_comm.schedule != "priority"  # the priority schedule takes no norm (it refuses clipping)
 
     def seconds(layers: list[int], first: bool, last: bool) -> float:
         shard = optimizer_shard(rank_parameters(model, layers, first, last, d.tp, d.ep, d.etp, pipelined=d.pp > 1,
@@ -1153,18 +1152,19 @@ def replica_gradient_seconds(config: JobConfig, model: ModelConfig, d: Degrees, 
     `expert_parallel.load_from` (parallel/expert_placement.py `placements_for`)."""
     if not d.replicas or d.ep < 2:
         return 0.0
-    from fivefold.parallel.expert_placement import placements_for
+    from fivefold.parallel.expert_placement import placements_for, replica_holders
 
     placements = placements_for(model.moe_layers, model.n_experts, d.ep, d.replicas, config.expert_parallel.load_from)
-    nbytes = 3 * model.dim * (model.expert_hidden_dim // d.etp) * weight_element(config)
+    nbytes = expert_values(model, d.etp) * weight_element(config)
     stride = 1 if config.tensor_parallel.sequence_parallel and d.tp > 1 else d.tp
     link = cluster.collective_link("all_reduce", (d.ep - 1) * d.etp * stride + 1)
     busiest = 0.0
     for rank in range(d.ep):
         seconds = 0.0
         for placement in placements.values():
-            holders = {e: sum(e in slots for slots in placement) for e in placement[rank]}
-            seconds += sum(native_collective("all_reduce", nbytes, n, link) for n in holders.values() if n > 1)
+            holders = replica_holders(placement)
+            seconds += sum(native_collective("all_reduce", nbytes, len(holders[e]), link)
+                           for e in placement[rank] if len(holders[e]) > 1)
         busiest = max(busiest, seconds)
     return busiest
 

@@ -40,7 +40,7 @@ def expert_rows_by_load(model: ModelConfig, config: JobConfig, d,
     whole sequence), which balanced routing never reaches. With EPLB's replicas (`expert_parallel.replicas`) the
     experts sit where the runtime places them and each replicated expert's rows split evenly over its copies."""
     from fivefold.model.moe import expert_capacity
-    from fivefold.parallel.expert_placement import contiguous_placement, placements_for
+    from fivefold.parallel.expert_placement import contiguous_placement, expected_rank_load, placements_for
 
     if not model.n_experts or d.ep < 2:
         raise ConfigError("--expert-load changes only how rows cross expert-parallel ranks: it needs a MoE model "
@@ -61,9 +61,8 @@ def expert_rows_by_load(model: ModelConfig, config: JobConfig, d,
                               "not negative, not all zero): use the metrics of a run of the same model (moe_load records)")
         per_expert = [min(wanted * v / sum(values), cap) for v in values]
         placement = placements[layer] if placements else contiguous_placement(model.n_experts, d.ep)
-        holders = [sum(e in slots for slots in placement) for e in range(model.n_experts)]
         # EPLB: an expert's rows are spread evenly over its replicas (the runtime's (k + rank) mod replicas)
-        out[layer] = [sum(per_expert[e] / holders[e] for e in experts) for experts in placement]
+        out[layer] = expected_rank_load(per_expert, placement)
     return out
 
 

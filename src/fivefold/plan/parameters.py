@@ -164,6 +164,11 @@ def experts_per_rank(model: ModelConfig, ep: int, replicas: int = 0) -> int:
     return model.n_experts // ep + replicas
 
 
+def expert_values(model: ModelConfig, etp: int = 1) -> int:
+    """Parameters of one routed expert on a rank (w1, w3, w2; its hidden units split over etp)."""
+    return 3 * model.dim * (model.expert_hidden_dim // etp)
+
+
 def _mlp(model: ModelConfig, layer: int, tp: int, ep: int, etp: int, replicas: int = 0) -> tuple[int, int]:
     """(dense, routed-expert) parameters of one block's MLP on one rank."""
     h = model.dim
@@ -171,7 +176,7 @@ def _mlp(model: ModelConfig, layer: int, tp: int, ep: int, etp: int, replicas: i
         f = model.ffn_hidden_dim // tp
         return 3 * h * f + (2 * f + h if model.mlp_bias else 0), 0
     shared = 3 * h * model.shared_hidden_dim + (h if model.moe_shared_gate else 0)
-    experts = experts_per_rank(model, ep, replicas) * 3 * h * (model.expert_hidden_dim // etp)
+    experts = experts_per_rank(model, ep, replicas) * expert_values(model, etp)
     return h * model.n_experts + shared, experts
 
 

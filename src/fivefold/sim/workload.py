@@ -63,12 +63,12 @@ EPLB's replicated experts (`expert_parallel.replicas`) fill every EP rank's spar
 (from `expert_parallel.load_from`); after DDP's reduction each replicated expert's gradient is all-reduced over
 its holders (`replicated_experts`).
 
-Not modelled (stated in docs/simulator.md): priority scheduling,
-asynchronous parameter servers (asp, ssp), the gradient-norm all-reduce.
-
 A tied embedding held by the first and the last pipeline stage has its two copies' gradients summed at
 reduce_grads (gradient_sync.py `finish`): one all-reduce between the two ranks, before the communication
 thread is waited for.
+
+Not modelled (stated in docs/simulator.md): priority scheduling,
+asynchronous parameter servers (asp, ssp), the gradient-norm all-reduce.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ from fivefold.comm.cost import best_all_reduce, native_collective, predict, ring
 from fivefold.config.schema import JobConfig
 from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
+from fivefold.parallel.expert_placement import replica_holders
 from fivefold.parallel.mesh import MESH_DIMS
 from fivefold.parallel.shard_layout import GROUP_KINDS
 from fivefold.plan.cluster import ClusterSpec
@@ -93,7 +94,7 @@ from fivefold.plan.estimate import (Degrees, PassCosts, codec_exchanges, compute
                                     tied_embedding_bytes, tied_embedding_pair, weight_element,
                                     zero_degrees)
 from fivefold.plan.expert_load import Matrix, exchange_matrices, expert_rows_by_load, imbalance
-from fivefold.plan.parameters import experts_per_rank, local_tensor, padded_vocab, powersgd_factors
+from fivefold.plan.parameters import experts_per_rank, expert_values, local_tensor, padded_vocab, powersgd_factors
 from fivefold.plan.zero_traffic import quantized_parts
 from fivefold.sim.names import FIDELITIES
 from fivefold.sim.routing import Router, cluster_router
@@ -249,7 +250,7 @@ def stage_units(model: ModelConfig, split: list[list[int]], d: Degrees) -> list[
         if present:
             (expert_groups if is_expert_group(layout.key) else groups)[unit_of[layout.names[0]]].append(sum(present))
     stages = []
-    tied_copy = bool(model.tie_embeddings and d.pp > 1 and (len(split) - 1) % d.pp)  # the last stage's rank lacks stage 0
+    tied_copy = bool(tied_embedding_pair(model, d, split, tuple(range(d.pp))))  # first and last stage on two ranks
     for s, layers in enumerate(split):
         units = []
         if s == 0:
@@ -334,7 +335,7 @@ class _Builder:
 
             ep = config.expert_parallel
             self.placements = placements_for(self.model.moe_layers, self.model.n_experts, d.ep, d.replicas, ep.load_from)
-            self.expert_bytes = 3 * self.model.dim * (self.model.expert_hidden_dim // d.etp)  # one expert's values
+            self.expert_bytes = expert_values(self.model, d.etp)  # one expert's values on this rank
         self.expert_rows = expert_rows_by_load(self.model, config, d, expert_load) if expert_load is not None else {}
         # parameter servers (bsp): the last ranks, after the workers' grid (parallel/parameter_server.py)
         self.ps = config.data_parallel.mode == "ps"
@@ -1011,11 +1012,7 @@ class _Builder:
         ep = self.expert_groups["ep"][rank]
         position = ep.index(rank)
         for layer in sorted(self.placements):
-            placement = self.placements[layer]
-            holders: dict[int, list[int]] = {}
-            for r, experts in enumerate(placement):
-                for e in experts:
-                    holders.setdefault(e, []).append(r)
+            holders = replica_holders(self.placements[layer])
             for e in sorted(holders):
                 if len(holders[e]) > 1 and position in holders[e]:
                     self.collective(rank, COMPUTE, "all_reduce", tuple(ep[p] for p in holders[e]),
