@@ -10,8 +10,9 @@ layout builds the real Trainer (configs/tiny.toml's model on the
 embedded corpus, shrunk by the options), takes warm-up steps, and is timed in rotating rounds: one step
 of each layout per round, the order rotated, and the matmul rate, memory bandwidth and the runtime's
 AdamW rate (per parameter and per tensor) each rank achieves while the others compute too (comm/bench.py
-matmul_tflops, memory_gbs, optimizer_rate) measured again each round, and, where the ranks' threads outnumber the cores, the matmul rate with only as many ranks
-computing as the cores hold (the cluster's oversubscribed_efficiency; its shared_cores are this
+matmul_tflops, memory_gbs, optimizer_rate) measured again each round, the gradient codecs' local work
+(codec_rates, on the model's own parameter shapes) once per batch holding a compressed layout, and, where the ranks' threads outnumber the cores, the
+matmul rate with only as many ranks computing as the cores hold (the cluster's oversubscribed_efficiency; its shared_cores are this
 machine's: ranks idle in a pipeline bubble lend their cores); a layout's time is the median over
 rounds of its slowest rank's step. Rounds put a slow spell of
 this shared machine on every layout alike. The planner predicts each config on that cluster with two
@@ -119,6 +120,7 @@ LAYOUTS = [
     (4, "dp4-unclipped", ["--train.max_grad_norm", "0"]),
     # gradient compression: each codec's messages (and its elementwise work on the communication thread)
     (2, "dp2-int8", ["--gradient_comm.compression", "int8"]),
+    (2, "dp2-sign", ["--gradient_comm.compression", "sign"]),
     (2, "dp2-topk", ["--gradient_comm.compression", "topk"]),
     (2, "dp2-powersgd", ["--gradient_comm.compression", "powersgd"]),
     # mixture of experts (tiny-moe: 8 experts, top-2, one shared expert), experts split by expert parallelism
@@ -147,8 +149,8 @@ def _measure(rank: int, world_size: int, job) -> dict:
     import torch
     import torch.distributed as dist
 
-    from fivefold.comm.bench import (matmul_tflops, measure_native_links, memory_gbs, optimizer_rate, oversubscribed_share,
-                                     ranks_fitting)
+    from fivefold.comm.bench import (codec_rates, matmul_tflops, measure_native_links, memory_gbs, optimizer_rate,
+                                     oversubscribed_share, ranks_fitting)
     from fivefold.comm.measure import measure_cluster
     from fivefold.comm.p2p import Ranks
     from fivefold.train.trainer import Trainer
@@ -166,6 +168,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
     fitting: list[float] = []  # the fp32 rate with only as many ranks computing as the cores hold
     bandwidths = []
     optimizer: list[tuple[float, float]] = []  # the runtime's AdamW: (GB/s of 28 bytes per parameter, us per tensor)
+    codecs: list[tuple[dict, dict]] = []  # the gradient codecs' local work, ns per value (comm/bench.py codec_rates)
     for first in range(0, len(configs), batch):
         trainers = {name: Trainer(config) for name, config in configs[first:first + batch]}
         for trainer in trainers.values():
@@ -173,6 +176,9 @@ def _measure(rank: int, world_size: int, job) -> dict:
                 trainer.train_step()
         if world_size > 1:
             natives.append(measure_native_links(torch.device("cpu")))
+            compressed = [t for t in trainers.values() if t.config.gradient_comm.compression != "none"]
+            if compressed:  # on the job's own parameters' shapes, with the batch's trainers alive
+                codecs.append(codec_rates(torch.device("cpu"), list(compressed[0].model.parameters()), seconds=0.15))
         names = list(trainers)
         for round_ in range(steps):
             for dtype in rates:
@@ -201,6 +207,8 @@ def _measure(rank: int, world_size: int, job) -> dict:
             "memory_gbs": statistics.median(bandwidths),
             "optimizer_gbs": statistics.median(g for g, _ in optimizer),
             "optimizer_tensor_us": statistics.median(u for _, u in optimizer),
+            **{key: {name: statistics.median(c[i][name] for c in codecs) for name in codecs[0][i]} if codecs else {}
+               for i, key in enumerate(("codec_ns", "codec_encode_ns"))},
             "times": {name: statistics.median(values) for name, values in samples.items()}, "cores": cores,
             "oversubscribed_efficiency": oversubscribed_share(world_size, statistics.median(rates["fp32"]),
                                                               ranks_fitting(cores, threads), statistics.median(fitting))
@@ -231,7 +239,8 @@ def _cluster(world_size: int, measured: dict):
     return ClusterSpec(f"this machine, {world_size} ranks",
                        Accelerator("cpu rank", 8.0, measured["rates"], measured["memory_gbs"], shared_cores=measured["cores"],
                                    oversubscribed_efficiency=measured["oversubscribed_efficiency"],
-                                   optimizer_gbs=measured["optimizer_gbs"], optimizer_tensor_us=measured["optimizer_tensor_us"]),
+                                   optimizer_gbs=measured["optimizer_gbs"], optimizer_tensor_us=measured["optimizer_tensor_us"],
+                                   codec_ns=measured.get("codec_ns", {}), codec_encode_ns=measured.get("codec_encode_ns", {})),
                        max(world_size, 1), link, link,
                        collectives={name: LinkSpec.from_fit(native) for name, native in measured.get("native", {}).items()})
 

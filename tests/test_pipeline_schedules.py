@@ -79,6 +79,10 @@ def test_ranks_sharing_one_core_lend_it_in_their_bubble():
     # all four sharing them; three computing still time-slice, at 4/3
     assert CoreSharing(cores=2, efficiency=0.5).speed(2, 4) == 4
     assert CoreSharing(cores=2, efficiency=0.5).speed(3, 4) == pytest.approx(4 / 3)
+    # two ranks on their own cores, a gradient codec's thread computing beside both (sim/workload.py codec_work):
+    # four threads on two cores, each at half its rate (times the host's time-slicing efficiency)
+    assert CoreSharing(cores=2).speed(2, 2) == 1 and CoreSharing(cores=2).speed(4, 2) == 0.5
+    assert CoreSharing(cores=2, efficiency=0.8).speed(3, 2) == pytest.approx(2 / 3 * 0.8)
 
 
 @pytest.mark.parametrize("name,p,m,v", CASES)

@@ -735,6 +735,32 @@ def test_optimizer_step_is_priced_at_the_accelerators_optimizer_rate(tmp_path):
         cluster_from_dict(data)
 
 
+def test_codec_rates_in_cluster_files(tmp_path):
+    """accelerator.codec_ns / codec_encode_ns (bench comm's measured codec work) round-trip through the cluster file;
+    without them a codec is priced by CODEC_BYTES at the memory bandwidth; bad tables name the key."""
+    from fivefold.plan.cluster import CODEC_BYTES
+
+    h100 = load_cluster("h100-sxm")
+    assert h100.accelerator.codec_seconds("int8", 1e6, 4) == pytest.approx(
+        (CODEC_BYTES["int8"][0] - CODEC_BYTES["int8"][1] * 3 / 4) * 1e6 / 3350e9)
+    assert h100.accelerator.codec_seconds("none", 1e6, 4) == 0.0
+    cpu = dataclasses.replace(h100, accelerator=dataclasses.replace(
+        h100.accelerator, codec_ns={"int8": 22.5, "topk": 16.0}, codec_encode_ns={"int8": 2.0}))
+    assert cpu.accelerator.codec_seconds("int8", 1e6, 4) == pytest.approx((22.5 - 2.0 * 3 / 4) * 1e-3)
+    assert cpu.accelerator.codec_seconds("topk", 1e6, 2) == pytest.approx(16e-3)
+    assert cpu.accelerator.codec_seconds("sign", 1e6, 2) == h100.accelerator.codec_seconds("sign", 1e6, 2) > 0
+    path = tmp_path / "cpu.toml"
+    path.write_text(cluster_toml(cpu))
+    assert load_cluster(str(path)) == cpu
+    data = json.loads(json.dumps(cpu.to_dict()))
+    for key, bad in (("codec_ns", {"int9": 1.0}), ("codec_ns", {"int8": -1.0}), ("codec_ns", 3.0),
+                     ("codec_encode_ns", {"topk": "fast"}), ("codec_encode_ns", {"int8": 30.0})):
+        broken = json.loads(json.dumps(data))
+        broken["accelerator"][key] = bad
+        with pytest.raises(ConfigError, match=f"accelerator.{key}"):
+            cluster_from_dict(broken)
+
+
 def test_sharding_degrees_are_chosen_by_predicted_time_under_the_memory_cap():
     """AMSP's scale-aware choice (plan/search.py choose_degrees): Llama-3 8B on 8 nodes of 8 H100s with 8 micro-
     batches. With room, parameters and gradients sharded within a node and optimizer states over all 64 ranks are

@@ -25,6 +25,7 @@ from fivefold.config import load_config
 from fivefold.errors import ConfigError
 from fivefold.plan.cluster import PRESETS, LinkSpec
 from fivefold.plan.estimate import estimate, model_for
+from fivefold.plan.parameters import rank_parameters
 from fivefold.sim.engine import Collective, Compute, Send, simulate
 from fivefold.sim.network import DedicatedNetwork, FlowNetwork
 from fivefold.sim.routing import Router
@@ -682,13 +683,42 @@ def test_compressed_buckets_are_priced_as_the_simulator_plays_them(gpus, overrid
     one, the codec's exchanges each by formula inside a node (int8 / sign: all-to-all and all-gather of the codes
     and of the scales; top-k: one all-gather of values and indices; PowerSGD: two all-reduces of its factors, the
     tensors it does not compress with the first, the matrices' shapes as tensor parallelism cuts them; a MoE
-    model's experts over their own group); and it is below the uncompressed all-reduce's."""
+    model's experts over their own group) after the codec's local work at the H100's memory bandwidth; without
+    that work (no bandwidth known) the messages alone are below the uncompressed all-reduce's, and with it this
+    tiny model's compression costs more than it saves on NVLink."""
     config = _config(*overrides)
     simulated = simulate_step(config, gpus, H100, 0.5, "hybrid", vocab_size=257).breakdown()
     planned = estimate(config, gpus, H100, 0.5, vocab_size=257).time
-    plain = estimate(_config(*overrides[2:]), gpus, H100, 0.5, vocab_size=257).time
+    blind = dataclasses.replace(H100, accelerator=dataclasses.replace(H100.accelerator, memory_bandwidth_gbs=0.0))
+    messages = estimate(config, gpus, blind, 0.5, vocab_size=257).time
+    plain = estimate(_config(*overrides[2:]), gpus, blind, 0.5, vocab_size=257).time
     assert planned.dp > 0 and simulated["dp"] == pytest.approx(planned.dp, rel=1e-9)
-    assert planned.dp < plain.dp
+    assert messages.dp < plain.dp < planned.dp
+
+
+@pytest.mark.parametrize("codec", ["int8", "sign", "topk", "powersgd"])
+@pytest.mark.parametrize("shared", [0, 2])
+def test_codec_work_is_priced_from_the_measured_rates(codec, shared):
+    """dp 2, one bucket: the codec's local work is Accelerator.codec_seconds over the rank's gradients (measured
+    ns per value, a two-phase codec's compression counted 1 + 1/p times, not twice), on the communication thread
+    before the messages. On an accelerator it sits in the exposed chain with them; on a CPU host whose two cores
+    the ranks share it adds in full to the step (planner), and the simulator, playing it on the shared cores
+    beside the rank's compute, agrees to the processor sharing's rounding."""
+    rates = {"codec_ns": {codec: 40.0}, "codec_encode_ns": {codec: 10.0} if codec in ("int8", "sign") else {}}
+    accelerator = dataclasses.replace(H100.accelerator, shared_cores=shared, **rates)
+    cluster = dataclasses.replace(H100, accelerator=accelerator)
+    config = _config("--gradient_comm.compression", codec)
+    model = model_for(config, 257)
+    values = rank_parameters(model, list(range(model.n_layers)), True, True).total
+    encode = 10.0 if codec in ("int8", "sign") else 0.0
+    work = (40.0 - encode / 2) * values * 1e-9
+    assert accelerator.codec_seconds(codec, values, 2) == pytest.approx(work)
+    without = dataclasses.replace(cluster, accelerator=dataclasses.replace(accelerator, codec_ns={}, codec_encode_ns={},
+                                                                           memory_bandwidth_gbs=0.0))
+    planned, messages = (estimate(config, 2, c, 0.5, vocab_size=257).time for c in (cluster, without))
+    assert planned.dp - messages.dp == pytest.approx(work, rel=1e-9)
+    run = simulate_step(config, 2, cluster, 0.5, "hybrid", vocab_size=257)
+    assert run.time == pytest.approx(planned.total, rel=1e-9 if not shared else 0.02)
 
 
 @pytest.mark.parametrize("gpus, overrides", [

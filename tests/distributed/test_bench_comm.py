@@ -82,6 +82,11 @@ def test_bench_comm_table_and_json(tmp_path, world_size):
     assert here.accelerator.optimizer_gbs == report["optimizer_gbs"] > 0
     assert here.accelerator.optimizer_tensor_us == report["optimizer_tensor_us"] >= 0
     assert "AdamW step:" in run.stdout
+    # the runtime's gradient codecs' local work, each on a one-rank group: ns per value, compression within it
+    assert set(here.accelerator.codec_ns) == {"int8", "sign", "topk", "powersgd"} == set(report["codec_ns"])
+    assert set(here.accelerator.codec_encode_ns) == {"int8", "sign"}
+    assert all(0 < here.accelerator.codec_encode_ns[name] < here.accelerator.codec_ns[name] for name in ("int8", "sign"))
+    assert "codecs' local work" in run.stdout
     # the ranks share this host's cores; 3 ranks' threads on 2 cores time-slice, at a measured efficiency
     from fivefold.train.setup import available_cores
 

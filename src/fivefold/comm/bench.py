@@ -7,8 +7,9 @@ reduce-scatter, all-gather and all-to-all (p-1)/p; broadcast 1), so busbw is com
 link's bandwidth whatever p is. Beside each measured time stands the alpha-beta-gamma prediction
 (comm/cost.py) from links fitted by ping-pong on this machine at the start (comm/measure.py),
 and their ratio. Rank 0 prints the table and writes JSON with `--json`. `--cluster-file F` also
-times a matmul (fp32 and bf16), an add and the runtime's AdamW step (`optimizer_rate`) on every rank
-at once (the rates a rank achieves while the others compute too) and writes this machine as a planner cluster file (plan/cluster.py) with the fitted links
+times a matmul (fp32 and bf16), an add, the runtime's AdamW step (`optimizer_rate`) and its gradient
+codecs' local work (`codec_rates`) on every rank at once (the rates a rank achieves while the others
+compute too) and writes this machine as a planner cluster file (plan/cluster.py) with the fitted links
 and, for each backend collective timed at two or more sizes, the link its ring form runs at
 (cost.fit_native_link): the planner prices that collective on it.
 
@@ -195,6 +196,8 @@ def run(args: argparse.Namespace) -> dict:
     # the runtime's AdamW, timed before the collectives (a GPU's fused AdamW streams its bytes once: the planner's
     # default, the memory bandwidth, holds there)
     optimizer = optimizer_rate(device) if args.cluster_file and device.type == "cpu" else (0.0, 0.0)
+    # the codecs' local work likewise (a GPU's codecs stream memory: the planner's CODEC_BYTES at its bandwidth)
+    codecs = codec_rates(device) if args.cluster_file and device.type == "cpu" else ({}, {})
     rows = []
     for collective in args.collectives:
         for algorithm in args.algorithms or ALGORITHMS[collective]:
@@ -227,6 +230,7 @@ def run(args: argparse.Namespace) -> dict:
             "links": {"intra": asdict(cluster.intra), "inter": asdict(cluster.inter)}, "native_links": native,
             "matmul_tflops": rates, "memory_gbs": bandwidth, "oversubscribed_efficiency": efficiency,
             "optimizer_gbs": optimizer[0], "optimizer_tensor_us": optimizer[1],
+            "codec_ns": codecs[0], "codec_encode_ns": codecs[1],
             "rows": [asdict(r) | {"measured_over_predicted": r.ratio} for r in rows]}
 
 
@@ -320,6 +324,66 @@ def optimizer_rate(device: torch.device, params: int = 1 << 21, few: int = 16, m
                                step_seconds(many))
 
 
+@dataclass
+class _CodecBucket:
+    """What a codec reads of a DDP bucket (parallel/data_parallel.py Bucket): its parameters, their offsets, the buffer."""
+    params: list[torch.Tensor]
+    offsets: list[int]
+    buffer: torch.Tensor
+
+
+def codec_rates(device: torch.device, tensors: list[torch.Tensor] | None = None,
+                seconds: float = 0.3) -> tuple[dict, dict]:
+    """({codec: ns per value of its bucket reduction}, {two-phase codec: ns per value of its compression}): the
+    runtime's codecs (comm/compression.py, default options) reducing one bucket of `tensors` (their shapes and
+    values: a model's gradients; default one bucket of the default 25 MB of 1024 x 1024 matrices and vectors,
+    normal values) over a one-rank group, so what is timed is their local work alone, on every rank at once, the
+    slowest rank's (plan/cluster.py Accelerator.codec_seconds). The rate per value depends on the bucket's size
+    (caches) and shapes (PowerSGD works per matrix), and top-k's on the values' distribution."""
+    from fivefold.comm.compression import CODECS, build_codec
+    from fivefold.comm.reducers import NativeReducer
+
+    if tensors is None:
+        generator = torch.Generator().manual_seed(0)
+        tensors = [torch.randn(shape, generator=generator).to(device) for shape in [(1024, 1024)] * 6 + [(1024,)] * 6]
+    own, _ = dist.new_subgroups(group_size=1)
+    # glibc maps a large block afresh (page faults on every first touch: the codecs' temporaries then cost twice as
+    # much) until a freed mapped block raises its threshold, as happens early in any training process; do it here
+    torch.empty(30 << 18).fill_(0)
+    params = [t.detach() for t in tensors]
+    offsets = [sum(q.numel() for q in params[:i]) for i in range(len(params))]
+    values = sum(q.numel() for q in params)
+    data = torch.cat([q.reshape(-1).float() for q in params])
+
+    def timed(call) -> float:
+        """The median call's ns per value (a CPU's calls swing by 2x as the allocator maps fresh pages or not)."""
+        for _ in range(2):  # warm up (and allocate the error-feedback memory)
+            call()
+        dist.barrier()
+        times, start = [], time.perf_counter()
+        while time.perf_counter() - start < seconds or len(times) < 3:
+            begin = time.perf_counter()
+            call()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - begin)
+        elapsed = torch.tensor(statistics.median(times) / values * 1e9, dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed)
+
+    whole, encode = {}, {}
+    for name in CODECS[1:]:
+        codec = build_codec(name, own, NativeReducer(own))
+        bucket = _CodecBucket(params, offsets, data.clone())
+        whole[name] = timed(lambda: codec.reduce(0, bucket))
+        if hasattr(codec, "encode"):
+            x = torch.zeros(codec._padded(values), device=device)
+            x[:values] = data
+            encode[name] = timed(lambda: codec._compress("rate", x))
+    dist.destroy_process_group(own)
+    return whole, encode
+
+
 def optimizer_constants(params_a: int, tensors_a: int, seconds_a: float, params_b: int, tensors_b: int,
                         seconds_b: float) -> tuple[float, float]:
     """(GB/s of 28 bytes per parameter, microseconds per tensor) of a step taking params x c + tensors x u, solved
@@ -344,7 +408,8 @@ def cluster_file_of(report: dict) -> str:
                                     report["memory_gbs"], shared_cores=available_cores() if report["device"] == "cpu" else 0,
                                     oversubscribed_efficiency=report.get("oversubscribed_efficiency", 1.0),
                                     optimizer_gbs=report.get("optimizer_gbs", 0.0),
-                                    optimizer_tensor_us=report.get("optimizer_tensor_us", 0.0)),
+                                    optimizer_tensor_us=report.get("optimizer_tensor_us", 0.0),
+                                    codec_ns=report.get("codec_ns", {}), codec_encode_ns=report.get("codec_encode_ns", {})),
                         report["node_size"], LinkSpec.from_fit(report["links"]["intra"]), LinkSpec.from_fit(report["links"]["inter"]),
                         source=f"fivefold bench comm on {report['world_size']} ranks: fitted links and native "
                                "collectives, timed matmuls (achieved rates: plan with --efficiency 1)",
@@ -374,6 +439,10 @@ def format_table(report: dict) -> str:
     if report.get("optimizer_gbs"):
         lines.append(f"# AdamW step: {report['optimizer_gbs']:.2f} GB/s of 28 bytes per parameter, "
                      f"{report['optimizer_tensor_us']:.1f} us per tensor")
+    if report.get("codec_ns"):
+        lines.append("# codecs' local work, ns per gradient value (compression): " + ", ".join(
+            f"{name} {ns:.1f}" + (f" ({report['codec_encode_ns'][name]:.1f})" if name in report.get("codec_encode_ns", {})
+                                   else "") for name, ns in report["codec_ns"].items()))
     for name, link in report.get("native_links", {}).items():
         lines.append(f"# native {name} fitted (ring form): alpha {link['alpha'] * 1e6:.1f} us, "
                      f"{1 / max(link['beta'], 1e-30) / 1e9:.2f} GB/s")

@@ -29,6 +29,8 @@ A cluster file is TOML, read without running anything:
     oversubscribed_efficiency = 1.0  # optional: its throughput with more threads than cores, over with as many
     optimizer_gbs = 3350             # optional (default: memory_bandwidth_gbs): AdamW's 28 bytes per parameter
     optimizer_tensor_us = 0          # optional: AdamW's fixed cost per parameter tensor it updates
+    codec_ns = {int8 = 22.4}         # optional: a gradient codec's bucket reduction, ns per value (on one rank)
+    codec_encode_ns = {int8 = 2.1}   # optional: the two-phase codecs' compression within it
     [intra]                          # inside a node, per accelerator and direction
     bandwidth_gbs = 450
     latency_us = 3
@@ -77,6 +79,18 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 
+# Bytes a codec's passes move per fp32 gradient value of a bucket on one rank (whole reduction, compression),
+# counted from comm/compression.py: int8 pads (4) and copies (8) the bucket, quantises it (|x| 8, block max 4,
+# divide 8, round 8, clamp 8, cast 5: 41), decodes and sums the received chunks (13 + 16), quantises its chunk
+# again, decodes the gathered codes (13), concatenates (8) and copies back (8); sign adds error feedback to both
+# compressions (x + e 12, decoding 32 and subtracting 12 beside 22 of packing: 78) and its decoding is 32; top-k
+# feeds back (12), takes |x| (8), selects (four radix passes reading 16), keeps the residual (8), sums into a zeroed
+# vector (4) and copies back (8); PowerSGD feeds back (12), reads each matrix for M Q, M^T P (8) and the residual's
+# product (4), subtracts (12), writes P Q^T into the output (4 + 8) over a zeroed vector (4) and copies back (8).
+# An estimate for accelerators whose codecs stream memory: a CPU computes slower (`bench comm` measures it).
+CODEC_BYTES: dict[str, tuple[int, int]] = {"int8": (152, 41), "sign": (264, 78), "topk": (56, 0), "powersgd": (60, 0)}
+
+
 @dataclass(frozen=True)
 class Accelerator:
     name: str
@@ -104,6 +118,13 @@ class Accelerator:
     # --cluster-file` times the runtime's own AdamW (comm/bench.py optimizer_rate)
     optimizer_gbs: float = 0.0
     optimizer_tensor_us: float = 0.0
+    # gradient compression's local work (comm/compression.py) in ns per gradient value, measured by `fivefold bench
+    # comm --cluster-file` running the runtime's codecs on one rank: each codec's whole bucket reduction
+    # (`codec_ns`) and, for the two-phase codecs, their compression of it (`codec_encode_ns`), which p ranks do
+    # for 1 + 1/p of the bucket where one rank does it twice. A codec left out is priced by the bytes its passes
+    # move (`CODEC_BYTES`) at the memory bandwidth (the GPU presets)
+    codec_ns: dict[str, float] = field(default_factory=dict)
+    codec_encode_ns: dict[str, float] = field(default_factory=dict)
 
     def optimizer_seconds(self, params: float, tensors: int) -> float:
         """Seconds of one AdamW step over `params` parameters in `tensors` tensors (0 when no rate is known)."""
@@ -117,6 +138,19 @@ class Accelerator:
         bandwidth (0 when none is known)."""
         rate = self.memory_bandwidth_gbs * 1e9
         return (12 if clipping else 4) * params / rate if rate else 0.0
+
+    def codec_seconds(self, codec: str, values: float, ranks: int) -> float:
+        """Seconds of one DDP bucket of `values` gradients through `codec` over `ranks` ranks, beside its messages:
+        R - E (1 - 1/p) per value, R the codec's whole reduction and E its compression as one rank measures them
+        (`codec_ns`, `codec_encode_ns`), else the bytes of `CODEC_BYTES` at the memory bandwidth; 0 when neither
+        is known."""
+        if codec in self.codec_ns:
+            whole, encode = self.codec_ns[codec], self.codec_encode_ns.get(codec, 0.0)
+            return (whole - encode * (1 - 1 / ranks)) * values * 1e-9
+        if codec not in CODEC_BYTES or not self.memory_bandwidth_gbs:
+            return 0.0
+        whole, encode = CODEC_BYTES[codec]
+        return (whole - encode * (1 - 1 / ranks)) * values / (self.memory_bandwidth_gbs * 1e9)
 
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.tflops:
@@ -346,6 +380,11 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
                           "(0, 1] (a host's throughput with more threads than cores, over with as many)")
     optimizer = {key: _number(acc, key, "accelerator", positive=False) if key in acc else 0.0
                  for key in ("optimizer_gbs", "optimizer_tensor_us")}
+    codecs = {key: _codec_rates(acc, key, source) for key in ("codec_ns", "codec_encode_ns")}
+    for name, ns in codecs["codec_encode_ns"].items():
+        if ns > codecs["codec_ns"].get(name, math.inf):
+            raise ConfigError(f"cluster file {source}: accelerator.codec_encode_ns.{name} = {ns!r} exceeds codec_ns.{name} "
+                              "(the compression is part of the bucket's reduction)")
     collectives = data.get("collectives", {})
     if not isinstance(collectives, dict) or any(k not in NATIVE_COLLECTIVES or not isinstance(v, dict)
                                                 for k, v in collectives.items()):
@@ -354,11 +393,21 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
     fitted = {k: _collective_spec(v, f"collectives.{k}") for k, v in collectives.items()}
     return ClusterSpec(str(data.get("name", Path(source).stem)),
                        Accelerator(str(acc.get("name", "accelerator")), _number(acc, "memory_gib", "accelerator"), rates,
-                                   bandwidth, overhead, shared, oversubscribed, **optimizer),
+                                   bandwidth, overhead, shared, oversubscribed, **optimizer, **codecs),
                        per_node, links["intra"], links["inter"], nodes, str(data.get("source", source)),
                        _number(data, "host_bandwidth_gbs", "(top level)") if "host_bandwidth_gbs" in data else 32.0,
                        _number(data, "nvme_bandwidth_gbs", "(top level)") if "nvme_bandwidth_gbs" in data else 25.0,
                        fitted, topology_from_dict(data.get("topology", {}), source))
+
+
+def _codec_rates(acc: dict, key: str, source: str) -> dict[str, float]:
+    """accelerator.codec_ns / codec_encode_ns: a table of codec = ns per value, codecs named as gradient_comm.compression."""
+    table = acc.get(key, {})
+    names = tuple(CODEC_BYTES)
+    if not isinstance(table, dict) or set(table) - set(names):
+        raise ConfigError(f"cluster file {source}: accelerator.{key} must be a table of codec = ns per gradient value "
+                          f"for codecs among {', '.join(names)}; found {table!r}")
+    return {str(k): _number(table, k, f"accelerator.{key}", positive=False) for k in table}
 
 
 def load_cluster(name_or_path: str) -> ClusterSpec:
@@ -394,6 +443,8 @@ def cluster_toml(spec: ClusterSpec) -> str:
         f"oversubscribed_efficiency = {acc.oversubscribed_efficiency!r}",
         f"optimizer_gbs = {acc.optimizer_gbs!r}",
         f"optimizer_tensor_us = {acc.optimizer_tensor_us!r}",
+        *(f"{key} = {{{', '.join(f'{k} = {v!r}' for k, v in table.items())}}}"
+          for key, table in (("codec_ns", acc.codec_ns), ("codec_encode_ns", acc.codec_encode_ns)) if table),
         "", "[intra]", f"bandwidth_gbs = {intra.bandwidth_gbs!r}", f"latency_us = {intra.latency_us!r}",
         "", "[inter]", f"bandwidth_gbs = {inter.bandwidth_gbs!r}", f"latency_us = {inter.latency_us!r}", "",
         *(line for name, link in spec.collectives.items()

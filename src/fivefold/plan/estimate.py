@@ -1089,7 +1089,10 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
     backward (DDP all-reduces, natively or with its configured algorithm; ZeRO reduce-scatters); ZeRO-2
     reduce-scatters in every micro-batch's backward; ZeRO-3 also gathers the weights in each forward and
     backward (prefetched: hidden behind that pass's compute). ZeRO-1/2 gather the updated weights after the
-    step, exposed. What one pass cannot hide is exposed, and never less than the last bucket."""
+    step, exposed. What one pass cannot hide is exposed, and never less than the last bucket. A gradient codec's
+    local work (`Accelerator.codec_seconds`) runs on the communication thread with its messages: hidden with them
+    behind backward on an accelerator; on a CPU host whose cores the ranks share (`core_sharing`) backward keeps
+    every core busy, so it adds in full."""
 
     group, experts = d.dp * d.cp, _expert_dp(config, d)
     if group == 1 and experts == 1:
@@ -1113,19 +1116,23 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
     def hidden_behind(comm: float, compute: float) -> float:
         return max(comm - compute, comm / buckets)
 
-    if z.zero_stage == 0:
+    if z.zero_stage == 0 and g.compression != "none":
         # every bucket through the codec, the routed experts' over their EDP group
         if g.compression == "powersgd":  # per bucket: P factors and the uncompressed tensors, then Q factors
             shares = powersgd_shares(model, d.tp, d.etp, g.powersgd_rank)
             reduce = sum(buckets * _dense_all_reduce(g, 4 * share * values / buckets, ranks, cluster, span)
                          for values, ranks, kind in ((dense, group, shares[0]), (routed, experts, shares[1]))
                          if values and ranks > 1 for share in kind[:2])
-            return hidden_behind(reduce, backward)
-        if g.compression in ("int8", "sign", "topk"):
+        else:
             reduce = _compressed_reduce_time(g, dense, group, buckets, cluster, span) if group > 1 else 0.0
-            expert_reduce = _compressed_reduce_time(g, routed, experts, buckets, cluster, span) \
+            reduce += _compressed_reduce_time(g, routed, experts, buckets, cluster, span) \
                 if routed and experts > 1 else 0.0
-            return hidden_behind(reduce + expert_reduce, backward)
+        work = sum(cluster.accelerator.codec_seconds(g.compression, values, ranks)
+                   for values, ranks in ((dense, group), (routed, experts)) if values and ranks > 1)
+        if core_sharing(config, d, cluster) is not None:  # the host's cores are busy with backward: work adds
+            return hidden_behind(reduce, backward) + work
+        return hidden_behind(reduce + work, backward)
+    if z.zero_stage == 0:
         if g.schedule == "priority":  # dense DDP only (MoE, pipelines and codecs are refused with it)
             pieces = priority_slice_bytes(model, d.tp, g.bucket_mb, g.slice_mb, grad_element)
             return _priority_time(g, pieces, group, cluster, span, forward, backward)
@@ -1217,8 +1224,8 @@ def codec_exchanges(g, numel: int, p: int) -> list[tuple[str, str, int]]:
 
 def _compressed_reduce_time(g, numel: int, p: int, buckets: int, cluster: ClusterSpec, span: int) -> float:
     """A step's DDP buckets (`numel` gradients in `buckets` equal buckets) through gradient_comm.compression's codec
-    (`codec_exchanges`), each exchange on the backend's link for the span as the simulator prices it. The codecs'
-    elementwise work (quantising, summing, error feedback) is not priced."""
+    (`codec_exchanges`), each exchange on the backend's link for the span as the simulator prices it; the codecs'
+    local work is `Accelerator.codec_seconds`."""
     per = -(-numel // buckets)
     return buckets * sum(native_collective(kind, n, p, cluster.collective_link(kind, span))
                          for kind, _, n in codec_exchanges(g, per, p))

@@ -32,7 +32,7 @@ from fivefold.sim.engine import SimResult, simulate
 from fivefold.sim.network import DedicatedNetwork, flow_network
 from fivefold.sim.routing import cluster_router
 from fivefold.sim.topology import Topology
-from fivefold.sim.workload import COMPUTE, Workload, build_workload
+from fivefold.sim.workload import CODEC, COMPUTE, Workload, build_workload
 
 PHASES = ("compute", "recompute", "optimizer", "offload", "tp", "cp", "ep", "dp", "pipeline")
 _COMPUTE_LABELS = {"forward": "compute", "backward": "compute", "recompute": "recompute", "optimizer": "optimizer",
@@ -85,7 +85,7 @@ def shared_cores(config: JobConfig, workload: Workload, cluster: ClusterSpec) ->
         return None, frozenset()
     world = workload.degrees.world
     cores = SharedCores(dataclasses.replace(sharing, replicas=1), world, world // len(workload.simulated))
-    return cores, frozenset((rank, COMPUTE) for rank in workload.simulated)
+    return cores, frozenset((rank, stream) for rank in workload.simulated for stream in (COMPUTE, CODEC))
 
 
 def simulate_step(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency = 0.5,

@@ -53,7 +53,8 @@ fast path, one `Collective` op priced by comm/cost.py:
                 identical): the path for tens of thousands of accelerators
 
 Gradient compression's codecs run each DDP bucket as their own exchanges (`compressed_reduce`,
-comm/compression.py): their messages, not the codecs' elementwise work.
+comm/compression.py), after their local work on the bucket (`codec_work`, Accelerator.codec_seconds) on a
+stream of its own, which a CPU host's shared cores run beside the ranks' compute.
 
 Parameter servers (bsp) run as the runtime's pushes and pulls: each worker sends every server its
 shard's gradients after backward and receives the new weights; each server waits for every push,
@@ -101,7 +102,7 @@ from fivefold.sim.routing import Router, cluster_router
 from fivefold.sim.engine import Await, Collective, Compute, Notify, Op, Recv, Send, StreamKey, Wait
 from fivefold.sim.trace import collective_programs, resolve_algorithm, uneven_all_to_all_programs
 
-COMPUTE, DP = "compute", "dp"
+COMPUTE, DP, CODEC = "compute", "dp", "codec"  # CODEC: a gradient codec's local work, for the DP stream
 _RING_FLOWS = ("all_reduce", "reduce_scatter", "all_gather")  # aggregate: the ring collectives played as flows
 
 
@@ -819,8 +820,19 @@ class _Builder:
                          for values in powersgd_factors(tensors, g.powersgd_rank)[:2]]
         else:
             exchanges = codec_exchanges(g, sum(n for n, _ in tensors), p)
+        self.codec_work(rank, self.cluster.accelerator.codec_seconds(g.compression, sum(n for n, _ in tensors), p))
         for kind, algorithm, nbytes in exchanges:
             self.pending.append(self.launch(rank, kind, nbytes, group, algorithm))
+
+    def codec_work(self, rank: int, seconds: float) -> None:
+        """The codec's local work on a bucket (Accelerator.codec_seconds), before its messages on the communication
+        thread: a stream of its own, so that on a CPU host it shares the cores with the ranks' compute (step.py)."""
+        if seconds <= 0:
+            return
+        start, begin, end = self._event(rank, "launch"), self._event(rank, "encode"), self._event(rank, "encoded")
+        self.programs[(rank, COMPUTE)].append(Notify(start))
+        self.programs[(rank, DP)] += [Await(start, "idle"), Notify(begin), Await(end, "codec")]
+        self.programs[(rank, CODEC)] += [Await(begin, "idle"), Compute(seconds, "codec"), Notify(end)]
 
     def quantized_reduce_scatter(self, rank: int, padded: int) -> None:
         """qgZ (parallel/zero_pp.py): all-to-alls of codes and scales within the node, then across the nodes."""

@@ -50,12 +50,16 @@ class CoreSharing:
     def speed(self, active: int, ranks: int) -> float:
         """A computing rank's rate while `active` of the `ranks` pipeline ranks compute, relative to its rate
         when all compute (the rate the given pass times were measured at): 1 if all ranks' threads fit
-        the cores; if the computing ranks' threads fit, the whole share of a core per thread, which is
-        ranks x replicas x threads / cores / efficiency times the shared rate; else the cores shared
-        among the computing threads, ranks / active."""
+        the cores (and the active ones do: `active` may exceed `ranks` when a rank's second thread computes
+        too, a gradient codec's, sim/workload.py; then cores / (active x threads) x efficiency); if the
+        computing ranks' threads fit, the whole share of a core per thread, which is ranks x replicas x
+        threads / cores / efficiency times the shared rate; else the cores shared among the computing
+        threads, ranks / active."""
         per_rank = self.replicas * self.threads
         if ranks * per_rank <= self.cores:
-            return 1.0
+            if active * per_rank <= self.cores:
+                return 1.0
+            return self.cores / (active * per_rank) * self.efficiency
         active = max(active, 1)
         if active * per_rank <= self.cores:
             return ranks * per_rank / self.cores / self.efficiency
