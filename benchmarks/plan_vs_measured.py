@@ -162,7 +162,8 @@ def _measure(rank: int, world_size: int, job) -> dict:
     threads = max(1, cores // world_size)
     torch.set_num_threads(threads)
     links = measure_cluster(Ranks.world(), world_size) if world_size > 1 else None
-    natives: list[dict] = []  # each gloo collective's fitted link, measured again with each batch's trainers alive
+    natives: list[dict] = []  # each gloo collective's fitted link, measured again with each batch's trainers alive,
+    alone: list[dict] = []  # each call after a burst of compute (as a step makes them) and back to back (alone)
     samples: dict[str, list[float]] = {name: [] for name, _ in configs}
     rates: dict[str, list[float]] = {"fp32": [], "bf16": []}
     fitting: list[float] = []  # the fp32 rate with only as many ranks computing as the cores hold
@@ -175,7 +176,8 @@ def _measure(rank: int, world_size: int, job) -> dict:
             for _ in range(warmup):
                 trainer.train_step()
         if world_size > 1:
-            natives.append(measure_native_links(torch.device("cpu")))
+            natives.append(measure_native_links(torch.device("cpu"), beside_compute=True))
+            alone.append(measure_native_links(torch.device("cpu")))
             compressed = [t for t in trainers.values() if t.config.gradient_comm.compression != "none"]
             if compressed:  # on the job's own parameters' shapes, with the batch's trainers alive
                 codecs.append(codec_rates(torch.device("cpu"), list(compressed[0].model.parameters()), seconds=0.15))
@@ -197,12 +199,12 @@ def _measure(rank: int, world_size: int, job) -> dict:
         trainers.clear()
         gc.collect()
     return {"links": dataclasses.asdict(links) if links else None,
-            "native": {name: {"alpha": statistics.median(n[name].alpha for n in natives),
-                              "beta": statistics.median(n[name].beta for n in natives), "ranks": world_size,
-                              "measured": [(size, statistics.median(n[name].measured[i][1] for n in natives))
-                                           for i, (size, _) in enumerate(natives[0][name].measured)]}
-                       for name in natives[0]}
-            if natives else {},
+            **{key: {name: {"alpha": statistics.median(n[name].alpha for n in fits),
+                            "beta": statistics.median(n[name].beta for n in fits), "ranks": world_size,
+                            "measured": [(size, statistics.median(n[name].measured[i][1] for n in fits))
+                                         for i, (size, _) in enumerate(fits[0][name].measured)]}
+                     for name in fits[0]} if fits else {}
+               for key, fits in (("native", natives), ("native_alone", alone))},
             "rates": {dtype: statistics.median(values) for dtype, values in rates.items()},
             "memory_gbs": statistics.median(bandwidths),
             "optimizer_gbs": statistics.median(g for g, _ in optimizer),
@@ -232,7 +234,9 @@ def _measure_solo(world_size: int, name: str, argv: list[str], out_root: Path, t
     return statistics.median(seconds[-timed:])
 
 
-def _cluster(world_size: int, measured: dict):
+def _cluster(world_size: int, measured: dict, collectives: str = "beside"):
+    """This machine as the planner sees it; collectives: the backend's collectives as timed beside compute (a step's)
+    or back to back (`alone`)."""
     from fivefold.plan.cluster import Accelerator, ClusterSpec, LinkSpec
 
     link = LinkSpec.from_fit(measured["links"]["intra"] if measured["links"] else {"alpha": 1e-6, "beta": 1e-9})
@@ -242,7 +246,8 @@ def _cluster(world_size: int, measured: dict):
                                    optimizer_gbs=measured["optimizer_gbs"], optimizer_tensor_us=measured["optimizer_tensor_us"],
                                    codec_ns=measured.get("codec_ns", {}), codec_encode_ns=measured.get("codec_encode_ns", {})),
                        max(world_size, 1), link, link,
-                       collectives={name: LinkSpec.from_fit(native) for name, native in measured.get("native", {}).items()})
+                       collectives={name: LinkSpec.from_fit(native) for name, native in
+                                    measured.get("native" if collectives == "beside" else "native_alone", {}).items()})
 
 
 def fit_compute(rows: list[dict]) -> tuple[float, float, list[dict]]:
@@ -328,6 +333,9 @@ def main() -> int:
     parser.add_argument("--plot", help="draw predicted vs measured (PNG)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--replay", help="predict again the measurements stored by an earlier run's --json")
+    parser.add_argument("--collectives", default="beside", choices=("beside", "alone"),
+                        help="price the backend's collectives at their times beside compute (default: as a step makes "
+                             "them) or back to back")
     parser.add_argument("--fidelity", default="hybrid", choices=FIDELITIES,
                         help="how the simulator plays collectives (default hybrid, as `fivefold simulate`)")
     args = parser.parse_args()
@@ -361,8 +369,10 @@ def main() -> int:
         alone = {name: extra for w, name, extra in layouts if w == world_size and name in solo}
         if args.replay:
             for name, config in configs:
+                chosen = stored[name].get("cluster_alone", stored[name]["cluster"]) if args.collectives == "alone" \
+                    else stored[name]["cluster"]
                 rows.append({"world_size": world_size, "name": name, "config": config,
-                             "cluster": cluster_from_dict(stored[name]["cluster"]), "measured": stored[name]["measured"],
+                             "cluster": cluster_from_dict(chosen), "measured": stored[name]["measured"],
                              "cores": stored[name].get("cores", os.cpu_count() or 1)})
             continue
         together = [(name, config) for name, config in configs if name not in alone] or \
@@ -371,9 +381,9 @@ def main() -> int:
         for name, extra in alone.items():
             measured["times"][name] = _measure_solo(world_size, name, ["--config", str(ROOT / "configs" / "tiny.toml"),
                                                                        *base, *extra], out_root, args.steps, args.timeout)
-        cluster = _cluster(world_size, measured)
+        cluster, other = _cluster(world_size, measured, args.collectives), _cluster(world_size, measured, "alone")
         for name, config in configs:
-            rows.append({"world_size": world_size, "name": name, "config": config, "cluster": cluster,
+            rows.append({"world_size": world_size, "name": name, "config": config, "cluster": cluster, "cluster_alone": other,
                          "measured": measured["times"][name], "cores": measured["cores"]})
     efficiency, overhead, anchors = fit_compute(rows)
     for row in rows:  # the dispatch overhead is one thread's work: it slows once the ranks outnumber the cores
@@ -414,8 +424,9 @@ def main() -> int:
     if args.plot:
         print(f"wrote {plot_scatter(rows, args.plot)}")
     if args.json:
-        Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "config"} |
-                                               {"cluster": r["cluster"].to_dict()} for r in rows], indent=2))
+        Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k not in ("config", "cluster_alone")} |
+                                               {key: r[key].to_dict() for key in ("cluster", "cluster_alone") if key in r}
+                                               for r in rows], indent=2))
     median = statistics.median(errors) if errors else 0.0
     print(f"RESULT name=plan_vs_measured layouts={len(rows)} efficiency={efficiency:.4f} overhead_us={overhead:.1f} "
           f"median_abs_error={median:.4f} multi_rank_median_abs_error={statistics.median(multi) if multi else 0.0:.4f} "

@@ -97,14 +97,18 @@ def test_bench_comm_table_and_json(tmp_path, world_size):
         assert report["oversubscribed_efficiency"] == 1.0
     # each backend collective's own fitted link (two sizes were timed), carried into the cluster file
     assert set(report["native_links"]) == {"all_reduce", "reduce_scatter", "all_gather", "all_to_all"}
-    for name, link in report["native_links"].items():
+    for name, link in report["native_links"].items():  # fitted to the table's times (back to back)
+        timed = sorted((r["size"], r["time_us"]) for r in report["rows"] if r["collective"] == name and r["algorithm"] == "native")
+        assert [x for point in link["measured"] for x in point] == pytest.approx([x for s, us in timed for x in (s, us * 1e-6)])
+    # the cluster file's: timed again, each call after a burst of compute (as a step makes them), and read back
+    assert set(report["native_links_beside_compute"]) == set(report["native_links"])
+    for name, link in report["native_links_beside_compute"].items():
         assert here.collectives[name].bandwidth_gbs == pytest.approx(1 / max(link["beta"], 1e-30) / 1e9)
         assert here.collective_link(name, world_size).alpha == pytest.approx(max(link["alpha"], 0.0))
         # and the times it was fitted to, which the planner reads at this world size instead of the line
-        timed = sorted((r["size"], r["time_us"]) for r in report["rows"] if r["collective"] == name and r["algorithm"] == "native")
-        assert here.collectives[name].ranks == world_size
+        assert here.collectives[name].ranks == world_size and len(link["measured"]) >= 2
         assert [x for point in here.collectives[name].measured for x in point] == \
-            pytest.approx([x for point in timed for x in point])
-        for size, us in timed:
-            assert native_collective(name, size, world_size, here.collective_link(name, world_size)) == pytest.approx(us * 1e-6)
+            pytest.approx([x for size, seconds in link["measured"] for x in (size, seconds * 1e6)])
+        for size, seconds in link["measured"]:
+            assert native_collective(name, size, world_size, here.collective_link(name, world_size)) == pytest.approx(seconds)
     assert "native all_reduce fitted" in run.stdout

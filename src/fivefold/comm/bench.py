@@ -10,8 +10,9 @@ and their ratio. Rank 0 prints the table and writes JSON with `--json`. `--clust
 times a matmul (fp32 and bf16), an add, the runtime's AdamW step (`optimizer_rate`) and its gradient
 codecs' local work (`codec_rates`) on every rank at once (the rates a rank achieves while the others
 compute too) and writes this machine as a planner cluster file (plan/cluster.py) with the fitted links
-and, for each backend collective timed at two or more sizes, the link its ring form runs at
-(cost.fit_native_link): the planner prices that collective on it.
+and each backend collective's times and the link its ring form runs at (cost.fit_native_link), timed
+again each after a burst of compute, as a training step calls them (`time_beside_compute`: on a shared
+CPU a call beside compute takes 2-3x its time back to back): the planner prices that collective on it.
 
 Run under torchrun (`fivefold bench comm --nproc-per-node 4` starts it); gloo on CPU, NCCL on GPU.
 """
@@ -143,6 +144,34 @@ def time_call(fn, iterations: int, warmup: int, device: torch.device) -> float:
     return float(elapsed) / iterations
 
 
+def time_beside_compute(fn, iterations: int, device: torch.device, burst: float = 0.002) -> float:
+    """Seconds of one call made right after `burst` seconds of matmuls on every rank, as a training step's
+    collectives are (the ranks arrive from their own compute, a little apart, the backend's threads idle since
+    the last call), averaged over the calls and the ranks: what a step spends in it. On this project's shared
+    CPU a 512 KB gloo all-reduce takes 0.7 ms called back to back and 2-2.5 ms beside compute on average."""
+    a = torch.randn(128, 128, device=device)
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < 0.02:
+        a @ a
+        calls += 1
+    per_burst = torch.tensor(max(1, round(burst / ((time.perf_counter() - start) / calls))), dtype=torch.float64)
+    dist.all_reduce(per_burst, op=dist.ReduceOp.MIN)  # the same compute on every rank
+    total = 0.0
+    for i in range(iterations + 2):  # two warm-up calls
+        for _ in range(int(per_burst)):
+            a @ a
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        begin = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        total += time.perf_counter() - begin if i >= 2 else 0.0
+    mean = torch.tensor(total / iterations, dtype=torch.float64)
+    dist.all_reduce(mean)
+    return float(mean) / dist.get_world_size()
+
+
 def fit_native_links(rows: list[Row], p: int) -> dict[str, Link]:
     """Per backend collective measured at two or more sizes: the link its ring form runs at (cost.fit_native_link)."""
     fitted = {}
@@ -160,9 +189,10 @@ def fit_native_links(rows: list[Row], p: int) -> dict[str, Link]:
 
 def measure_native_links(device: torch.device, sizes: tuple[int, ...] = (16 << 10, 64 << 10, 256 << 10, 512 << 10,
                                                                        1 << 20, 4 << 20),
-                         iterations: int = 20) -> dict[str, Link]:
+                         iterations: int = 20, beside_compute: bool = False) -> dict[str, Link]:
     """Time the backend's own collectives over the world at `sizes` bytes per rank and fit their links (collective),
-    each carrying its measured times too (`Link.measured`, read by comm/cost.py native_collective at this world size).
+    each carrying its measured times too (`Link.measured`, read by comm/cost.py native_collective at this world size);
+    beside_compute: each call after a burst of compute (`time_beside_compute`), as a training step makes them.
 
     The sizes span what a training step sends (a tensor-parallel all-reduce of a small model is tens
     of KB to a MB, a DDP bucket MBs) and the fit weighs them alike (`fit_link(relative=True)`): on a
@@ -173,7 +203,9 @@ def measure_native_links(device: torch.device, sizes: tuple[int, ...] = (16 << 1
         for size in sizes:
             count = max(ranks.size, size // 4 // ranks.size * ranks.size)
             x = torch.zeros(count, dtype=torch.float32, device=device)
-            seconds = time_call(operation(collective, "native", x, ranks, ranks.size), iterations, 2, device)
+            call = operation(collective, "native", x, ranks, ranks.size)
+            seconds = time_beside_compute(call, iterations, device) if beside_compute else \
+                time_call(call, iterations, 2, device)
             rows.append(Row(collective, "native", count * 4, count, "float32", seconds * 1e6, 0.0, 0.0, None))
     return fit_native_links(rows, ranks.size)
 
@@ -226,8 +258,12 @@ def run(args: argparse.Namespace) -> dict:
     efficiency = oversubscribed_efficiency(device, available_cores(), torch.get_num_threads(), rates["fp32"]) \
         if args.cluster_file else 1.0
     native = {name: asdict(link) for name, link in fit_native_links(rows, p).items()}
+    # the cluster file's collectives: timed as a training step makes them, each after a burst of compute
+    beside = {name: asdict(link) for name, link in measure_native_links(device, beside_compute=True).items()} \
+        if args.cluster_file and p > 1 else {}
     return {"world_size": p, "backend": dist.get_backend(), "device": device.type, "node_size": node_size,
             "links": {"intra": asdict(cluster.intra), "inter": asdict(cluster.inter)}, "native_links": native,
+            "native_links_beside_compute": beside,
             "matmul_tflops": rates, "memory_gbs": bandwidth, "oversubscribed_efficiency": efficiency,
             "optimizer_gbs": optimizer[0], "optimizer_tensor_us": optimizer[1],
             "codec_ns": codecs[0], "codec_encode_ns": codecs[1],
@@ -413,7 +449,8 @@ def cluster_file_of(report: dict) -> str:
                         report["node_size"], LinkSpec.from_fit(report["links"]["intra"]), LinkSpec.from_fit(report["links"]["inter"]),
                         source=f"fivefold bench comm on {report['world_size']} ranks: fitted links and native "
                                "collectives, timed matmuls (achieved rates: plan with --efficiency 1)",
-                        collectives={name: LinkSpec.from_fit(link) for name, link in report.get("native_links", {}).items()})
+                        collectives={name: LinkSpec.from_fit(link) for name, link in
+                                     (report.get("native_links_beside_compute") or report.get("native_links", {})).items()})
     return cluster_toml(spec_)
 
 
@@ -446,6 +483,9 @@ def format_table(report: dict) -> str:
     for name, link in report.get("native_links", {}).items():
         lines.append(f"# native {name} fitted (ring form): alpha {link['alpha'] * 1e6:.1f} us, "
                      f"{1 / max(link['beta'], 1e-30) / 1e9:.2f} GB/s")
+    for name, link in report.get("native_links_beside_compute", {}).items():
+        lines.append(f"# native {name} beside compute (the cluster file's): "
+                     + ", ".join(f"{size / 1024:.0f} KB {us * 1e6:.0f} us" for size, us in link["measured"]))
     return "\n".join(lines)
 
 
