@@ -744,7 +744,7 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
     links = cluster.links()
     # per (virtual) stage: forward compute seconds of one micro-batch, and its exposed tp / cp / ep seconds
-    forward, comm_tp, comm_cp, comm_ep, comm_ep_back, attn_core = [], [], [], [], [], []
+    forward, comm_tp, comm_cp, comm_ep, comm_ep_back, attn_core, comm_cp_tail = [], [], [], [], [], [], []
     comm_tp_back = []
     edge_fwd, edge_bwd = [], []  # per stage: tensor parallelism outside the blocks' regions (_tensor_parallel_edges)
     statistics = []  # per stage: the MoE layers' routing statistics (once per micro-batch: forward, or its recompute)
@@ -766,7 +766,7 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     # overlapped rings hide behind twice the matmul in backward
     kind_tp_back = {moe: _overlapped_tp_block(model, d, 2 * costs.block[moe], 2 * costs.core, activation_bytes, cluster,
                                               moe) if overlap else kind_tp[moe] for moe in costs.block}
-    block_cp = _context_parallel_block(config, model, d, costs.core, element, cluster)
+    block_cp, block_cp_tail = _context_parallel_block(config, model, d, costs.core, element, cluster)
     edge = _tensor_parallel_edges(config, model, d, cluster, activation_bytes)
     routing = _routing_collectives(config, model, d, cluster)
     # per MoE layer: its exchanges' (forward, backward) seconds, and the busiest EP rank's extra routed compute
@@ -792,6 +792,7 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
                         + edge.norms_backward * len(layers) + routing.replicas_backward * len(moe_layers))
         statistics.append(routing.statistics * len(moe_layers))
         comm_cp.append(block_cp * len(layers))
+        comm_cp_tail.append(block_cp_tail * len(layers))
         comm_ep.append(sum(block_ep.get(layer, balanced)[0] for layer in moe_layers))
         comm_ep_back.append(sum(block_ep.get(layer, balanced)[1] for layer in moe_layers))
     recompute = {"none": 0.0, "selective": 1.0, "full": 1.0}[t.recompute]
@@ -807,13 +808,13 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     for i in range(len(split)):
         again = blocks_forward[i] + 2 * comm_tp[i] + comm_ep[i] if t.recompute == "full" else recompute * attn_core[i]
         again += recompute * comm_cp[i]
-        stage_bwd.append(2 * forward[i] + 2 * comm_tp_back[i] + comm_ep_back[i] + cp_backward * comm_cp[i] + again + edge_bwd[i]
-                         + (statistics[i] if full else 0.0))
+        stage_bwd.append(2 * forward[i] + 2 * comm_tp_back[i] + comm_ep_back[i] + cp_backward * comm_cp[i] + comm_cp_tail[i]
+                         + again + edge_bwd[i] + (statistics[i] if full else 0.0))
     compute_total = m * sum(forward[i] * 3 + (blocks_forward[i] if t.recompute == "full" else recompute * attn_core[i])
                             for i in range(len(split))) / d.pp
     tp_total = m * sum(2 * c + 2 * cb + (2 * c if t.recompute == "full" else 0) + f + b
                        for c, cb, f, b in zip(comm_tp, comm_tp_back, edge_fwd, edge_bwd)) / d.pp
-    cp_total = m * sum((1 + cp_backward + recompute) * c for c in comm_cp) / d.pp
+    cp_total = m * sum((1 + cp_backward + recompute) * c + tail for c, tail in zip(comm_cp, comm_cp_tail)) / d.pp
     # the routing report: after the step, one all-reduce per pipeline rank of its MoE layers' loads
     report = sum(routing.report(sum(model.is_moe_layer(layer) for s in range(r, len(split), d.pp) for layer in split[s]))
                  for r in range(d.pp)) / d.pp if model.n_experts else 0.0
@@ -945,16 +946,19 @@ def _tensor_parallel_edges(config: JobConfig, model: ModelConfig, d: Degrees, cl
 
 
 def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, core: float, element: int,
-                            cluster: ClusterSpec) -> float:
-    """Exposed context-parallel seconds of one block's attention forward. Ring: r - 1 K/V blocks pass
-    around a ring of r ranks, point to point, overlapped with the attention core (Liu et al.'s ring
-    attention); as a double ring (inner_ring w, LoongTrain), r / w rounds each expose
-    max((w - 1) inner hops, 1 outer hop) - w / r of the core, the inner hops on the link their span
-    crosses; Ulysses: all-to-alls of q, k, v to heads and of the output back (Jacobs et al.), not
-    overlapped; 2d: Ulysses over `heads` ranks, then a ring over the rest on 1/heads of the heads."""
+                            cluster: ClusterSpec) -> tuple[float, float]:
+    """Exposed context-parallel seconds of one block's attention (forward, what backward exposes beyond twice the
+    forward's). Ring: r - 1 K/V blocks pass around a ring of r ranks, point to point, overlapped with the
+    attention core (Liu et al.'s ring attention); as a double ring (inner_ring w, LoongTrain), r / w rounds each
+    expose max((w - 1) inner hops, 1 outer hop) - w / r of the core, the inner hops on the link their span
+    crosses. Backward sends each block's K/V gradient after it as well, and the last one of a round, back to
+    the round's first holder, has no compute left to hide behind: one inner hop per round, and the double
+    ring's last outer hop home (parallel/context_parallel.py; the simulator plays the same). Ulysses:
+    all-to-alls of q, k, v to heads and of the output back (Jacobs et al.), not overlapped; 2d: Ulysses over
+    `heads` ranks, then a ring over the rest on 1/heads of the heads."""
     cp = config.context_parallel
     if d.cp == 1:
-        return 0.0
+        return 0.0, 0.0
     from fivefold.parallel.context_parallel import ContextParallelLayout
 
     layout = ContextParallelLayout.for_method(cp.method, d.cp, cp.heads, cp.inner_ring, cp.placement)
@@ -967,7 +971,7 @@ def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, c
         out = local * model.q_dim // d.tp * element
         link = cluster.collective_link("all_to_all", d.cp * d.tp)
         exposed += native_collective("all_to_all", qkv, heads, link) + native_collective("all_to_all", out, heads, link)
-    ring_ranks = layout.ring
+    ring_ranks, tail = layout.ring, 0.0
     if ring_ranks > 1:
         kv = 2 * local * heads * model.kv_dim // (d.tp * heads) * element
         inner, rounds = layout.inner_size, layout.outer
@@ -976,7 +980,8 @@ def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, c
         for round_ in range(rounds):  # a round: inner - 1 hops in turn, one outer hop beside them, inner blocks' core
             comm = max((inner - 1) * inner_msg, outer_msg if round_ < rounds - 1 else 0.0)
             exposed += max(0.0, comm - core * inner / ring_ranks)
-    return exposed
+        tail = rounds * (inner_msg if inner > 1 else 0.0) + (outer_msg if rounds > 1 else 0.0)
+    return exposed, tail
 
 
 def _written_per_block(model: ModelConfig, config: JobConfig, d: Degrees) -> dict[bool, int]:
