@@ -250,6 +250,46 @@ def _cluster(world_size: int, measured: dict, collectives: str = "beside"):
                                     measured.get("native" if collectives == "beside" else "native_alone", {}).items()})
 
 
+def _profiled(rows: list[dict], efficiency: float) -> None:
+    """Predict every layout whose ranks' threads fit the cores again with its forward passes measured (`fivefold
+    bench compute`: plan/profile.py, one rank alone at the job's shape and the threads a rank of it gets) instead
+    of modelled, and print both errors: measured by as many processes at once as the layout has ranks
+    (`measure_on_ranks`: they share the cores and memory as the ranks do). Layouts with more threads than cores
+    are left out (the planner's core sharing takes rates measured that way, which these are not)."""
+    from fivefold.errors import ConfigError
+    from fivefold.plan.efficiency import Efficiency
+    from fivefold.plan.estimate import estimate
+    from fivefold.plan.profile_measure import measure_on_ranks
+    from fivefold.sim.step import simulate_step
+
+    print("# with measured forward passes (plan/profile.py), ranks whose threads fit the cores:")
+    print(f"# {'layout':<18}{'ranks':>6}{'profiled(s)':>13}{'simulated(s)':>14}{'measured(s)':>13}{'model err':>11}"
+          f"{'profile err':>13}{'sim err':>9}")
+    errors, model_errors, sim_errors = [], [], []
+    for row in rows:
+        threads = max(1, row["cores"] // row["world_size"])
+        if row["world_size"] * threads > row["cores"] or row["config"].data_parallel.mode == "ps":
+            continue
+        profile = measure_on_ranks(row["config"], row["world_size"], threads, 257, repeats=10)
+        chosen = Efficiency(efficiency, 0.0, profile)
+        predicted = estimate(row["config"], row["world_size"], row["cluster"], chosen, vocab_size=257).time.total
+        try:
+            simulated = simulate_step(row["config"], row["world_size"], row["cluster"], chosen, vocab_size=257,
+                                      record_spans=False).time
+        except ConfigError:  # what the simulator does not model (priority scheduling)
+            continue
+        error, sim_error = predicted / row["measured"] - 1, simulated / row["measured"] - 1
+        errors.append(abs(error))
+        sim_errors.append(abs(sim_error))
+        model_errors.append(abs(row["error"]))
+        print(f"  {row['name']:<18}{row['world_size']:>6}{predicted:>13.4f}{simulated:>14.4f}{row['measured']:>13.4f}"
+              f"{100 * row['error']:>10.1f}%{100 * error:>12.1f}%{100 * sim_error:>8.1f}%")
+    print(f"# {len(errors)} layouts: median error {100 * statistics.median(errors):.1f}% with measured passes "
+          f"({sum(e <= 0.1 for e in errors)} within 10%, worst {100 * max(errors):.1f}%; simulator "
+          f"{100 * statistics.median(sim_errors):.1f}%, {sum(e <= 0.1 for e in sim_errors)} within 10%), "
+          f"{100 * statistics.median(model_errors):.1f}% modelled ({sum(e <= 0.1 for e in model_errors)} within 10%)")
+
+
 def fit_compute(rows: list[dict]) -> tuple[float, float, list[dict]]:
     """The planner's two compute constants, fitted on the dense one-rank layouts only: the achieved share e of the
     matmul rate (--efficiency) and the fixed host cost o of a block's forward pass (the cluster's
@@ -333,6 +373,9 @@ def main() -> int:
     parser.add_argument("--plot", help="draw predicted vs measured (PNG)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--replay", help="predict again the measurements stored by an earlier run's --json")
+    parser.add_argument("--profile", action="store_true",
+                        help="also predict the layouts whose threads fit the cores with their forward passes measured "
+                             "(fivefold bench compute's profile) instead of modelled")
     parser.add_argument("--collectives", default="beside", choices=("beside", "alone"),
                         help="price the backend's collectives at their times beside compute (default: as a step makes "
                              "them) or back to back")
@@ -415,6 +458,8 @@ def main() -> int:
         sim_text = ("-", "-") if simulated is None else (f"{simulated:.4f}", f"{100 * sim_error:.1f}%")
         print(f"  {row['name']:<18}{row['world_size']:>6}{predicted:>14.4f}{sim_text[0]:>14}{row['measured']:>13.4f}"
               f"{100 * error:>9.1f}%{sim_text[1]:>9}")
+    if args.profile:
+        _profiled(rows, efficiency)
     four = [r for r in rows if r["world_size"] == max(w for w, _, _ in layouts)]
     tau = kendall_tau([r["predicted"] for r in four], [r["measured"] for r in four])
     chosen = min(four, key=lambda r: r["predicted"])

@@ -14,6 +14,7 @@
     fivefold plan [--config FILE.toml] [--section.key VALUE ...] --gpus N [--cluster PRESET|FILE] [--search ...|--sharding-degrees]
                   [--tokens T --days D ...]     memory and step time of a layout, the best layout, the GPU budget
     fivefold bench comm [--nproc-per-node N] [--collectives all_reduce,...] [--min-bytes 1K] [--max-bytes 16M] [--json F]
+    fivefold bench compute [--config FILE.toml] [--section.key VALUE ...] --out PROFILE.json [--ranks N] [--device cuda]
 
 Bad input ends with one line `fivefold: error: ...` naming the setting or file and the fix, and
 the exit code of its family (errors.py); an unexpected error with one line too, unless --debug
@@ -283,6 +284,34 @@ def _bench(args: argparse.Namespace, argv: list[str]) -> int:
     return launch(args.nproc_per_node, forwarded, module="fivefold.comm.bench", debug=args.debug)
 
 
+def _bench_compute(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Measure the config's model's forward passes on one accelerator and write the profile (plan/profile.py)."""
+    from pathlib import Path
+
+    import torch
+
+    from fivefold.config import load_config
+    from fivefold.plan.profile_measure import measure_on_ranks, measure_profile
+    from fivefold.train.setup import available_cores
+
+    if args.repeats < 1 or args.ranks < 1 or args.threads < 0:
+        raise ConfigError("bench compute: --repeats and --ranks must be >= 1 and --threads >= 0")
+    config = load_config(args.config, overrides)
+    if args.device.startswith("cpu"):  # as many measuring processes as ranks, sharing the cores
+        threads = args.threads or config.train.threads or max(1, available_cores() // args.ranks)
+        profile = measure_on_ranks(config, args.ranks, threads, args.vocab_size, args.repeats)
+    elif not torch.cuda.is_available():
+        raise ConfigError(f"--device {args.device}: CUDA is not available here")
+    else:
+        profile = measure_profile(config, args.vocab_size, args.repeats, args.device)
+    Path(args.out).write_text(profile.to_json(), encoding="utf-8")
+    print(f"wrote {args.out}: forward of one micro-batch ({profile.micro_batch_size} x {profile.seq_len}, "
+          f"{profile.dtype}) on {profile.device}: dense block {profile.block * 1e3:.2f} ms"
+          + (f", MoE block {profile.moe_block * 1e3:.2f} ms" if profile.moe_block else "")
+          + f", attention core {profile.core * 1e3:.2f} ms, head and loss {profile.head * 1e3:.2f} ms")
+    return 0
+
+
 def _simulate(args: argparse.Namespace, overrides: list[str]) -> int:
     from fivefold.sim.report import run
 
@@ -378,6 +407,20 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="nccl-tests-style table of every collective algorithm and the backend's own, "
                                      "measured beside the cost model's prediction (--help lists its options)")
     comm.add_argument("--nproc-per-node", type=int, default=4, help="ranks to start (under torchrun)")
+    compute = bench_sub.add_parser("compute", parents=[common], epilog="Config keys as for train: --section.key VALUE.",
+                                   help="time this model's forward passes on one accelerator (a dense and a MoE "
+                                        "block, the attention core, the head and loss) and write the profile "
+                                        "`plan --profile` and `simulate --profile` price compute by")
+    compute.add_argument("--config", help="TOML config file (the job's model and micro-batch shape)")
+    compute.add_argument("--out", required=True, help="the profile (JSON) to write")
+    compute.add_argument("--repeats", type=int, default=10, help="timed passes of each part (the median counts)")
+    compute.add_argument("--threads", type=int, default=0,
+                         help="intra-op threads (CPU; default: as one rank of --ranks would have, train.threads or "
+                              "the cores / ranks)")
+    compute.add_argument("--ranks", type=int, default=1,
+                         help="ranks of the job on this host (CPU): as many processes measure at once, sharing the cores")
+    compute.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    compute.add_argument("--vocab-size", type=int, default=0, help="the vocabulary when the config leaves it to the tokenizer")
     return parser
 
 
@@ -395,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
             return _simulate(args, rest)
         if args.command == "convert":
             return _convert(args, rest)
+        if args.command == "bench" and args.bench == "compute":
+            return _bench_compute(args, rest)
         if args.command == "bench":
             return _bench(args, list(sys.argv[1:] if argv is None else argv))
         if rest:

@@ -24,6 +24,8 @@ class Efficiency:
 
     matmul: float = 0.5
     attention: float = 0.0
+    # measured forward passes (plan/profile.py ComputeProfile) that replace the modelled ones, scaled to each layout
+    profile: object | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.matmul <= 1:
@@ -38,6 +40,9 @@ class Efficiency:
         return self.attention or self.matmul
 
     def describe(self) -> str:
+        if self.profile is not None:
+            return f"measured passes ({self.profile.device}, micro-batch {self.profile.micro_batch_size} x " \
+                   f"{self.profile.seq_len}), carried to the layout by the model at {self.matmul:g}"
         return f"{self.matmul:g}" + (f" (attention core {self.attention:g})" if self.attention else "")
 
 
@@ -53,8 +58,16 @@ def add_efficiency_arguments(parser: argparse.ArgumentParser | argparse._Argumen
     parser.add_argument("--attention-efficiency", type=float, default=0.0,
                         help="achieved share of peak FLOP/s in the attention core, softmax(q k^T) v, which runs "
                              "further from peak than the large matmuls (default: the same as --efficiency)")
+    parser.add_argument("--profile", default=None,
+                        help="measured forward passes of this model (`fivefold bench compute --out FILE`): they "
+                             "replace the modelled compute, scaled to the layout by the model (docs/planner.md)")
 
 
 def efficiency_from(args: argparse.Namespace) -> Efficiency:
     """The shares the command line gave (a one-line ConfigError for nan, inf or out of range)."""
-    return Efficiency(args.efficiency, args.attention_efficiency)
+    profile = None
+    if getattr(args, "profile", None):
+        from fivefold.plan.profile import load_profile
+
+        profile = load_profile(args.profile)
+    return Efficiency(args.efficiency, args.attention_efficiency, profile)

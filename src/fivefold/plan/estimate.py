@@ -728,7 +728,30 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
     moe = first_block(model, True)
     routed = 2 * routed_parameters_per_token(model, moe) * tokens / (d.cp * (d.tp if sp else 1)) / rate \
         if moe >= 0 else 0.0
-    return PassCosts(block, core, head, routed)
+    costs = PassCosts(block, core, head, routed)
+    if eff.profile is None:
+        return costs
+    profile = eff.profile  # measured passes (plan/profile.py), carried to this layout by the model's ratio
+    profile.check_model(model, compute_dtype(config))
+    measured = dataclasses.replace(config, train=dataclasses.replace(t, micro_batch_size=profile.micro_batch_size,
+                                                                       seq_len=profile.seq_len),
+                                   tensor_parallel=dataclasses.replace(config.tensor_parallel, sequence_parallel=False))
+    one = Degrees(1, 1, 1, 1, 1, 1, 1)
+    return profiled_costs(profile, costs, pass_costs(measured, model, one, cluster, dataclasses.replace(eff, profile=None)))
+
+
+def profiled_costs(profile, modelled: PassCosts, at_profile: PassCosts) -> PassCosts:
+    """A layout's PassCosts from a measured profile (plan/profile.py ComputeProfile): each measured part times the
+    model's seconds for the layout's shard (`modelled`) over its seconds for what was measured (`at_profile`: one
+    rank, the profiled shape); the routed experts keep their modelled share of the MoE block."""
+    def scale(measured: float, model: float, base: float) -> float:
+        return measured * model / base if base > 0 else model
+
+    block = {moe: scale(profile.moe_block if moe else profile.block, seconds, at_profile.block[moe])
+             for moe, seconds in modelled.block.items()}
+    routed = modelled.routed * block[True] / modelled.block[True] if modelled.block.get(True) else 0.0
+    return PassCosts(block, scale(profile.core, modelled.core, at_profile.core),
+                     scale(profile.head, modelled.head, at_profile.head), routed)
 
 
 def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], cluster: ClusterSpec,

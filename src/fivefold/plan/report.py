@@ -146,8 +146,11 @@ def run(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec) -> in
         from fivefold.parallel.expert_placement import load_from_metrics
 
         load = load_from_metrics(args.expert_load, setting="--expert-load")
-    found = estimate(config, args.gpus, cluster, efficiency_from(args), args.vocab_size, expert_load=load)
+    efficiency = efficiency_from(args)
+    found = estimate(config, args.gpus, cluster, efficiency, args.vocab_size, expert_load=load)
     print(format_estimate(found, cluster, "layout"))
+    if efficiency.profile is not None:
+        print(f"compute: {efficiency.describe()} (--profile {args.profile})")
     out["estimate"] = found.to_dict()
     if found.expert_imbalance is not None:
         out["expert_load"], out["expert_imbalance"] = args.expert_load, found.expert_imbalance

@@ -1,0 +1,115 @@
+"""Measured compute profiles (plan/profile.py): `fivefold bench compute` writes one, and `plan --profile` /
+`simulate --profile` price a layout's forward passes by it, carried to the layout's shard by the model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from fivefold.cli import main
+from fivefold.config import load_config
+from fivefold.errors import ConfigError
+from fivefold.plan.cluster import load_cluster
+from fivefold.plan.efficiency import Efficiency
+from fivefold.plan.estimate import degrees_of, estimate, model_for, pass_costs
+from fivefold.plan.profile import ComputeProfile, load_profile
+from fivefold.plan.profile_measure import measure_profile
+from fivefold.sim.step import simulate_step
+
+SHAPE = ["--model.preset", "tiny", "--model.n_layers", "2", "--model.vocab_size", "257", "--train.seq_len", "32",
+         "--train.micro_batch_size", "2"]
+
+
+def _config(*overrides: str):
+    return load_config(None, [*SHAPE, *overrides])
+
+
+@pytest.fixture(scope="module")
+def measured() -> ComputeProfile:
+    return measure_profile(_config(), repeats=2)
+
+
+def test_bench_compute_writes_a_profile_plan_and_simulate_read(tmp_path, capsys):
+    """The CLI measures the config's model (two processes at once, as a 2-rank job's ranks share this host) and
+    writes JSON that loads back equal; plan and simulate take it."""
+    path = tmp_path / "profile.json"
+    assert main(["bench", "compute", *SHAPE, "--out", str(path), "--repeats", "2", "--ranks", "2"]) == 0
+    assert "dense block" in capsys.readouterr().out
+    profile = load_profile(str(path))
+    assert profile.block > 0 and profile.core > 0 and profile.head > 0 and profile.moe_block == 0
+    assert profile.micro_batch_size == 2 and profile.seq_len == 32 and profile.dtype == "fp32"
+    assert load_profile(str(path)) == ComputeProfile(**{k: v for k, v in json.loads(path.read_text()).items()
+                                                        if k != "format"})
+    assert main(["plan", *SHAPE, "--gpus", "1", "--cluster", "h100-sxm", "--profile", str(path)]) == 0
+    assert "measured passes" in capsys.readouterr().out
+    assert main(["simulate", *SHAPE, "--gpus", "2", "--cluster", "h100-sxm", "--profile", str(path)]) == 0
+    assert "measured passes" in capsys.readouterr().out
+
+
+def test_measured_passes_are_priced_as_measured_and_scaled_by_the_model(measured):
+    """At the profiled shape on one rank the forward passes are the measured ones; on a tp 2 rank each part is the
+    measured one times the model's ratio of the shard's work to the whole; a MoE model's profile has both blocks."""
+    h100 = load_cluster("h100-sxm")
+    config = _config()
+    model = model_for(config)
+    modelled = Efficiency(0.5)
+    profiled = Efficiency(0.5, 0.0, measured)
+    one = degrees_of(config, 1)
+    costs = pass_costs(config, model, one, h100, profiled)
+    assert (costs.block[False], costs.core, costs.head) == pytest.approx((measured.block, measured.core, measured.head))
+    tp2 = _config("--tensor_parallel.degree", "2")
+    two = degrees_of(tp2, 2)
+    shard, whole = pass_costs(tp2, model, two, h100, modelled), pass_costs(tp2, model, one, h100, modelled)
+    scaled = pass_costs(tp2, model, two, h100, profiled)
+    assert scaled.block[False] == pytest.approx(measured.block * shard.block[False] / whole.block[False])
+    assert scaled.head == pytest.approx(measured.head * shard.head / whole.head)
+    # a longer sequence: the model's ratio again (its attention core grows faster than the rest)
+    longer = _config("--train.seq_len", "64")
+    model_long = pass_costs(longer, model, one, h100, modelled)
+    assert pass_costs(longer, model, one, h100, profiled).core == pytest.approx(
+        measured.core * model_long.core / pass_costs(config, model, one, h100, modelled).core)
+    moe = _config("--model.preset", "tiny-moe", "--model.n_layers", "2", "--model.moe_layer_freq", "2")
+    moe_profile = measure_profile(moe, repeats=1)
+    assert moe_profile.block > 0 and moe_profile.moe_block > 0
+    moe_costs = pass_costs(moe, model_for(moe), degrees_of(moe, 1), h100, Efficiency(0.5, 0.0, moe_profile))
+    assert moe_costs.block == pytest.approx({False: moe_profile.block, True: moe_profile.moe_block})
+    assert 0 < moe_costs.routed < moe_costs.block[True]
+
+
+def test_planner_and_simulator_price_a_step_by_the_profile(measured):
+    """One rank: the planner's step and the simulated step both run the measured passes (backward twice the
+    forward), so they agree and differ from the modelled step."""
+    h100 = load_cluster("h100-sxm")
+    config = _config()
+    profiled = Efficiency(0.5, 0.0, measured)
+    planned = estimate(config, 1, h100, profiled).time
+    assert planned.compute == pytest.approx(3 * (2 * measured.block + measured.head))
+    simulated = simulate_step(config, 1, h100, profiled)
+    assert simulated.time == pytest.approx(planned.total, rel=1e-9)
+    assert estimate(config, 1, h100, 0.5).time.compute != pytest.approx(planned.compute)
+
+
+def test_a_profile_of_another_model_or_a_bad_file_is_refused(tmp_path, measured):
+    h100 = load_cluster("h100-sxm")
+    wide = _config("--model.dim", "512")
+    with pytest.raises(ConfigError, match="model.dim 256 .profile. vs 512"):
+        estimate(wide, 1, h100, Efficiency(0.5, 0.0, measured))
+    bf16 = _config("--train.dtype", "bf16")
+    with pytest.raises(ConfigError, match="compute dtype fp32 .profile. vs bf16"):
+        estimate(bf16, 1, h100, Efficiency(0.5, 0.0, measured))
+    path = tmp_path / "p.json"
+    good = json.loads(measured.to_json())
+    for broken, message in ((None, "no such file"), ("{", "not valid JSON"), ({**good, "format": "x"}, "not a"),
+                            ({**good, "block": -1}, "block = -1"), ({**good, "seq_len": 0}, "seq_len = 0"),
+                            ({k: v for k, v in good.items() if k != "head"}, "expected the keys"),
+                            ({**good, "model": {"dim": 256}}, "model must name")):
+        if broken is None:
+            target = str(tmp_path / "missing.json")
+        else:
+            path.write_text(broken if isinstance(broken, str) else json.dumps(broken))
+            target = str(path)
+        with pytest.raises(ConfigError, match=message):
+            load_profile(target)
+    assert dataclasses.replace(measured, threads=3).threads == 3
