@@ -166,6 +166,37 @@ def test_priority_schedule_hides_behind_the_next_forward_and_pays_per_slice():
     assert priority.time.optimizer < fifo.time.optimizer < clipped.time.optimizer
 
 
+def _scalars(config, gpus, cluster) -> float:
+    from fivefold.plan.estimate import degrees_of, model_for, scalar_time
+
+    return scalar_time(config, model_for(config), degrees_of(config, gpus), cluster)
+
+
+def test_step_scalar_all_reduces_are_priced_in_the_update():
+    """The step's scalar all-reduces (plan/estimate.py step_scalars): the token count over dp x cp, the gradient
+    norm's over ZeRO's shard block, tp and pp, the guard's verdict over every rank; none on one rank; each priced
+    as the backend's all-reduce of its bytes on its link, in the optimizer phase."""
+    from fivefold.comm.cost import native_collective
+    from fivefold.plan.estimate import degrees_of, model_for, step_scalars
+
+    h100 = CLUSTERS["h100-sxm"]
+
+    def calls(*overrides, gpus=8):
+        config = _config(*overrides)
+        return sorted(step_scalars(config, model_for(config), degrees_of(config, gpus)))
+
+    assert calls(gpus=1) == []
+    assert calls() == [("guard", 24, 8, 8), ("token count", 4, 8, 8)]
+    assert calls("--tensor_parallel.degree", "2", "--pipeline_parallel.degree", "2", "--train.grad_accum_steps", "2",
+                 "--data_parallel.zero_stage", "1", "--data_parallel.shard", "2") == [
+        ("gradient norm", 8, 2, 2), ("gradient norm", 8, 2, 4), ("gradient norm", 8, 2, 8), ("guard", 24, 8, 8),
+        ("token count", 4, 2, 4)]
+    assert [c for c in calls("--guard.enabled", "false") if c[0] == "guard"] == []
+    config = _config()
+    assert _scalars(config, 8, h100) == pytest.approx(sum(
+        native_collective("all_reduce", n, 8, h100.collective_link("all_reduce", 8)) for n in (4, 24)))
+
+
 def test_memory_bound_terms():
     """AdamW moves 28 bytes per parameter it updates (its ZeRO shard) at the memory bandwidth, after the gradient
     norm and clipping's 12 over the same shard; without a bandwidth the memory-bound terms are left out, and compute
@@ -173,10 +204,10 @@ def test_memory_bound_terms():
     h100 = CLUSTERS["h100-sxm"]
     config = _config("--data_parallel.zero_stage", "1", "--data_parallel.shard", "8")
     found = estimate(config, 8, h100)
-    assert found.time.optimizer == pytest.approx((28 + 12) * found.memory.parameter_count / 8 / 3350e9)
+    assert found.time.optimizer - _scalars(config, 8, h100) == pytest.approx((28 + 12) * found.memory.parameter_count / 8 / 3350e9)
     blind = dataclasses.replace(h100, accelerator=dataclasses.replace(h100.accelerator, memory_bandwidth_gbs=0.0))
     plain = estimate(config, 8, blind)
-    assert plain.time.optimizer == 0 and plain.time.compute < found.time.compute
+    assert plain.time.optimizer == pytest.approx(_scalars(config, 8, blind)) and plain.time.compute < found.time.compute
 
 
 def test_an_infeasible_layout_is_refused_by_the_runtime_rules():
@@ -686,24 +717,26 @@ def test_optimizer_step_is_priced_at_the_accelerators_optimizer_rate(tmp_path):
         return load_config(None, ["--model.preset", "tiny", "--model.vocab_size", "257", "--train.seq_len", "128",
                                   *overrides])
 
+    def update(config, gpus, cluster):  # the optimizer phase without the step's scalar all-reduces
+        return estimate(config, gpus, cluster).time.optimizer - _scalars(config, gpus, cluster)
+
     psi = rank_parameters(model, layers, True, True).total
     clip = 12 / 3350e9  # seconds per gradient: its norm (4 bytes) and scaling (8) at the H100's memory bandwidth
-    ddp = estimate(tiny(), 2, cpu).time.optimizer
+    ddp = update(tiny(), 2, cpu)
     assert ddp == pytest.approx(28 * psi / 10e9 + rank_tensors(model, layers, True, True) * 20e-6 + clip * psi)
-    unclipped = estimate(tiny("--train.max_grad_norm", "0"), 2, cpu).time.optimizer
+    unclipped = update(tiny("--train.max_grad_norm", "0"), 2, cpu)
     assert unclipped == pytest.approx(ddp - 8 * psi / 3350e9)
-    zero = estimate(tiny("--data_parallel.zero_stage", "1", "--data_parallel.shard", "2"), 2, cpu).time.optimizer
+    zero = update(tiny("--data_parallel.zero_stage", "1", "--data_parallel.shard", "2"), 2, cpu)
     assert zero == pytest.approx(28 * psi / 2 / 10e9 + rank_tensors(model, layers, True, True, flat=True) * 20e-6
                                  + clip * psi / 2)
     stages = [[0, 1], [2, 3]]
-    pp = estimate(tiny("--model.n_layers", "4", "--pipeline_parallel.degree", "2", "--train.grad_accum_steps", "2"), 2,
-                  cpu).time.optimizer
+    pp = update(tiny("--model.n_layers", "4", "--pipeline_parallel.degree", "2", "--train.grad_accum_steps", "2"), 2, cpu)
     model4 = dataclasses.replace(model, n_layers=4)
     assert pp == pytest.approx(max((28 / 10e9 + clip) * rank_parameters(model4, s, i == 0, i == 1, pipelined=True).total
                                    + rank_tensors(model4, s, i == 0, i == 1, pipelined=True) * 20e-6
                                    for i, s in enumerate(stages)))
     # defaults: the memory bandwidth, nothing per tensor
-    assert estimate(tiny(), 2, h100).time.optimizer == pytest.approx(40 * psi / 3350e9)
+    assert update(tiny(), 2, h100) == pytest.approx(40 * psi / 3350e9)
     # a parameter server's update: the summed pushes at memory bandwidth, AdamW at the optimizer rate
     from fivefold.plan.estimate import server_loads
 

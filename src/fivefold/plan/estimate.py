@@ -878,7 +878,38 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     dp_time = _data_parallel_time(config, model, d, split, cluster, stage_fwd[0], last_backward)
     return StepTime(compute_total, tp_total, cp_total, ep_total, pp_comm, bubble, dp_time,
                     _offload_time(config, model, d, split, cluster),
-                    _optimizer_time(config, model, d, split, cluster.accelerator))
+                    _optimizer_time(config, model, d, split, cluster.accelerator) + scalar_time(config, model, d, cluster))
+
+
+def step_scalars(config: JobConfig, model: ModelConfig, d: Degrees) -> list[tuple[str, int, int, int]]:
+    """The step's scalar all-reduces, (what, bytes, ranks, span of ranks), the runtime's: the token count (4 bytes,
+    train/trainer.py) over dp x cp; the gradient norm's (8 bytes, parallel/gradient_sync.py GradNorm) over ZeRO's
+    shard block, the tp group and the pp group, and a MoE model's experts' over their shard block, ep, etp and pp
+    (none under the priority schedule, which takes no norm); the guard's verdict (24 bytes, reliability/guard.py)
+    over every rank. Parameter servers' steps are priced apart."""
+    if config.data_parallel.mode == "ps":
+        return []
+    calls = [("token count", 4, d.dp * d.cp, d.dp * d.cp * d.tp)]
+    if config.gradient_comm.schedule != "priority":
+        deg = zero_degrees(config, d)
+        if deg is not None:
+            calls.append(("gradient norm", 8, deg.optim, deg.optim * d.tp))
+        calls += [("gradient norm", 8, d.tp, d.tp), ("gradient norm", 8, d.pp, d.world)]
+        if model.n_experts:
+            if deg is not None:
+                calls.append(("gradient norm", 8, _expert_dp(config, d), d.world // d.pp))
+            calls += [("gradient norm", 8, size, d.world // d.pp) for size in (d.ep, d.etp)]
+            calls.append(("gradient norm", 8, d.pp, d.world))
+    if config.guard.enabled:
+        calls.append(("guard", 24, d.world, d.world))
+    return [call for call in calls if call[2] > 1]
+
+
+def scalar_time(config: JobConfig, model: ModelConfig, d: Degrees, cluster: ClusterSpec) -> float:
+    """Seconds of the step's scalar all-reduces (`step_scalars`), each blocking, at the backend's all-reduce on the
+    link its span crosses (a few bytes: its latency); counted in the optimizer phase."""
+    return sum(native_collective("all_reduce", nbytes, ranks, cluster.collective_link("all_reduce", span))
+               for _, nbytes, ranks, span in step_scalars(config, model, d))
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from fivefold.sim.workload import CODEC, COMPUTE, Workload, build_workload
 
 PHASES = ("compute", "recompute", "optimizer", "offload", "tp", "cp", "ep", "dp", "pipeline")
 _COMPUTE_LABELS = {"forward": "compute", "backward": "compute", "recompute": "recompute", "optimizer": "optimizer",
-                   "offload": "offload"}
+                   "scalars": "optimizer", "offload": "offload"}  # scalars: the step's scalar all-reduces
 
 
 @dataclass

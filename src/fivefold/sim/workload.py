@@ -68,8 +68,10 @@ A tied embedding held by the first and the last pipeline stage has its two copie
 reduce_grads (gradient_sync.py `finish`): one all-reduce between the two ranks, before the communication
 thread is waited for.
 
-Not modelled (stated in docs/simulator.md): priority scheduling,
-asynchronous parameter servers (asp, ssp), the gradient-norm all-reduce.
+The step's scalar all-reduces (token count, gradient norm, the guard's verdict) run before the update,
+each by formula (`scalars`).
+
+Not modelled (stated in docs/simulator.md): priority scheduling, asynchronous parameter servers (asp, ssp).
 """
 
 from __future__ import annotations
@@ -1030,10 +1032,41 @@ class _Builder:
                     self.collective(rank, COMPUTE, "all_reduce", tuple(ep[p] for p in holders[e]),
                                     self.expert_bytes * self.weight_element, "dp")
 
+    def scalars(self, rank: int) -> None:
+        """The step's scalar all-reduces (plan/estimate.py `step_scalars`: token count, gradient norm per group, the
+        guard's verdict) over this rank's groups, each by formula at every fidelity: a few bytes, its latency."""
+        if self.ps:
+            return
+        g = self.config.gradient_comm
+        groups = [(4, self.dp_group)]
+        if g.schedule != "priority":
+            if self.degrees is not None:
+                groups.append((8, self.shard_group))
+            groups += [(8, self.grid.group(rank, ("tp",))), (8, self.grid.group(rank, ("pp",)))]
+            if self.model.n_experts and self.expert_groups:
+                if self.degrees is not None:
+                    groups.append((8, self.expert_groups["edp"][rank]))
+                groups += [(8, self.expert_groups[kind][rank]) for kind in ("ep", "etp")]
+                groups.append((8, self.grid.group(rank, ("pp",))))
+        if self.config.guard.enabled:
+            groups.append((24, tuple(range(self.d.world))))
+        for nbytes, members in groups:
+            if len(members) < 2:
+                continue
+            key = (COMPUTE, members, rank)
+            sequence = self._sequence[key] = self._sequence[key] + 1
+            self.log[rank].append(("all_reduce", members, nbytes, "native", None))
+            if members not in self._simulated_members:
+                self._simulated_members[members] = sum(m in self._simulated for m in members)
+            seconds = self._formula("all_reduce", "native", nbytes, len(members), members[-1] - members[0] + 1)
+            self.programs[(rank, COMPUTE)].append(
+                Collective((COMPUTE, members, sequence), self._simulated_members[members], seconds, "scalars"))
+
     def optimizer(self, rank: int) -> None:
-        """AdamW over this rank's (ZeRO: sharded) parameters at the accelerator's optimizer rate, with its cost per
-        tensor updated (ZeRO: per flat group); offload: the shard's trips to the host and, with NVMe, the drives,
-        as the planner prices them. ZeRO-1/2 gather the new weights."""
+        """The step's scalar all-reduces (`scalars`), then AdamW over this rank's (ZeRO: sharded) parameters at the
+        accelerator's optimizer rate, with its cost per tensor updated (ZeRO: per flat group); offload: the shard's
+        trips to the host and, with NVMe, the drives, as the planner prices them. ZeRO-1/2 gather the new weights."""
+        self.scalars(rank)
         z = self.config.data_parallel
         stages = list(range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp))
         shards = {not part.dense: part.degrees.optim for part in self.zero_parts}  # experts? -> optimizer degree
