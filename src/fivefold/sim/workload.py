@@ -378,9 +378,10 @@ class _Builder:
         return members[0] // self.per_node == members[-1] // self.per_node
 
     def collective(self, rank: int, stream: str, kind: str, members: tuple[int, ...], nbytes: int, label: str,
-                   algorithm: str = "native", matrix: Matrix | None = None) -> None:
+                   algorithm: str = "native", matrix: Matrix | None = None, by_formula: bool = False) -> None:
         """Append `rank`'s part of one collective over `members` (nbytes: a rank's whole vector; an uneven
-        all-to-all gives `matrix`, the bytes of every pair of members, and nbytes is what this rank sends)."""
+        all-to-all gives `matrix`, the bytes of every pair of members, and nbytes is what this rank sends);
+        by_formula: one `Collective` op priced by comm/cost.py whatever the fidelity."""
         p = len(members)
         if p == 1 or nbytes <= 0:
             return
@@ -389,14 +390,14 @@ class _Builder:
         sequence_key = (stream, members, rank)
         sequence = self._sequence[sequence_key] = self._sequence[sequence_key] + 1
         self.log[rank].append((kind, members, nbytes, algorithm, matrix))
-        if self.fidelity == "analytical" or (self.fidelity != "flow" and self._inside_node(members)):
+        if by_formula or self.fidelity == "analytical" or (self.fidelity != "flow" and self._inside_node(members)):
             span = members[-1] - members[0] + 1
             seconds = self._formula(kind, algorithm, nbytes, p, span) if matrix is None else \
                 self._uneven_formula(matrix, span)
             if members not in self._simulated_members:
                 self._simulated_members[members] = sum(m in self._simulated for m in members)
             ops.append(Collective((stream, members, sequence), self._simulated_members[members], seconds, label))
-            self.analytical += rank == members[0]
+            self.analytical += rank == members[0] and not by_formula  # the fidelity's choice, not a scalar's
             return
         if self.fidelity == "aggregate" and kind in _RING_FLOWS and resolve_algorithm(kind, algorithm) == "ring":
             self._ring_flow(rank, stream, kind, members, nbytes, label)
@@ -1051,16 +1052,7 @@ class _Builder:
         if self.config.guard.enabled:
             groups.append((24, tuple(range(self.d.world))))
         for nbytes, members in groups:
-            if len(members) < 2:
-                continue
-            key = (COMPUTE, members, rank)
-            sequence = self._sequence[key] = self._sequence[key] + 1
-            self.log[rank].append(("all_reduce", members, nbytes, "native", None))
-            if members not in self._simulated_members:
-                self._simulated_members[members] = sum(m in self._simulated for m in members)
-            seconds = self._formula("all_reduce", "native", nbytes, len(members), members[-1] - members[0] + 1)
-            self.programs[(rank, COMPUTE)].append(
-                Collective((COMPUTE, members, sequence), self._simulated_members[members], seconds, "scalars"))
+            self.collective(rank, COMPUTE, "all_reduce", members, nbytes, "scalars", by_formula=True)
 
     def optimizer(self, rank: int) -> None:
         """The step's scalar all-reduces (`scalars`), then AdamW over this rank's (ZeRO: sharded) parameters at the
