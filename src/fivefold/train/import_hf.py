@@ -45,9 +45,7 @@ def import_hf(folder: str | Path, run_dir: str | Path, config_path: str | None =
     config.logging = dataclasses.replace(config.logging, progress=False)
     trainer = Trainer(config.validate())
     checkpoint = trainer.save()
-    trainer.checkpoints.wait()
-    trainer.checkpoints.close()
-    trainer.supervisor.finish()
+    trainer.close()
     saved = trainer.config_dict()
     saved["model"]["init_from_hf"] = ""  # the weights now live in the checkpoint
     saved["checkpoint"]["resume"] = "auto"

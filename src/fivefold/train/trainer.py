@@ -3,20 +3,19 @@
 Everything layout-specific is decided once, before the first step, by `parallelize` (parallel/):
 this rank's model part, its gradient sync and its step function. Each optimizer step then:
 
-    batches      this rank's micro-batches of the global batch (the sampler is a pure function of
-                 the step; the data-parallel rank picks samples, the context-parallel rank its part
-                 of each sequence)
+    batches      this rank's micro-batches of the global batch (the sampler is a pure function of the step;
+                 the data-parallel rank picks samples, the context-parallel rank its part of each sequence)
     tokens       target tokens of the step over the sync's loss group (token weighting:
                  loss = sum over ranks and micro-batches of sum_t CE_t / total target tokens)
-    step         forward and backward of every micro-batch, then `update`: the non-finite guard's
-                 verdict, clip the global gradient norm, the scheduled learning rate, optimizer
-                 step (or, for a bad step, none), after-step
+    step         forward and backward of every micro-batch, then `update`: the non-finite guard's verdict,
+                 clip the global gradient norm, the scheduled learning rate, optimizer step (or, for a bad
+                 step, none), after-step
     metrics      loss, lr, grad norm, and what reporting reads from the sync and step function
     evaluation and checkpoints at their intervals
-Fault handling is one component called at fixed points (reliability/supervisor.py): step start,
-the update, the step's verdict (continue, roll back, stop). Where the run starts, saving and
-rollback are train/checkpointing.py's. With one process this is the reference every layout is
-tested against.
+Fault handling is one component called at fixed points (reliability/supervisor.py): step start, the update,
+the step's verdict (continue, roll back, stop). Where the run starts, saving and rollback are
+train/checkpointing.py's. `close` releases the trainer. With one process this is the reference every layout
+is tested against.
 """
 
 from __future__ import annotations
@@ -31,9 +30,8 @@ from tqdm.auto import tqdm
 from fivefold.config import JobConfig
 from fivefold.data.dataset import PreparedData, eval_batches, sample_batch, unigram_cross_entropy
 from fivefold.model import build_model
-from fivefold.model.generate import generate
 from fivefold.optim import lr_at
-from fivefold.parallel.mesh import Mesh, collective_timeout, mesh_for
+from fivefold.parallel.mesh import Mesh, OwnedGroups, collective_timeout, mesh_for
 from fivefold.parallel.parallelize import parallelize
 from fivefold.parallel.step import target_tokens
 from fivefold.parallel.validate import check_config
@@ -46,6 +44,7 @@ from fivefold.train.checkpoint import TrainerState
 from fivefold.train.checkpointing import RunCheckpoints
 from fivefold.train.distributed import all_reduce_sum, init_distributed, local_device
 from fivefold.train.feasibility import check_eval_windows, check_fits
+from fivefold.train.final_sample import final_sample
 from fivefold.train.metrics import MetricsLogger, peak_tflops, plot_losses
 from fivefold.train.reporting import Reporter, TrainResult, completed_result
 from fivefold.train.routing_report import RoutingReport, describe_experts, plot_expert_load
@@ -58,6 +57,7 @@ class Trainer:
         config = check_config(config)
         t = config.train
         cap_threads(t.threads)
+        self._groups, self._closed = OwnedGroups.start(), False  # what close() destroys: the groups made here
         self.env = init_distributed(resolve_device(t.device), collective_timeout(config))
         self.is_rank0 = self.env.is_rank0
         self.device = local_device(resolve_device(t.device), self.env)
@@ -97,6 +97,29 @@ class Trainer:
         peak, self.peak_source = peak_tflops(self.device, t.peak_tflops)
         self.report = Reporter(config, self.parallel, self.env.world_size, self.flops_per_token, peak, self.device,
                                self.output_dir)
+        self._groups.stop()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> Path | None:
+        """Release what the trainer holds; it cannot step afterwards. Every rank calls it (`fit` does; code driving
+        `train_step` itself calls it or uses `with`): deferred update, checkpoint writer, the sync's swap file,
+        heartbeat, and the process groups it made (kept, they slow the process: mesh.py OwnedGroups). Returns the
+        last checkpoint written, if any; a second call does nothing."""
+        if self._closed:
+            return None
+        self._closed = True
+        self.sync.flush()
+        last = self.checkpoints.wait()
+        self.checkpoints.close()
+        self.sync.close()
+        self.supervisor.finish()
+        self._groups.destroy()
+        return last
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -107,13 +130,10 @@ class Trainer:
 
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """This rank's (inputs, labels, positions) micro-batches of optimizer step `step` (after skipped data)."""
-        t = self.config.train
-        return [
-            self._local(*sample_batch(self.data.train_tokens, t.seq_len, t.micro_batch_size, t.seed,
-                                      step + self.state.data_offset, i, t.grad_accum_steps, self.parallel.dp_rank,
-                                      self.dims.dp))
-            for i in range(t.grad_accum_steps)
-        ]
+        t, at = self.config.train, step + self.state.data_offset
+        return [self._local(*sample_batch(self.data.train_tokens, t.seq_len, t.micro_batch_size, t.seed, at, i,
+                                          t.grad_accum_steps, self.parallel.dp_rank, self.dims.dp))
+                for i in range(t.grad_accum_steps)]
 
     def _local(self, inputs: torch.Tensor, labels: torch.Tensor):
         return self.parallel.folds.shard_sequence(inputs.to(self.device), labels.to(self.device))
@@ -188,21 +208,14 @@ class Trainer:
         resolved["model"] = dataclasses.asdict(self.model_config)
         return resolved
 
-    def sample(self, prompt: str, max_new_tokens: int) -> str:
-        tok = self.data.tokenizer
-        generator = torch.Generator().manual_seed(self.config.train.seed)
-        self.model.eval()
-        with announce(f"generating a {max_new_tokens}-token sample", self._print):
-            ids = generate(self.model, tok.encode(prompt), max_new_tokens, temperature=0.8, top_k=40,
-                           eos_id=tok.eos_id, generator=generator)
-        self.model.train()
-        return prompt + tok.decode(ids)
-
     def fit(self) -> TrainResult:
         """Train to `train.steps`, evaluating, logging and checkpointing on the way."""
         t, c, log = self.config.train, self.config.checkpoint, self.config.logging
         if self.state.step >= t.steps:
-            return self._already_complete()
+            self._print(f"the run in {self.output_dir} is complete: {self.resumed_from} is at step {self.state.step} of "
+                        f"train.steps = {t.steps}; nothing to do (raise train.steps to train on)")
+            self.close()
+            return completed_result(self.output_dir, self.state.step, self.resumed_from)
         metrics = MetricsLogger(self.output_dir, log.tensorboard, self.state.step, self.resumed_from,
                                 self.supervisor.attempt) if self.is_rank0 else None
         self._print(f"model {self.model_config.name}: {count_parameters(self.model_config).total:,} parameters, "
@@ -248,11 +261,8 @@ class Trainer:
                         metrics.mark("rollback", self.state.step)
                     bar.n = self.state.step
         bar.close()
-        self.sync.flush()
-        last_checkpoint = self.checkpoints.wait() or last_checkpoint
-        for owner in (self.checkpoints, self.sync, metrics):  # writer thread, NVMe offload's swap file, metrics
-            if owner is not None:
-                owner.close()
+        if metrics:
+            metrics.close()
         return self._finish(losses, val_loss, last_checkpoint)
 
     def _after_step(self, step: int, values: dict) -> bool:
@@ -268,12 +278,6 @@ class Trainer:
         self.routing.load_biases(self.state.expert_bias)
         return True
 
-    def _already_complete(self) -> TrainResult:
-        self._print(f"the run in {self.output_dir} is complete: {self.resumed_from} is at step {self.state.step} of "
-                    f"train.steps = {self.config.train.steps}; nothing to do (raise train.steps to train on)")
-        self.supervisor.finish()
-        return completed_result(self.output_dir, self.state.step, self.resumed_from)
-
     def _finish(self, losses: list[float], val_loss: float | None, checkpoint: Path | None) -> TrainResult:
         log = self.config.logging
         baseline = unigram_cross_entropy(self.data.train_tokens, self.data.val_tokens, self.data.tokenizer.vocab_size)
@@ -281,16 +285,11 @@ class Trainer:
         plot = plot_losses(metrics_path, self.output_dir / "loss.png", baseline) if self.is_rank0 and log.plot else None
         if self.is_rank0 and log.plot and self.model_config.n_experts:
             self._print(f"expert load: {plot_expert_load(metrics_path, self.output_dir / 'expert_load.png')}")
-        # A sync that gathers weights inside forward (ZeRO-3) needs every rank to generate; split: no rank holds it all.
-        split = (self.dims.tp > 1 or self.dims.cp > 1 or self.dims.pp > 1
-                 or self.config.expert_parallel.degree * self.config.expert_parallel.tensor > 1)
-        asked = bool(log.sample_prompt and log.sample_tokens)
-        if asked and split:
-            self._print("sample: generation runs in one process; use `fivefold generate --checkpoint` on this run")
-        wanted = asked and not split and (self.is_rank0 or self.sync.gathers_in_forward)
-        sample = self.sample(log.sample_prompt, log.sample_tokens) if wanted else None
+        self.sync.flush()  # a deferred update (priority schedule) lands before the sample (every rank)
+        sample = final_sample(self.model, self.data.tokenizer, self.config, self.dims, self.is_rank0,
+                              self.sync.gathers_in_forward, self._print)
         final = losses[-1] if losses else float("nan")
-        self.supervisor.finish()
+        checkpoint = self.close() or checkpoint
         self._print(self.report.summary(final, val_loss, baseline, checkpoint, metrics_path, plot, sample,
                                         self.state.skipped_steps, self.state.rollbacks))
         return TrainResult(self.state.step, final, val_loss, baseline, checkpoint, metrics_path, plot, sample, losses)

@@ -1,0 +1,79 @@
+"""Trainer.close releases what a trainer holds: its process groups, its heartbeat, its sync.
+
+A process that builds trainers one after another (a notebook, a benchmark's dozens of layouts) keeps
+every discarded trainer's gloo groups alive unless they are destroyed; hundreds of them made a 4-rank
+step a third slower (parallel/mesh.py OwnedGroups). Closing one trainer must leave another one of the
+same layout, alive beside it, able to train exactly as if the first had never existed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from distributed.spawn import run_distributed
+from parity.harness import with_changes
+
+
+def _live_groups() -> int:
+    import torch.distributed as dist
+
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def _two_trainers(rank: int, world_size: int, config, folder: str) -> dict:
+    from fivefold.train.trainer import Trainer
+
+    at_start = _live_groups()
+    first = Trainer(with_changes(config, train={"output_dir": f"{folder}/first"}))
+    owned = len(first._groups.groups)
+    first.train_step()
+    with Trainer(with_changes(config, train={"output_dir": f"{folder}/second"})) as second:
+        both = _live_groups()
+        first.close()
+        after_first = _live_groups()
+        heartbeat = first.supervisor.heartbeat
+        if heartbeat is not None:
+            heartbeat.join(timeout=10)
+        losses = [second.train_step()["loss"] for _ in range(3)]
+    closed_twice = first.close()
+    with Trainer(with_changes(config, train={"output_dir": f"{folder}/alone"})) as alone:
+        alone_losses = [alone.train_step()["loss"] for _ in range(3)]
+    return {"owned": owned, "at_start": at_start, "both": both, "after_first": after_first,
+            "at_end": _live_groups(), "heartbeat_alive": heartbeat is not None and heartbeat.is_alive(),
+            "closed_twice": closed_twice, "losses": losses, "alone_losses": alone_losses}
+
+
+@pytest.mark.parametrize("layout", [
+    {"context_parallel": {"degree": 2}},  # flattened mesh dimensions (dp_cp, dp_shard_cp)
+    {"data_parallel": {"zero_stage": 3, "shard": 2}},  # ZeRO-3's own groups
+])
+def test_close_destroys_only_its_own_groups(job, tmp_path, layout):
+    config = with_changes(job, checkpoint={"enabled": False}, train={"eval_every": 0}, **layout)
+    results = run_distributed(_two_trainers, 2, config, str(tmp_path))
+    for r in results:
+        assert r["owned"] > 0
+        assert r["both"] == r["at_start"] + 2 * r["owned"]
+        assert r["after_first"] == r["at_start"] + r["owned"]  # the first trainer's groups, and only those, are gone
+        assert r["at_end"] == r["at_start"]  # `with` closed the others
+        assert not r["heartbeat_alive"]
+        assert r["closed_twice"] is None
+        assert r["losses"] == r["alone_losses"]  # the survivor trains as if it had been alone
+        assert all(loss == loss for loss in r["losses"])
+
+
+def _fit_then_count(rank: int, world_size: int, config) -> tuple[int, int, bool]:
+    from fivefold.train.trainer import Trainer
+
+    at_start = _live_groups()
+    trainer = Trainer(config)
+    trainer.fit()
+    return at_start, _live_groups(), trainer._closed
+
+
+def test_fit_releases_its_groups(job):
+    config = with_changes(dataclasses.replace(job), checkpoint={"enabled": False}, train={"steps": 2, "eval_every": 0},
+                          context_parallel={"degree": 2})
+    for at_start, at_end, closed in run_distributed(_fit_then_count, 2, config):
+        assert closed and at_end == at_start
