@@ -196,6 +196,8 @@ def _measure(rank: int, world_size: int, job) -> dict:
                 elapsed = torch.tensor(time.perf_counter() - start)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 samples[name].append(float(elapsed))
+        for trainer in trainers.values():  # its process groups too: kept, they slow every later step
+            trainer.close()
         trainers.clear()
         gc.collect()
     return {"links": dataclasses.asdict(links) if links else None,
