@@ -48,6 +48,31 @@ def test_bench_compute_writes_a_profile_plan_and_simulate_read(tmp_path, capsys)
     assert "measured passes" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("options,threads", [
+    (["--threads", "1"], 1),  # the flag
+    (["--train.threads", "1"], 1),  # the job's own cap, when --threads is not given
+    (["--threads", "2", "--train.threads", "1"], 2),  # the flag wins
+    ([], None),  # one rank's share of this host's cores
+])
+def test_bench_compute_measures_with_the_threads_asked(tmp_path, options, threads):
+    import torch
+
+    from fivefold.train.setup import available_cores
+
+    path, before = tmp_path / "profile.json", torch.get_num_threads()
+    assert main(["bench", "compute", *SHAPE, "--out", str(path), "--repeats", "1", *options]) == 0
+    assert load_profile(str(path)).threads == (threads or available_cores())
+    assert torch.get_num_threads() == before  # measured in this process, whose threads are left as they were
+
+
+@pytest.mark.parametrize("option", [["--repeats", "0"], ["--ranks", "0"], ["--threads", "-1"]])
+def test_bench_compute_refuses_bad_counts_before_measuring(tmp_path, capsys, option):
+    path = tmp_path / "profile.json"
+    assert main(["bench", "compute", *SHAPE, "--out", str(path), *option]) != 0
+    assert "--repeats and --ranks must be >= 1 and --threads >= 0" in capsys.readouterr().err
+    assert not path.exists()
+
+
 def test_measured_passes_are_priced_as_measured_and_scaled_by_the_model(measured):
     """At the profiled shape on one rank the forward passes are the measured ones; on a tp 2 rank each part is the
     measured one times the model's ratio of the shard's work to the whole; a MoE model's profile has both blocks."""

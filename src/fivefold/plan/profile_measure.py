@@ -38,10 +38,14 @@ def measure_on_ranks(config, ranks: int, threads: int, vocab_size: int = 0, repe
 def _measure_rank(config, threads: int, vocab_size: int, repeats: int, barrier=None, results=None) -> ComputeProfile:
     import torch
 
+    before = torch.get_num_threads()  # measured in the caller's process (one rank): leave its threads as they were
     torch.set_num_threads(threads)
-    if barrier is not None:
-        barrier.wait()
-    profile = measure_profile(config, vocab_size, repeats)
+    try:
+        if barrier is not None:
+            barrier.wait()
+        profile = measure_profile(config, vocab_size, repeats)
+    finally:
+        torch.set_num_threads(before)
     if results is not None:
         results.put(profile)
     return profile
