@@ -38,11 +38,16 @@ def _two_trainers(rank: int, world_size: int, config, folder: str) -> dict:
             heartbeat.join(timeout=10)
         losses = [second.train_step()["loss"] for _ in range(3)]
     closed_twice = first.close()
+    try:
+        first.train_step()
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
     with Trainer(with_changes(config, train={"output_dir": f"{folder}/alone"})) as alone:
         alone_losses = [alone.train_step()["loss"] for _ in range(3)]
     return {"owned": owned, "at_start": at_start, "both": both, "after_first": after_first,
             "at_end": _live_groups(), "heartbeat_alive": heartbeat is not None and heartbeat.is_alive(),
-            "closed_twice": closed_twice, "losses": losses, "alone_losses": alone_losses}
+            "closed_twice": closed_twice, "refused": refused, "losses": losses, "alone_losses": alone_losses}
 
 
 @pytest.mark.parametrize("layout", [
@@ -59,6 +64,7 @@ def test_close_destroys_only_its_own_groups(job, tmp_path, layout):
         assert r["at_end"] == r["at_start"]  # `with` closed the others
         assert not r["heartbeat_alive"]
         assert r["closed_twice"] is None
+        assert "this Trainer is closed" in r["refused"]
         assert r["losses"] == r["alone_losses"]  # the survivor trains as if it had been alone
         assert all(loss == loss for loss in r["losses"])
 

@@ -106,10 +106,9 @@ class Trainer:
         self.close()
 
     def close(self) -> Path | None:
-        """Release what the trainer holds; it cannot step afterwards. Every rank calls it (`fit` does; code driving
-        `train_step` itself calls it or uses `with`): deferred update, checkpoint writer, the sync's swap file,
-        heartbeat, and the process groups it made (kept, they slow the process: mesh.py OwnedGroups). Returns the
-        last checkpoint written, if any; a second call does nothing."""
+        """Release what the trainer holds (every rank; `fit` does, code driving `train_step` calls it or uses `with`):
+        deferred update, checkpoint writer, the sync's swap file, heartbeat, the process groups it made (kept, they
+        slow the process: mesh.py OwnedGroups). Returns the last checkpoint written; a second call does nothing."""
         if self._closed:
             return None
         self._closed = True
@@ -140,6 +139,8 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step at `self.state.step`; returns its metrics (`skipped` set when the guard withheld it)."""
+        if self._closed:
+            raise RuntimeError("this Trainer is closed (by close() or the end of fit()): build a new one to train on")
         t, sup = self.config.train, self.supervisor
         step = self.state.step
         sup.begin_step(step + 1)
