@@ -11,7 +11,7 @@ embedded corpus, shrunk by the options), takes warm-up steps, and is timed in ro
 of each layout per round, the order rotated, and the matmul rate, memory bandwidth and the runtime's
 AdamW rate (per parameter and per tensor) each rank achieves while the others compute too (comm/bench.py
 matmul_tflops, memory_gbs, optimizer_rate) measured again each round, the gradient codecs' local work
-(codec_rates, on the model's own parameter shapes) once per batch holding a compressed layout, and, where the ranks' threads outnumber the cores, the
+(codec_rates, on the model's own parameter shapes) in each round of a batch holding a compressed layout, and, where the ranks' threads outnumber the cores, the
 matmul rate with only as many ranks computing as the cores hold (the cluster's oversubscribed_efficiency; its shared_cores are this
 machine's: ranks idle in a pipeline bubble lend their cores); a layout's time is the median over
 rounds of its slowest rank's step. Rounds put a slow spell of
@@ -178,11 +178,12 @@ def _measure(rank: int, world_size: int, job) -> dict:
         if world_size > 1:
             natives.append(measure_native_links(torch.device("cpu"), beside_compute=True))
             alone.append(measure_native_links(torch.device("cpu")))
-            compressed = [t for t in trainers.values() if t.config.gradient_comm.compression != "none"]
-            if compressed:  # on the job's own parameters' shapes, with the batch's trainers alive
-                codecs.append(codec_rates(torch.device("cpu"), list(compressed[0].model.parameters()), seconds=0.15))
+        compressed = [t for t in trainers.values() if t.config.gradient_comm.compression != "none"] if world_size > 1 else []
         names = list(trainers)
         for round_ in range(steps):
+            if compressed:  # on the job's own parameters' shapes, with the batch's trainers alive; every round, as the
+                # rates below: one timing can land on a slow spell (sign 79 ns a value once, 30 on the run before)
+                codecs.append(codec_rates(torch.device("cpu"), list(compressed[0].model.parameters()), seconds=0.15))
             for dtype in rates:
                 rates[dtype].append(matmul_tflops(dtype, torch.device("cpu"), seconds=0.2))
             if world_size * threads > cores:
