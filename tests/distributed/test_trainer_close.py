@@ -83,3 +83,34 @@ def test_fit_releases_its_groups(job):
                           context_parallel={"degree": 2})
     for at_start, at_end, closed in run_distributed(_fit_then_count, 2, config):
         assert closed and at_end == at_start
+
+
+def _error_inside_with(rank: int, world_size: int, config, folder: str) -> dict:
+    import torch
+
+    from fivefold.train.trainer import Trainer
+
+    moved = {}
+    for ending in ("error", "normal"):
+        trainer = Trainer(with_changes(config, train={"output_dir": f"{folder}/{ending}"}))
+        try:
+            with trainer:
+                for _ in range(2):  # (the first step's report of model states applies its update at once)
+                    trainer.train_step()  # its update waits, deferred to the next forward (the priority schedule)
+                before = [p.detach().clone() for p in trainer.model.parameters()]
+                if ending == "error":
+                    raise ValueError("the caller's own error")
+        except ValueError:
+            pass
+        moved[ending] = any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
+        moved[f"{ending}_closed"] = trainer._closed
+    return moved
+
+
+def test_leaving_with_on_an_error_closes_without_collectives(job, tmp_path):
+    """After an error a peer may never reach its own close: `with` then skips the deferred update (a collective)
+    and still releases the rest; leaving it normally applies the update."""
+    config = with_changes(job, checkpoint={"enabled": False}, train={"eval_every": 0, "max_grad_norm": 0.0},
+                          gradient_comm={"schedule": "priority"})
+    for r in run_distributed(_error_inside_with, 2, config, str(tmp_path)):
+        assert r == {"error": False, "error_closed": True, "normal": True, "normal_closed": True}

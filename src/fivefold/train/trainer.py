@@ -102,17 +102,17 @@ class Trainer:
     def __enter__(self) -> "Trainer":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, error_type, *_) -> None:
+        self.close(settle=error_type is None)  # after an error the peers may be gone: no deferred update's collective
 
-    def close(self) -> Path | None:
-        """Release what the trainer holds (every rank; `fit` does, code driving `train_step` calls it or uses `with`):
-        deferred update, checkpoint writer, the sync's swap file, heartbeat, the process groups it made (kept, they
-        slow the process: mesh.py OwnedGroups). Returns the last checkpoint written; a second call does nothing."""
+    def close(self, settle: bool = True) -> Path | None:
+        """Release what the trainer holds, on every rank (`fit` does; else call it, or use `with`): deferred update,
+        checkpoint writer, sync, heartbeat, its process groups (mesh.py OwnedGroups); returns the last checkpoint."""
         if self._closed:
             return None
         self._closed = True
-        self.sync.flush()
+        if settle:
+            self.sync.flush()
         last = self.checkpoints.wait()
         self.checkpoints.close()
         self.sync.close()
