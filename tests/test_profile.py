@@ -73,6 +73,17 @@ def test_bench_compute_refuses_bad_counts_before_measuring(tmp_path, capsys, opt
     assert not path.exists()
 
 
+@pytest.mark.parametrize("option,message", [
+    (["--vocab-size", "-1"], "--vocab-size -1: must be >= 0"),
+    (["--device", "tpu"], "--device 'tpu': use cpu, cuda or cuda:N"),
+])
+def test_bench_compute_refuses_a_bad_vocabulary_or_device(tmp_path, capsys, option, message):
+    path = tmp_path / "profile.json"
+    assert main(["bench", "compute", *SHAPE, "--out", str(path), *option]) != 0
+    assert message in capsys.readouterr().err
+    assert not path.exists()
+
+
 def test_measured_passes_are_priced_as_measured_and_scaled_by_the_model(measured):
     """At the profiled shape on one rank the forward passes are the measured ones; on a tp 2 rank each part is the
     measured one times the model's ratio of the shard's work to the whole; a MoE model's profile has both blocks."""
@@ -129,7 +140,10 @@ def test_a_profile_of_another_model_or_a_bad_file_is_refused(tmp_path, measured)
     for broken, message in ((None, "no such file"), ("{", "not valid JSON"), ({**good, "format": "x"}, "not a"),
                             ({**good, "block": -1}, "block = -1"), ({**good, "seq_len": 0}, "seq_len = 0"),
                             ({k: v for k, v in good.items() if k != "head"}, "expected the keys"),
-                            ({**good, "model": {"dim": 256}}, "model must name")):
+                            ({**good, "model": {"dim": 256}}, "model must name"),
+                            ({**good, "block": float("nan")}, "block = nan"), ({**good, "head": float("inf")}, "head = inf"),
+                            ({**good, "extra": 1}, "expected the keys"), ({**good, "dtype": "fp8"}, "dtype = 'fp8'"),
+                            ({**good, "threads": -1}, "threads = -1"), ({**good, "device": 3}, "device = 3")):
         if broken is None:
             target = str(tmp_path / "missing.json")
         else:
@@ -138,3 +152,5 @@ def test_a_profile_of_another_model_or_a_bad_file_is_refused(tmp_path, measured)
         with pytest.raises(ConfigError, match=message):
             load_profile(target)
     assert dataclasses.replace(measured, threads=3).threads == 3
+    path.write_text(json.dumps({k: v for k, v in good.items() if k not in ("threads", "device")}))
+    assert load_profile(str(path)).threads == 0  # the optional keys may be absent

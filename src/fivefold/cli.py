@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from fivefold.errors import EXIT_FAULT, EXIT_INTERNAL, ConfigError, FivefoldError
@@ -296,6 +297,10 @@ def _bench_compute(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.repeats < 1 or args.ranks < 1 or args.threads < 0:
         raise ConfigError("bench compute: --repeats and --ranks must be >= 1 and --threads >= 0")
+    if args.vocab_size < 0:
+        raise ConfigError(f"bench compute: --vocab-size {args.vocab_size}: must be >= 0 (0: the tokenizer's)")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise ConfigError(f"bench compute: --device {args.device!r}: use cpu, cuda or cuda:N")
     config = load_config(args.config, overrides)
     if args.device.startswith("cpu"):  # as many measuring processes as ranks, sharing the cores
         threads = args.threads or config.train.threads or max(1, available_cores() // args.ranks)

@@ -76,8 +76,15 @@ def load_profile(path: str) -> ComputeProfile:
     if not isinstance(data, dict) or data.pop("format", None) != FORMAT:
         raise ConfigError(f"--profile {path}: not a {FORMAT} file")
     known = {f.name for f in dataclasses.fields(ComputeProfile)}
-    if set(data) != known - ({"threads", "device"} - set(data)):
+    if not known - {"threads", "device"} <= set(data) <= known:  # threads and device are optional
         raise ConfigError(f"--profile {path}: expected the keys {', '.join(sorted(known))}; found {', '.join(sorted(data))}")
+    if data["dtype"] not in ("fp32", "bf16"):
+        raise ConfigError(f"--profile {path}: dtype = {data['dtype']!r} must be fp32 or bf16")
+    threads = data.get("threads", 0)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ConfigError(f"--profile {path}: threads = {threads!r} must be a non-negative integer")
+    if not isinstance(data.get("device", ""), str):
+        raise ConfigError(f"--profile {path}: device = {data['device']!r} must be a string")
     for key in ("block", "moe_block", "core", "head"):
         value = data[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
