@@ -881,27 +881,36 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
                     _optimizer_time(config, model, d, split, cluster.accelerator) + scalar_time(config, model, d, cluster))
 
 
-def step_scalars(config: JobConfig, model: ModelConfig, d: Degrees) -> list[tuple[str, int, int, int]]:
-    """The step's scalar all-reduces, (what, bytes, ranks, span of ranks), the runtime's: the token count (4 bytes,
-    train/trainer.py) over dp x cp; the gradient norm's (8 bytes, parallel/gradient_sync.py GradNorm) over ZeRO's
-    shard block, the tp group and the pp group, and a MoE model's experts' over their shard block, ep, etp and pp
+def scalar_groups(config: JobConfig, model: ModelConfig, d: Degrees) -> list[tuple[str, int, str]]:
+    """The step's scalar all-reduces, (what, bytes, group), the runtime's: the token count (4 bytes,
+    train/trainer.py) over `dp_cp`; the gradient norm's (8 bytes, parallel/gradient_sync.py GradNorm) over ZeRO's
+    `shard` block, `tp` and `pp`, and a MoE model's experts' over their `expert_shard` block, `ep`, `etp` and `pp`
     (none under the priority schedule, which takes no norm); the guard's verdict (24 bytes, reliability/guard.py)
-    over every rank. Parameter servers' steps are priced apart."""
+    over the `world`. Parameter servers' steps are priced apart. The planner (`step_scalars`) and the simulator
+    (sim/workload.py `scalars`) both read this list."""
     if config.data_parallel.mode == "ps":
         return []
-    calls = [("token count", 4, d.dp * d.cp, d.dp * d.cp * d.tp)]
+    calls = [("token count", 4, "dp_cp")]
     if config.gradient_comm.schedule != "priority":
-        deg = zero_degrees(config, d)
-        if deg is not None:
-            calls.append(("gradient norm", 8, deg.optim, deg.optim * d.tp))
-        calls += [("gradient norm", 8, d.tp, d.tp), ("gradient norm", 8, d.pp, d.world)]
+        sharded = zero_degrees(config, d) is not None
+        calls += [("gradient norm", 8, group) for group in (("shard",) if sharded else ()) + ("tp", "pp")]
         if model.n_experts:
-            if deg is not None:
-                calls.append(("gradient norm", 8, _expert_dp(config, d), d.world // d.pp))
-            calls += [("gradient norm", 8, size, d.world // d.pp) for size in (d.ep, d.etp)]
-            calls.append(("gradient norm", 8, d.pp, d.world))
+            calls += [("gradient norm", 8, group)
+                      for group in (("expert_shard",) if sharded else ()) + ("ep", "etp", "pp")]
     if config.guard.enabled:
-        calls.append(("guard", 24, d.world, d.world))
+        calls.append(("guard", 24, "world"))
+    return calls
+
+
+def step_scalars(config: JobConfig, model: ModelConfig, d: Degrees) -> list[tuple[str, int, int, int]]:
+    """`scalar_groups` as (what, bytes, ranks, span of ranks), those over more than one rank."""
+    deg = zero_degrees(config, d)
+    stage = d.world // d.pp
+    sizes = {"dp_cp": (d.dp * d.cp, d.dp * d.cp * d.tp), "tp": (d.tp, d.tp), "pp": (d.pp, d.world),
+             "shard": (deg.optim, deg.optim * d.tp) if deg is not None else (1, 1),
+             "expert_shard": (_expert_dp(config, d), stage), "ep": (d.ep, stage), "etp": (d.etp, stage),
+             "world": (d.world, d.world)}
+    calls = [(what, nbytes, *sizes[group]) for what, nbytes, group in scalar_groups(config, model, d)]
     return [call for call in calls if call[2] > 1]
 
 

@@ -94,7 +94,7 @@ from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.estimate import (Degrees, PassCosts, codec_exchanges, compute_dtype, degrees_of, dispatch_rows, model_for,
                                     offload_seconds, pass_costs, server_loads, server_update_seconds,
-                                    tied_embedding_bytes, tied_embedding_pair, weight_element,
+                                    scalar_groups, tied_embedding_bytes, tied_embedding_pair, weight_element,
                                     zero_degrees)
 from fivefold.plan.expert_load import Matrix, exchange_matrices, expert_rows_by_load, imbalance
 from fivefold.plan.parameters import experts_per_rank, expert_values, local_tensor, padded_vocab, powersgd_factors
@@ -1034,25 +1034,17 @@ class _Builder:
                                     self.expert_bytes * self.weight_element, "dp")
 
     def scalars(self, rank: int) -> None:
-        """The step's scalar all-reduces (plan/estimate.py `step_scalars`: token count, gradient norm per group, the
+        """The step's scalar all-reduces (plan/estimate.py `scalar_groups`: token count, gradient norm per group, the
         guard's verdict) over this rank's groups, each by formula at every fidelity: a few bytes, its latency."""
-        if self.ps:
-            return
-        g = self.config.gradient_comm
-        groups = [(4, self.dp_group)]
-        if g.schedule != "priority":
-            if self.degrees is not None:
-                groups.append((8, self.shard_group))
-            groups += [(8, self.grid.group(rank, ("tp",))), (8, self.grid.group(rank, ("pp",)))]
-            if self.model.n_experts and self.expert_groups:
-                if self.degrees is not None:
-                    groups.append((8, self.expert_groups["edp"][rank]))
-                groups += [(8, self.expert_groups[kind][rank]) for kind in ("ep", "etp")]
-                groups.append((8, self.grid.group(rank, ("pp",))))
-        if self.config.guard.enabled:
-            groups.append((24, tuple(range(self.d.world))))
-        for nbytes, members in groups:
-            self.collective(rank, COMPUTE, "all_reduce", members, nbytes, "scalars", by_formula=True)
+        groups = {"dp_cp": lambda: self.dp_group, "shard": lambda: self.shard_group,
+                  "tp": lambda: self.grid.group(rank, ("tp",)), "pp": lambda: self.grid.group(rank, ("pp",)),
+                  "expert_shard": lambda: self.expert_groups["edp"][rank],
+                  "ep": lambda: self.expert_groups["ep"][rank], "etp": lambda: self.expert_groups["etp"][rank],
+                  "world": lambda: tuple(range(self.d.world))}
+        for _, nbytes, group in scalar_groups(self.config, self.model, self.d):
+            if group in ("expert_shard", "ep", "etp") and not self.expert_groups:
+                continue
+            self.collective(rank, COMPUTE, "all_reduce", groups[group](), nbytes, "scalars", by_formula=True)
 
     def optimizer(self, rank: int) -> None:
         """The step's scalar all-reduces (`scalars`), then AdamW over this rank's (ZeRO: sharded) parameters at the
