@@ -4,7 +4,9 @@ on this machine.
 For each world size the ranks first describe this machine as the planner sees it: links fitted by
 ping-pong (comm/measure.py) and each gloo collective's own link (comm/bench.py measure_native_links,
 at the sizes a step sends; measured again in each batch with its trainers alive, the median alpha and
-beta over batches, and each size's median time, which the planner interpolates at this world size). Then, in batches of --batch layouts (their trainers alive together and
+beta over batches, and each size's median time, which the planner interpolates at this world size), and
+the ranks' arrival skew (comm/bench.py measure_arrival: a tiny all-reduce after 0-20 ms of compute, the
+median per burst over batches; the cluster's [arrival]). Then, in batches of --batch layouts (their trainers alive together and
 freed before the next batch: a score of live trainers slows every step by a quarter or more), every
 layout builds the real Trainer (configs/tiny.toml's model on the
 embedded corpus, shrunk by the options), takes warm-up steps, and is timed in rotating rounds: one step
@@ -149,8 +151,8 @@ def _measure(rank: int, world_size: int, job) -> dict:
     import torch
     import torch.distributed as dist
 
-    from fivefold.comm.bench import (codec_rates, matmul_tflops, measure_native_links, memory_gbs, optimizer_rate,
-                                     oversubscribed_share, ranks_fitting)
+    from fivefold.comm.bench import (codec_rates, matmul_tflops, measure_arrival, measure_native_links, memory_gbs,
+                                     optimizer_rate, oversubscribed_share, ranks_fitting)
     from fivefold.comm.measure import measure_cluster
     from fivefold.comm.p2p import Ranks
     from fivefold.train.trainer import Trainer
@@ -164,6 +166,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
     links = measure_cluster(Ranks.world(), world_size) if world_size > 1 else None
     natives: list[dict] = []  # each gloo collective's fitted link, measured again with each batch's trainers alive,
     alone: list[dict] = []  # each call after a burst of compute (as a step makes them) and back to back (alone)
+    arrivals: list[dict] = []  # a tiny all-reduce after bursts of compute (the cluster's [arrival]), each batch
     samples: dict[str, list[float]] = {name: [] for name, _ in configs}
     rates: dict[str, list[float]] = {"fp32": [], "bf16": []}
     fitting: list[float] = []  # the fp32 rate with only as many ranks computing as the cores hold
@@ -178,6 +181,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
         if world_size > 1:
             natives.append(measure_native_links(torch.device("cpu"), beside_compute=True))
             alone.append(measure_native_links(torch.device("cpu")))
+            arrivals.append(measure_arrival(torch.device("cpu")))
         compressed = [t for t in trainers.values() if t.config.gradient_comm.compression != "none"] if world_size > 1 else []
         names = list(trainers)
         for round_ in range(steps):
@@ -208,6 +212,9 @@ def _measure(rank: int, world_size: int, job) -> dict:
                                          for i, (size, _) in enumerate(fits[0][name].measured)]}
                      for name in fits[0]} if fits else {}
                for key, fits in (("native", natives), ("native_alone", alone))},
+            "arrival": {**arrivals[0], "measured": [[c, statistics.median(a["measured"][i][1] for a in arrivals)]
+                                                     for i, (c, _) in enumerate(arrivals[0]["measured"])]}
+            if arrivals else {},
             "rates": {dtype: statistics.median(values) for dtype, values in rates.items()},
             "memory_gbs": statistics.median(bandwidths),
             "optimizer_gbs": statistics.median(g for g, _ in optimizer),
@@ -240,7 +247,8 @@ def _measure_solo(world_size: int, name: str, argv: list[str], out_root: Path, t
 def _cluster(world_size: int, measured: dict, collectives: str = "beside"):
     """This machine as the planner sees it; collectives: the backend's collectives as timed beside compute (a step's)
     or back to back (`alone`)."""
-    from fivefold.plan.cluster import Accelerator, ClusterSpec, LinkSpec
+    from fivefold.comm.bench import arrival_spec
+    from fivefold.plan.cluster import Accelerator, ArrivalSpec, ClusterSpec, LinkSpec
 
     link = LinkSpec.from_fit(measured["links"]["intra"] if measured["links"] else {"alpha": 1e-6, "beta": 1e-9})
     return ClusterSpec(f"this machine, {world_size} ranks",
@@ -250,7 +258,8 @@ def _cluster(world_size: int, measured: dict, collectives: str = "beside"):
                                    codec_ns=measured.get("codec_ns", {}), codec_encode_ns=measured.get("codec_encode_ns", {})),
                        max(world_size, 1), link, link,
                        collectives={name: LinkSpec.from_fit(native) for name, native in
-                                    measured.get("native" if collectives == "beside" else "native_alone", {}).items()})
+                                    measured.get("native" if collectives == "beside" else "native_alone", {}).items()},
+                       arrival=arrival_spec(measured.get("arrival", {})) if collectives == "beside" else ArrivalSpec())
 
 
 def _profiled(rows: list[dict], efficiency: float) -> None:

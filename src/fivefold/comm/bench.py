@@ -13,6 +13,8 @@ compute too) and writes this machine as a planner cluster file (plan/cluster.py)
 and each backend collective's times and the link its ring form runs at (cost.fit_native_link), timed
 again each after a burst of compute, as a training step calls them (`time_beside_compute`: on a shared
 CPU a call beside compute takes 2-3x its time back to back): the planner prices that collective on it.
+It also times a 4-byte all-reduce after bursts of 0 to 20 ms of compute (`measure_arrival`): how far
+apart the ranks reach a sync point after that much compute, the file's [arrival].
 
 Run under torchrun (`fivefold bench comm --nproc-per-node 4` starts it); gloo on CPU, NCCL on GPU.
 """
@@ -144,7 +146,11 @@ def time_call(fn, iterations: int, warmup: int, device: torch.device) -> float:
     return float(elapsed) / iterations
 
 
-def time_beside_compute(fn, iterations: int, device: torch.device, burst: float = 0.002) -> float:
+BESIDE_BURST = 0.002  # seconds of compute before each collective the cluster file's [collectives] time
+ARRIVAL_BURSTS = (0.0, 0.0005, 0.002, 0.005, 0.01, 0.02)  # the compute before the [arrival] all-reduces
+
+
+def time_beside_compute(fn, iterations: int, device: torch.device, burst: float = BESIDE_BURST) -> float:
     """Seconds of one call made right after `burst` seconds of matmuls on every rank, as a training step's
     collectives are (the ranks arrive from their own compute, a little apart, the backend's threads idle since
     the last call), averaged over the calls and the ranks: what a step spends in it. On this project's shared
@@ -170,6 +176,17 @@ def time_beside_compute(fn, iterations: int, device: torch.device, burst: float 
     mean = torch.tensor(total / iterations, dtype=torch.float64)
     dist.all_reduce(mean)
     return float(mean) / dist.get_world_size()
+
+
+def measure_arrival(device: torch.device, bursts: tuple[float, ...] = ARRIVAL_BURSTS, iterations: int = 40) -> dict:
+    """The cluster file's [arrival] (plan/cluster.py ArrivalSpec): a 4-byte all-reduce over the world timed
+    after each of `bursts` seconds of compute on every rank (`time_beside_compute`), as
+    {"after_us": BESIDE_BURST in us, "ranks": world size, "measured": [[us of compute, us], ...]} (collective).
+    Its time grows with the compute before it: the ranks arrive further apart the longer they computed."""
+    x = torch.zeros(1, device=device)
+    points = [[burst * 1e6, time_beside_compute(lambda: dist.all_reduce(x), iterations, device, burst) * 1e6]
+              for burst in bursts]
+    return {"after_us": BESIDE_BURST * 1e6, "ranks": dist.get_world_size(), "measured": points}
 
 
 def fit_native_links(rows: list[Row], p: int) -> dict[str, Link]:
@@ -261,9 +278,10 @@ def run(args: argparse.Namespace) -> dict:
     # the cluster file's collectives: timed as a training step makes them, each after a burst of compute
     beside = {name: asdict(link) for name, link in measure_native_links(device, beside_compute=True).items()} \
         if args.cluster_file and p > 1 else {}
+    arrival = measure_arrival(device) if args.cluster_file and p > 1 else {}
     return {"world_size": p, "backend": dist.get_backend(), "device": device.type, "node_size": node_size,
             "links": {"intra": asdict(cluster.intra), "inter": asdict(cluster.inter)}, "native_links": native,
-            "native_links_beside_compute": beside,
+            "native_links_beside_compute": beside, "arrival": arrival,
             "matmul_tflops": rates, "memory_gbs": bandwidth, "oversubscribed_efficiency": efficiency,
             "optimizer_gbs": optimizer[0], "optimizer_tensor_us": optimizer[1],
             "codec_ns": codecs[0], "codec_encode_ns": codecs[1],
@@ -450,8 +468,18 @@ def cluster_file_of(report: dict) -> str:
                         source=f"fivefold bench comm on {report['world_size']} ranks: fitted links and native "
                                "collectives, timed matmuls (achieved rates: plan with --efficiency 1)",
                         collectives={name: LinkSpec.from_fit(link) for name, link in
-                                     (report.get("native_links_beside_compute") or report.get("native_links", {})).items()})
+                                     (report.get("native_links_beside_compute") or report.get("native_links", {})).items()},
+                        arrival=arrival_spec(report.get("arrival", {})))
     return cluster_toml(spec_)
+
+
+def arrival_spec(arrival: dict):
+    """`measure_arrival`'s dict as the cluster's ArrivalSpec (empty: none)."""
+    from fivefold.plan.cluster import ArrivalSpec
+
+    if not arrival.get("measured"):
+        return ArrivalSpec()
+    return ArrivalSpec(arrival["after_us"], tuple((c, t) for c, t in arrival["measured"]), arrival["ranks"])
 
 
 def format_table(report: dict) -> str:
@@ -483,6 +511,9 @@ def format_table(report: dict) -> str:
     for name, link in report.get("native_links", {}).items():
         lines.append(f"# native {name} fitted (ring form): alpha {link['alpha'] * 1e6:.1f} us, "
                      f"{1 / max(link['beta'], 1e-30) / 1e9:.2f} GB/s")
+    if report.get("arrival", {}).get("measured"):
+        lines.append("# arrival skew (4-byte all-reduce after compute): " + ", ".join(
+            f"{c / 1e3:g} ms {t:.0f} us" for c, t in report["arrival"]["measured"]))
     for name, link in report.get("native_links_beside_compute", {}).items():
         lines.append(f"# native {name} beside compute (the cluster file's): "
                      + ", ".join(f"{size / 1024:.0f} KB {us * 1e6:.0f} us" for size, us in link["measured"]))

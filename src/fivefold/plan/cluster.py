@@ -51,6 +51,10 @@ A cluster file is TOML, read without running anything:
     subflows = 4                     # ecmp_paths: flows per message
     seed = 0                         # ECMP hash seed
     torus = [4, 4]                   # torus_2d: x, y (x * y accelerators)
+    [arrival]                        # optional: how late a sync point's last rank arrives (CPU hosts)
+    after_us = 2000                  # the compute before each of [collectives]'s measured calls
+    ranks = 2                        # the ranks the all-reduce spanned
+    measured = [[0, 600.0], [5000, 1500.0], [20000, 2300.0]]   # [us of compute before, us of a tiny all-reduce]
 
 `[collectives.<name>]` (all_reduce, reduce_scatter, all_gather, all_to_all) replaces the intra
 link for that collective when it runs natively within a node: `fivefold bench comm --cluster-file`
@@ -58,10 +62,22 @@ fits it from the backend's measured times, because gloo's collectives on a share
 than its point-to-point messages predict, and writes those times too (`ranks`, `measured`): at that
 many ranks the planner interpolates them, since the times bend where a line through them cannot.
 The GPU presets leave it out (NCCL is priced on the links).
+
+`[arrival]` is the arrival skew of ranks running the same compute between sync points: on a shared
+CPU host the operating system preempts each rank at random, so after T seconds of compute the ranks
+reach a blocking collective apart, and the collective lasts until the last one arrives. `bench comm
+--cluster-file` times a 4-byte all-reduce after bursts of compute from 0 to 20 ms (`measured`); on
+this project's 2-core machine it took 0.6 ms after 2 ms and 1.8-2.3 ms after 10-20 ms. The
+collectives above were timed after `after_us` of compute, so they already hold that much skew:
+`ClusterSpec.sync_delay(T, p)` is the measured time at T less the time at `after_us` (never below
+0; beyond the last point, the last point's), scaled from the measured `ranks` to a group of p by the
+expected latest of p normal arrivals. The planner and the simulator add it to the collectives a block
+pass blocks on (tensor-, context- and expert-parallel); GPU presets leave it out.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields
@@ -182,6 +198,41 @@ class LinkSpec:
 
 
 @dataclass(frozen=True)
+class ArrivalSpec:
+    """Arrival skew at a sync point (see the module docstring): a tiny all-reduce's microseconds after a burst
+    of compute, as (microseconds of compute, microseconds) points with increasing compute, and the burst
+    `after_us` the cluster's collectives were measured behind (microseconds, as the file writes them)."""
+
+    after_us: float = 0.0
+    measured: tuple[tuple[float, float], ...] = ()
+    ranks: int = 0  # the ranks the measured all-reduce spanned
+
+    def at(self, compute: float) -> float:
+        """Seconds of the measured call after `compute` seconds of compute: linear between points, flat beyond."""
+        points, us = self.measured, compute * 1e6
+        if us <= points[0][0]:
+            return points[0][1] * 1e-6
+        for (a, ta), (b, tb) in zip(points, points[1:]):
+            if us <= b:
+                return (ta + (tb - ta) * (us - a) / (b - a)) * 1e-6
+        return points[-1][1] * 1e-6
+
+
+@functools.lru_cache(maxsize=256)
+def expected_latest(n: int) -> float:
+    """E[max] of n independent standard normal variables (0.564 for 2, 1.029 for 4, 1.766 for 16): the
+    latest of n ranks' arrival times, in standard deviations past their mean (midpoint rule on [-8, 8])."""
+    steps, low, high = 4000, -8.0, 8.0
+    width = (high - low) / steps
+    total = 0.0
+    for i in range(steps):
+        x = low + (i + 0.5) * width
+        cdf = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        total += x * n * cdf ** (n - 1) * math.exp(-x * x / 2) / math.sqrt(2 * math.pi) * width
+    return total
+
+
+@dataclass(frozen=True)
 class TopologySpec:
     """The fabric `fivefold simulate` builds (sim/topology.py); the planner only uses intra/inter."""
 
@@ -244,6 +295,18 @@ class ClusterSpec:
     nvme_bandwidth_gbs: float = 25.0  # a node's local drives (read or write), shared by its ranks, for NVMe offload
     collectives: dict[str, LinkSpec] = field(default_factory=dict)  # fitted native collectives inside a node
     topology: TopologySpec = field(default_factory=TopologySpec)  # the fabric, for the simulator
+    arrival: ArrivalSpec = field(default_factory=ArrivalSpec)  # ranks' arrival skew at sync points (CPU hosts)
+
+    def sync_delay(self, compute: float, ranks: int) -> float:
+        """Seconds a blocking collective over `ranks` ranks waits beyond its priced time for the last of them, after
+        `compute` seconds of compute since the previous sync point (0 without an [arrival] table). The measured
+        wait is scaled from the ranks it spanned to `ranks` by the expected latest of that many independent
+        normal arrivals (`expected_latest`): two ranks wait 0.55 times as long as four."""
+        spec = self.arrival
+        if not spec.measured or ranks < 2:
+            return 0.0
+        scale = expected_latest(ranks) / expected_latest(spec.ranks) if spec.ranks >= 2 else 1.0
+        return scale * max(0.0, spec.at(compute) - spec.at(spec.after_us * 1e-6))
 
     def links(self) -> Cluster:
         """The alpha-beta cluster of comm/cost.py (gamma 0: reductions run at memory speed, hidden by the links)."""
@@ -345,7 +408,7 @@ def _collective_spec(table: dict, where: str) -> LinkSpec:
 def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSpec:
     """A ClusterSpec from a parsed cluster file, every field validated with a message naming it."""
     known = {"name", "accelerators_per_node", "nodes", "accelerator", "intra", "inter", "source", "host_bandwidth_gbs",
-             "nvme_bandwidth_gbs", "collectives", "topology"}
+             "nvme_bandwidth_gbs", "collectives", "topology", "arrival"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"cluster file {source}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -397,7 +460,32 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
                        per_node, links["intra"], links["inter"], nodes, str(data.get("source", source)),
                        _number(data, "host_bandwidth_gbs", "(top level)") if "host_bandwidth_gbs" in data else 32.0,
                        _number(data, "nvme_bandwidth_gbs", "(top level)") if "nvme_bandwidth_gbs" in data else 25.0,
-                       fitted, topology_from_dict(data.get("topology", {}), source))
+                       fitted, topology_from_dict(data.get("topology", {}), source),
+                       _arrival_spec(data.get("arrival", {}), source))
+
+
+def _arrival_spec(table: Any, source: str) -> ArrivalSpec:
+    """[arrival]: after_us and measured = [[us of compute, us], ...], compute strictly increasing from >= 0."""
+    usage = (f"cluster file {source}: [arrival] holds after_us (>= 0), ranks and measured, a list of at least two "
+             "[microseconds of compute, microseconds] pairs with compute strictly increasing from >= 0 and times >= 0")
+    if not isinstance(table, dict) or set(table) - {"after_us", "measured", "ranks"}:
+        raise ConfigError(f"{usage}; found {table!r}")
+    measured = table.get("measured")
+    if not measured and measured is not None or not table:  # none measured (a ClusterSpec.to_dict() writes [])
+        return ArrivalSpec()
+    if not isinstance(measured, (list, tuple)) or len(measured) < 2 or any(
+            not isinstance(point, (list, tuple)) or len(point) != 2 for point in measured):
+        raise ConfigError(f"{usage}; found measured = {measured!r}")
+    points = tuple((_number({"compute": a}, "compute", "arrival.measured", positive=False),
+                    _number({"us": b}, "us", "arrival.measured", positive=False)) for a, b in measured)
+    if points[0][0] < 0 or any(b[0] <= a[0] for a, b in zip(points, points[1:])):
+        raise ConfigError(f"{usage}; found compute {[c for c, _ in points]}")
+    after = _number(table, "after_us", "arrival", positive=False) if "after_us" in table else 0.0
+    ranks = table.get("ranks", 0)
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks == 1 or ranks < 0:
+        raise ConfigError(f"{usage}, and ranks (the ranks it spanned: an integer >= 2, or 0 for unknown); "
+                          f"found ranks = {ranks!r}")
+    return ArrivalSpec(after, points, ranks)
 
 
 def _codec_rates(acc: dict, key: str, source: str) -> dict[str, float]:
@@ -454,4 +542,7 @@ def cluster_toml(spec: ClusterSpec) -> str:
                          if link.measured else ()), "")),
         "[topology]", *(f"{key} = {json.dumps(list(value) if isinstance(value, tuple) else value)}"
                         for key, value in asdict(spec.topology).items()), "",
+        *(("[arrival]", f"after_us = {spec.arrival.after_us!r}", f"ranks = {spec.arrival.ranks}",
+           f"measured = {json.dumps([list(point) for point in spec.arrival.measured])}", "")
+          if spec.arrival.measured else ()),
     ])

@@ -789,6 +789,12 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     # overlapped rings hide behind twice the matmul in backward
     kind_tp_back = {moe: _overlapped_tp_block(model, d, 2 * costs.block[moe], 2 * costs.core, activation_bytes, cluster,
                                               moe) if overlap else kind_tp[moe] for moe in costs.block}
+    # arrival skew (ClusterSpec.sync_delay): per block pass, (forward, backward) waits of its tp, cp and ep syncs
+    waits = {moe: block_sync_waits(config, model, d, cluster, costs.block[moe], moe) for moe in costs.block}
+    for moe, (fwd, bwd) in waits.items():  # a MoE block's tp half is per block; kind_tp is per half (x 2)
+        kind_tp[moe] += fwd[0] / 2
+        kind_tp_back[moe] += bwd[0] / 2
+    wait_cp_fwd, wait_cp_bwd = [], []
     block_cp, block_cp_tail = _context_parallel_block(config, model, d, costs.core, element, cluster)
     edge = _tensor_parallel_edges(config, model, d, cluster, activation_bytes)
     routing = _routing_collectives(config, model, d, cluster)
@@ -816,15 +822,21 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
         statistics.append(routing.statistics * len(moe_layers))
         comm_cp.append(block_cp * len(layers))
         comm_cp_tail.append(block_cp_tail * len(layers))
-        comm_ep.append(sum(block_ep.get(layer, balanced)[0] for layer in moe_layers))
-        comm_ep_back.append(sum(block_ep.get(layer, balanced)[1] for layer in moe_layers))
+        comm_ep.append(sum(block_ep.get(layer, balanced)[0] for layer in moe_layers) + len(moe_layers) * waits[True][0][2]
+                       if moe_layers else 0.0)
+        comm_ep_back.append(sum(block_ep.get(layer, balanced)[1] for layer in moe_layers)
+                            + len(moe_layers) * waits[True][1][2] if moe_layers else 0.0)
+        wait_cp_fwd.append(sum(waits[m][0][1] * n for m, n in counts if n))
+        wait_cp_bwd.append(sum(waits[m][1][1] * n for m, n in counts if n))
     recompute = {"none": 0.0, "selective": 1.0, "full": 1.0}[t.recompute]
     full = t.recompute == "full"
+    comm_cp = [c + w for c, w in zip(comm_cp, wait_cp_fwd)]  # the forward's waits (re-run by a recompute)
+    comm_cp_tail = [c + w - cp_backward_of(config) * f for c, w, f in zip(comm_cp_tail, wait_cp_bwd, wait_cp_fwd)]
     stage_fwd = [f + 2 * tpc + ep + cp + e + (0.0 if full else r)
                  for f, tpc, ep, cp, e, r in zip(forward, comm_tp, comm_ep, comm_cp, edge_fwd, statistics)]
     # backward: twice the compute, the same tp / ep traffic again, cp's ring twice (K/V, then their gradients;
     # Ulysses' all-to-alls once); recompute re-runs the forward (selective: the attention core, cp included)
-    cp_backward = 1.0 if config.context_parallel.method == "ulysses" else 2.0
+    cp_backward = cp_backward_of(config)
     # full recomputation re-runs the blocks' forward (parallel/recompute.py wraps blocks), not the head's
     blocks_forward = [f - (costs.head if i == len(split) - 1 else 0.0) for i, f in enumerate(forward)]
     stage_bwd = []
@@ -879,6 +891,38 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     return StepTime(compute_total, tp_total, cp_total, ep_total, pp_comm, bubble, dp_time,
                     _offload_time(config, model, d, split, cluster),
                     _optimizer_time(config, model, d, split, cluster.accelerator) + scalar_time(config, model, d, cluster))
+
+
+def cp_backward_of(config: JobConfig) -> float:
+    """A context-parallel block's backward traffic over its forward's: the ring passes K/V and then their
+    gradients (twice), Ulysses runs its all-to-alls once each way (once)."""
+    return 1.0 if config.context_parallel.method == "ulysses" else 2.0
+
+
+def block_sync_points(config: JobConfig, model: ModelConfig, d: Degrees, moe: bool) -> tuple[int, int, int]:
+    """(tp, cp, ep): the sync points a block pass blocks on after a stretch of compute. Tensor parallelism:
+    one per region (dense: attention and MLP; MoE: attention only), sequence parallelism's all-gather follows
+    the previous region's reduce-scatter with no compute between; context parallelism: one per layer (ring
+    attention's first K/V wait or Ulysses' first all-to-all; the steps after it follow short stretches); a MoE
+    block with expert parallelism: the dispatch after the attention half and the combine after the experts.
+    Overlapped tensor-parallel rings are left out (their waits hide behind the matmul chunks)."""
+    tp = 0 if d.tp == 1 or (config.tensor_parallel.sequence_parallel and config.tensor_parallel.comm_overlap) \
+        else (1 if moe else 2)
+    return tp, int(d.cp > 1), 2 if moe and (d.ep > 1 or d.etp > 1) else 0
+
+
+def block_sync_waits(config: JobConfig, model: ModelConfig, d: Degrees, cluster: ClusterSpec, forward: float,
+                     moe: bool) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """Arrival-skew seconds of one block's forward and backward, split (tp, cp, ep): each sync point of
+    `block_sync_points` waits `cluster.sync_delay` of the pass's compute shared evenly between them (the
+    backward's compute is twice the forward's `forward` seconds). Zero without a measured [arrival]."""
+    syncs = block_sync_points(config, model, d, moe)
+    total = sum(syncs)
+    if not total or not cluster.arrival.measured:
+        return (0.0, 0.0, 0.0), (0.0, 0.0, 0.0)
+    groups = (d.tp, d.cp, max(d.ep, d.etp))
+    return tuple(tuple(n * cluster.sync_delay(scale * forward / total, p) for n, p in zip(syncs, groups))
+                 for scale in (1, 2))
 
 
 def scalar_groups(config: JobConfig, model: ModelConfig, d: Degrees) -> list[tuple[str, int, str]]:

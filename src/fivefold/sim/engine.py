@@ -4,6 +4,8 @@ Each rank runs one or more streams (a compute stream, a communication stream, as
 a list of operations executed in order:
 
     Compute(seconds)            the stream is busy for that long
+    Delay(seconds)              the stream waits that long, off the host's cores (a sync point's
+                                arrival skew: the other ranks' lateness, ClusterSpec.sync_delay)
     Send(peer, nbytes, handle)  post a message to global rank `peer` (returns at once)
     Recv(peer, nbytes, handle)  post a receive from `peer` (returns at once)
     Wait(handles)               block until those sends are delivered / receives have their data
@@ -38,6 +40,12 @@ from fivefold.sim.network import FlowNetwork
 class Compute:
     seconds: float
     label: str = "compute"
+
+
+@dataclass(frozen=True)
+class Delay:
+    seconds: float
+    label: str = "comm"
 
 
 @dataclass(frozen=True)
@@ -79,7 +87,7 @@ class Collective:
     label: str = "comm"
 
 
-Op = Compute | Send | Recv | Wait | Notify | Await | Collective
+Op = Compute | Delay | Send | Recv | Wait | Notify | Await | Collective
 StreamKey = tuple[int, str]  # (global rank, stream name)
 
 
@@ -183,6 +191,11 @@ def simulate(programs: dict[StreamKey, list[Op]], network: FlowNetwork, record_s
                     cores.start(stream.key, op.seconds, now, op.label)
                     stream.busy_until = float("inf")  # until the cores finish it (then pc moves on)
                     return
+                stream.busy_until = now + op.seconds
+                if op.seconds > 0:
+                    heapq.heappush(timers, (stream.busy_until, stream.key))
+                    mark(stream.key, op.label, now, stream.busy_until)
+            elif kind is Delay:
                 stream.busy_until = now + op.seconds
                 if op.seconds > 0:
                     heapq.heappush(timers, (stream.busy_until, stream.key))

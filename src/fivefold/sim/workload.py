@@ -101,7 +101,7 @@ from fivefold.plan.parameters import experts_per_rank, expert_values, local_tens
 from fivefold.plan.zero_traffic import quantized_parts
 from fivefold.sim.names import FIDELITIES
 from fivefold.sim.routing import Router, cluster_router
-from fivefold.sim.engine import Await, Collective, Compute, Notify, Op, Recv, Send, StreamKey, Wait
+from fivefold.sim.engine import Await, Collective, Compute, Delay, Notify, Op, Recv, Send, StreamKey, Wait
 from fivefold.sim.trace import collective_programs, resolve_algorithm, uneven_all_to_all_programs
 
 COMPUTE, DP, CODEC = "compute", "dp", "codec"  # CODEC: a gradient codec's local work, for the DP stream
@@ -358,6 +358,7 @@ class _Builder:
         self._ring_latency: dict[tuple[int, ...], float] = {}  # aggregate: a ring's slowest hop latency
         self.router = (router or cluster_router(cluster, gpus)) if fidelity == "aggregate" else None
         self._events: dict[int, int] = defaultdict(int)
+        self._since: dict[int, float] = defaultdict(float)  # compute seconds since the rank's last sync point
         self.recorded = self.analytical = 0
         self.log: dict[int, list[tuple[str, tuple[int, ...], int, str, Matrix | None]]] = defaultdict(list)
 
@@ -385,6 +386,8 @@ class _Builder:
         p = len(members)
         if p == 1 or nbytes <= 0:
             return
+        if stream == COMPUTE:
+            self.arrive(rank, label, p)
         key = (rank, stream)
         ops = self.programs[key]
         sequence_key = (stream, members, rank)
@@ -490,8 +493,21 @@ class _Builder:
         self.programs[(rank, "p2p")] += [Await(start, "idle"), Compute(link.message(nbytes), label), Notify(done)]
         return [done]
 
-    def wait(self, rank: int, handles: list[int | str], label: str) -> None:
-        """Wait for message handles (ints) and for the transfers of the analytical path (event names)."""
+    def arrive(self, rank: int, label: str, ranks: int) -> None:
+        """`rank` reaches a sync point of `ranks` ranks: inside a block pass (label tp, cp or ep) it first waits
+        for the others' arrival skew after the compute since its last sync point (ClusterSpec.sync_delay,
+        the planner's plan/estimate.py `block_sync_waits` rule); every sync point restarts the count."""
+        if label in ("tp", "cp", "ep") and ranks > 1:
+            delay = self.cluster.sync_delay(self._since[rank], ranks)
+            if delay > 0:
+                self.programs[(rank, COMPUTE)].append(Delay(delay, label))
+        self._since[rank] = 0.0
+
+    def wait(self, rank: int, handles: list[int | str], label: str, ranks: int = 0) -> None:
+        """Wait for message handles (ints) and for the transfers of the analytical path (event names); with
+        `ranks`, a block pass's sync point among that many ranks (`arrive`)."""
+        if handles:
+            self.arrive(rank, label if ranks else "", ranks)
         ints = tuple(h for h in handles if isinstance(h, int))
         if ints:
             self.programs[(rank, COMPUTE)].append(Wait(ints, label))
@@ -500,6 +516,7 @@ class _Builder:
     def compute(self, rank: int, seconds: float, label: str) -> None:
         if seconds > 0:
             self.programs[(rank, COMPUTE)].append(Compute(seconds, label))
+            self._since[rank] += seconds
 
     # ------------------------------------------------------------------ one block
     def block_pass(self, rank: int, unit: Unit, backward: bool, recompute: bool = False) -> None:
@@ -694,15 +711,15 @@ class _Builder:
                 moving = self.exchange(rank, peers["inner"], nbytes, "cp") if step < w - 1 else []
                 self.compute(rank, core / layout.ring, label)
                 if backward:
-                    self.wait(rank, pending, "cp")
+                    self.wait(rank, pending, "cp", layout.ring)
                     pending = self.exchange(rank, peers["inner"], nbytes, "cp") if w > 1 else []
-                self.wait(rank, moving, "cp")
+                self.wait(rank, moving, "cp", layout.ring)
             if backward:
-                self.wait(rank, pending, "cp")
-                self.wait(rank, outer_pending, "cp")
+                self.wait(rank, pending, "cp", layout.ring)
+                self.wait(rank, outer_pending, "cp", layout.ring)
                 pending, outer_pending = [], self.exchange(rank, peers["outer"], nbytes, "cp") if o > 1 else []
-            self.wait(rank, arriving, "cp")
-        self.wait(rank, outer_pending, "cp")
+            self.wait(rank, arriving, "cp", layout.ring)
+        self.wait(rank, outer_pending, "cp", layout.ring)
 
     # ------------------------------------------------------------------ data parallelism
     def data_parallel_setup(self, rank: int) -> None:
