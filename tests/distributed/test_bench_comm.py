@@ -112,3 +112,13 @@ def test_bench_comm_table_and_json(tmp_path, world_size):
         for size, seconds in link["measured"]:
             assert native_collective(name, size, world_size, here.collective_link(name, world_size)) == pytest.approx(seconds)
     assert "native all_reduce fitted" in run.stdout
+    # the ranks' arrival skew: a tiny all-reduce after 0-20 ms of compute, carried into the file's [arrival]
+    arrival = report["arrival"]
+    assert arrival["ranks"] == world_size and arrival["after_us"] == 2000.0
+    assert [c for c, _ in arrival["measured"]] == [0.0, 500.0, 2000.0, 5000.0, 10000.0, 20000.0]
+    assert all(t > 0 for _, t in arrival["measured"])
+    assert here.arrival.ranks == world_size and here.arrival.after_us == 2000.0
+    assert [x for point in here.arrival.measured for x in point] == \
+        pytest.approx([x for point in arrival["measured"] for x in point])
+    assert here.sync_delay(0.02, world_size) == pytest.approx(max(0.0, arrival["measured"][-1][1] - arrival["measured"][2][1]) * 1e-6)
+    assert "arrival skew" in run.stdout
