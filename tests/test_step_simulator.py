@@ -766,3 +766,26 @@ def test_ring_attention_exposes_what_the_planner_prices(cp, bandwidth_gbs, seq_l
     planned = estimate(config, 4, cluster, 0.5, vocab_size=257).time
     simulated = simulate_step(config, 4, cluster, 0.5, "hybrid", vocab_size=257).breakdown()
     assert planned.cp > 0 and simulated["cp"] == pytest.approx(planned.cp, rel=tolerance)
+
+
+def test_ulysses_all_to_alls_priced_alike_by_planner_and_simulator():
+    """Ulysses runs one all-to-all each for q, k and v (k and v repeated to the group's kv heads when
+    there are fewer) and one for the output, and their conjugates in backward: nothing overlaps them,
+    so the simulated step's cp phase is the planner's cp term exactly (until 2026-11-26 the planner
+    priced q, k and v as one all-to-all, a call short of the runtime's twice per pass)."""
+    from fivefold.comm.cost import native_collective
+
+    for extra, gpus in (((), 2), (("--model.n_kv_heads", "1"), 2), (("--context_parallel.degree", "4"), 4),
+                        (("--tensor_parallel.degree", "2"), 4)):
+        config = _config("--context_parallel.degree", "2", "--context_parallel.method", "ulysses", *extra)
+        simulated = simulate_step(config, gpus, H100, 0.5, "hybrid", vocab_size=257).breakdown()["cp"]
+        assert simulated == pytest.approx(estimate(config, gpus, H100, 0.5, vocab_size=257).time.cp, rel=1e-9), extra
+    # by hand for cp 2 with as many kv heads as query heads: per block and pass four all-to-alls of q's bytes
+    heads = model_for(_config(), 257).n_heads
+    config = _config("--context_parallel.degree", "2", "--context_parallel.method", "ulysses", "--model.n_kv_heads",
+                     str(heads))
+    model = model_for(config, 257)
+    local = 2 * 128 // 2 * model.q_dim * 4  # micro-batch 2 x 64 tokens x q width, fp32
+    link = H100.collective_link("all_to_all", 2)
+    per_pass = 4 * native_collective("all_to_all", local, 2, link)
+    assert estimate(config, 2, H100, 0.5, vocab_size=257).time.cp == pytest.approx(2 * model.n_layers * per_pass)

@@ -1061,7 +1061,9 @@ def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, c
     crosses. Backward sends each block's K/V gradient after it as well, and the last one of a round, back to
     the round's first holder, has no compute left to hide behind: one inner hop per round, and the double
     ring's last outer hop home (parallel/context_parallel.py; the simulator plays the same). Ulysses:
-    all-to-alls of q, k, v to heads and of the output back (Jacobs et al.), not overlapped; 2d: Ulysses over
+    all-to-alls of q, k and v to heads, one each, and of the output back (Jacobs et al.), not overlapped
+    (until 2026-11-26 priced as one all-to-all of q, k and v together: gloo's fixed cost per call is a
+    millisecond); 2d: Ulysses over
     `heads` ranks, then a ring over the rest on 1/heads of the heads."""
     cp = config.context_parallel
     if d.cp == 1:
@@ -1073,11 +1075,15 @@ def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, c
     t = config.train
     local = t.micro_batch_size * (t.seq_len // d.cp)  # tokens a rank holds
     exposed = 0.0
-    if heads > 1:
-        qkv = local * (model.q_dim + 2 * model.kv_dim) // d.tp * element
-        out = local * model.q_dim // d.tp * element
+    if heads > 1:  # q, k and v each its own all-to-all (k and v repeated to `heads` kv heads first), the output one
+        from fivefold.parallel.context_parallel import _kv_repeats
+
+        q_heads, kv_heads = model.n_heads // d.tp, max(model.kv_heads // d.tp, 1)
+        q_bytes = local * q_heads * model.head_size * element
+        kv_bytes = local * kv_heads * _kv_repeats(q_heads, kv_heads, heads) * model.head_size * element
         link = cluster.collective_link("all_to_all", d.cp * d.tp)
-        exposed += native_collective("all_to_all", qkv, heads, link) + native_collective("all_to_all", out, heads, link)
+        exposed += 2 * native_collective("all_to_all", q_bytes, heads, link) + \
+            2 * native_collective("all_to_all", kv_bytes, heads, link)
     ring_ranks, tail = layout.ring, 0.0
     if ring_ranks > 1:
         kv = 2 * local * heads * model.kv_dim // (d.tp * heads) * element
