@@ -789,3 +789,39 @@ def test_ulysses_all_to_alls_priced_alike_by_planner_and_simulator():
     link = H100.collective_link("all_to_all", 2)
     per_pass = 4 * native_collective("all_to_all", local, 2, link)
     assert estimate(config, 2, H100, 0.5, vocab_size=257).time.cp == pytest.approx(2 * model.n_layers * per_pass)
+
+
+def test_ring_pass_walked_in_the_runtimes_order():
+    """plan/ring_schedule.py by hand. Forward, one ring of 4, core steps of 1 s, hops of 3 s: each hop hides
+    behind one step only (2 s exposed each): 4 + 3 x 2 = 10 s. Backward, a ring of 2: the K/V hop (done at
+    3), the gradient hop posted at 1 waits for the channel (done at 6), the second step ends at 4 and waits
+    for it, the last gradient hop (6 to 9) has nothing to hide behind: 9 s. Hops shorter than a step hide."""
+    from fivefold.plan.ring_schedule import ring_pass_seconds
+
+    assert ring_pass_seconds(4, 1, 1.0, 3.0, 0.0, False) == pytest.approx(10.0)
+    assert ring_pass_seconds(2, 1, 1.0, 3.0, 0.0, True) == pytest.approx(9.0)
+    assert ring_pass_seconds(4, 1, 1.0, 0.5, 0.0, False) == pytest.approx(4.0)
+    # a double ring: 2 rounds of 2; the outer hop (5 s) posted at the start waits out the round's 2 steps
+    assert ring_pass_seconds(2, 2, 1.0, 0.5, 5.0, False) == pytest.approx(5.0 + 2.0)
+
+
+@pytest.mark.parametrize("per_node", [2, 4])
+def test_context_parallel_priced_alike_by_planner_and_simulator(per_node):
+    """Every context-parallel method and placement (ring, double ring, Ulysses, 2D head- and context-first),
+    with full recomputation too, on a cluster whose nodes hold 2 or 4 ranks (so rings and head groups cross
+    nodes or not): the planner's cp term equals the simulator's cp phase on its contention-free path, which
+    plays the runtime's posts and waits message by message (each ring hop on the link its ring spans)."""
+    node = dataclasses.replace(H100, intra=LinkSpec(5.0, 3.0), inter=LinkSpec(1.0, 6.0), accelerators_per_node=per_node,
+                               collectives={})
+    layouts = [((), 4), (("--context_parallel.inner_ring", "2"), 8), (("--context_parallel.method", "ulysses"), 4),
+               (("--context_parallel.method", "2d", "--context_parallel.heads", "2"), 4),
+               (("--context_parallel.method", "2d", "--context_parallel.heads", "2", "--train.recompute", "full"), 8),
+               (("--context_parallel.method", "2d", "--context_parallel.heads", "2", "--context_parallel.placement",
+                 "context-first"), 8),
+               (("--context_parallel.method", "2d", "--context_parallel.heads", "2", "--context_parallel.inner_ring", "2"), 8)]
+    for extra, gpus in layouts:
+        config = _config("--context_parallel.degree", str(gpus), *extra)
+        run = simulate_step(config, gpus, node, 0.5, "analytical", vocab_size=257)
+        planned = estimate(config, gpus, node, 0.5, vocab_size=257).time
+        assert run.breakdown()["cp"] == pytest.approx(planned.cp, rel=1e-9), extra
+        assert run.time == pytest.approx(planned.total, rel=1e-9), extra

@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fivefold.comm.cost import Link, native_collective, uneven_all_to_all
+from fivefold.plan.ring_schedule import ring_pass_seconds
 from fivefold.config.schema import JobConfig
 from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
@@ -1056,11 +1057,11 @@ def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, c
                             cluster: ClusterSpec) -> tuple[float, float]:
     """Exposed context-parallel seconds of one block's attention (forward, what backward exposes beyond twice the
     forward's). Ring: r - 1 K/V blocks pass around a ring of r ranks, point to point, overlapped with the
-    attention core (Liu et al.'s ring attention); as a double ring (inner_ring w, LoongTrain), r / w rounds each
-    expose max((w - 1) inner hops, 1 outer hop) - w / r of the core, the inner hops on the link their span
-    crosses. Backward sends each block's K/V gradient after it as well, and the last one of a round, back to
-    the round's first holder, has no compute left to hide behind: one inner hop per round, and the double
-    ring's last outer hop home (parallel/context_parallel.py; the simulator plays the same). Ulysses:
+    attention core (Liu et al.'s ring attention); as a double ring (inner_ring w, LoongTrain), r / w rounds of
+    an inner ring, the inner hops on the link their span crosses, the outer on the link all of cp spans.
+    Backward sends each block's K/V gradient after it as well. What a pass exposes is walked in the runtime's
+    order of posts and waits (plan/ring_schedule.py; until 2026-11-26 afternoon a closed form that hid a
+    round's hops behind the whole round's core, where the runtime waits for each after one step). Ulysses:
     all-to-alls of q, k and v to heads, one each, and of the output back (Jacobs et al.), not overlapped
     (until 2026-11-26 priced as one all-to-all of q, k and v together: gloo's fixed cost per call is a
     millisecond); 2d: Ulysses over
@@ -1081,7 +1082,8 @@ def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, c
         q_heads, kv_heads = model.n_heads // d.tp, max(model.kv_heads // d.tp, 1)
         q_bytes = local * q_heads * model.head_size * element
         kv_bytes = local * kv_heads * _kv_repeats(q_heads, kv_heads, heads) * model.head_size * element
-        link = cluster.collective_link("all_to_all", d.cp * d.tp)
+        members = [layout.cp_rank(0, h) for h in range(heads)]  # a head group's cp ranks: the span it crosses
+        link = cluster.collective_link("all_to_all", (max(members) - min(members) + 1) * d.tp)
         exposed += 2 * native_collective("all_to_all", q_bytes, heads, link) + \
             2 * native_collective("all_to_all", kv_bytes, heads, link)
     ring_ranks, tail = layout.ring, 0.0
@@ -1090,10 +1092,12 @@ def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, c
         inner, rounds = layout.inner_size, layout.outer
         inner_msg = cluster.link_for(layout.inner_span() * d.tp).message(kv)  # the outer ring spans all of cp
         outer_msg = cluster.link_for(d.cp * d.tp).message(kv)
-        for round_ in range(rounds):  # a round: inner - 1 hops in turn, one outer hop beside them, inner blocks' core
-            comm = max((inner - 1) * inner_msg, outer_msg if round_ < rounds - 1 else 0.0)
-            exposed += max(0.0, comm - core * inner / ring_ranks)
-        tail = rounds * (inner_msg if inner > 1 else 0.0) + (outer_msg if rounds > 1 else 0.0)
+        forward = ring_pass_seconds(inner, rounds, core / ring_ranks, inner_msg, outer_msg, False) - core
+        backward = ring_pass_seconds(inner, rounds, 2 * core / ring_ranks, inner_msg, outer_msg, True) - 2 * core
+        # backward runs the all-to-alls once more and the ring's backward pass; step_time charges it
+        # cp_backward x the forward's and this tail
+        tail = exposed + backward - cp_backward_of(config) * (exposed + forward)
+        exposed += forward
     return exposed, tail
 
 

@@ -477,10 +477,11 @@ class _Builder:
         g = self.config.gradient_comm
         return g.node_size or min(p, self.per_node)
 
-    def exchange(self, rank: int, peers: tuple[int, int], nbytes: int, label: str) -> list[int | str]:
+    def exchange(self, rank: int, peers: tuple[int, int], nbytes: int, label: str, span: int) -> list[int | str]:
         """Post a send to the next and a receive from the previous ring neighbour (one batch_isend_irecv);
         returns what to wait on. With the neighbours off the simulated ranks (the analytical path) the
-        transfer is its alpha-beta time on a stream of its own, so it still overlaps the compute."""
+        transfer is its alpha-beta time on a stream of its own, so it still overlaps the compute, on the link
+        the ring's `span` consecutive ranks cross (a ring moves at its slowest hop's pace; the planner's)."""
         key = (rank, COMPUTE)
         self.log[rank].append(("send", (rank, peers[0]), nbytes, "", None))
         if peers[0] in self._simulated and peers[1] in self._simulated:
@@ -488,9 +489,11 @@ class _Builder:
             self.programs[key] += [send, recv]
             return [send.handle, recv.handle]
         start, done = self._event(rank, "post"), self._event(rank, "arrived")
-        link = self.cluster.link_for(abs(peers[0] - rank) + 1)
+        link = self.cluster.link_for(span)
         self.programs[key].append(Notify(start))
-        self.programs[(rank, "p2p")] += [Await(start, "idle"), Compute(link.message(nbytes), label), Notify(done)]
+        # one transfer stream per destination: messages to one peer go in turn, to different peers side by side
+        self.programs[(rank, f"p2p{peers[0]}")] += [Await(start, "idle"), Compute(link.message(nbytes), label),
+                                                     Notify(done)]
         return [done]
 
     def arrive(self, rank: int, label: str, ranks: int) -> None:
@@ -638,7 +641,7 @@ class _Builder:
         t, i = len(group), group.index(rank)
         peers = (group[(i + 1) % t], group[(i - 1) % t])
         for step in range(t):
-            moving = self.exchange(rank, peers, self.activation // t, "tp") if step < t - 1 else []
+            moving = self.exchange(rank, peers, self.activation // t, "tp", t) if step < t - 1 else []
             self.compute(rank, seconds / t, label)
             self.wait(rank, moving, "tp")
 
@@ -702,22 +705,23 @@ class _Builder:
         per inner step beside 1/ring of the core, each round's first block one outer hop meanwhile; in backward
         each block's gradient follows it, back to the round's first holder, then one outer hop per round."""
         peers = {which: (ring[nxt], ring[prev]) for which, (nxt, prev) in layout.ring_peers(me).items()}
+        spans = {"inner": layout.inner_span() * self.d.tp, "outer": self.d.cp * self.d.tp}  # the planner's links
         w, o = layout.inner_size, layout.outer
         pending: list = []
         outer_pending: list = []
         for round_ in range(o):
-            arriving = self.exchange(rank, peers["outer"], nbytes, "cp") if round_ < o - 1 else []
+            arriving = self.exchange(rank, peers["outer"], nbytes, "cp", spans["outer"]) if round_ < o - 1 else []
             for step in range(w):
-                moving = self.exchange(rank, peers["inner"], nbytes, "cp") if step < w - 1 else []
+                moving = self.exchange(rank, peers["inner"], nbytes, "cp", spans["inner"]) if step < w - 1 else []
                 self.compute(rank, core / layout.ring, label)
                 if backward:
                     self.wait(rank, pending, "cp", layout.ring)
-                    pending = self.exchange(rank, peers["inner"], nbytes, "cp") if w > 1 else []
+                    pending = self.exchange(rank, peers["inner"], nbytes, "cp", spans["inner"]) if w > 1 else []
                 self.wait(rank, moving, "cp", layout.ring)
             if backward:
                 self.wait(rank, pending, "cp", layout.ring)
                 self.wait(rank, outer_pending, "cp", layout.ring)
-                pending, outer_pending = [], self.exchange(rank, peers["outer"], nbytes, "cp") if o > 1 else []
+                pending, outer_pending = [], self.exchange(rank, peers["outer"], nbytes, "cp", spans["outer"]) if o > 1 else []
             self.wait(rank, arriving, "cp", layout.ring)
         self.wait(rank, outer_pending, "cp", layout.ring)
 
