@@ -92,6 +92,9 @@ def test_planner_adds_one_wait_per_sync_point_of_each_block_pass():
         assert skew.total - plain.total == pytest.approx(sum(by_hand), rel=1e-9, abs=1e-12), options
         assert (skew.tp - plain.tp, skew.cp - plain.cp) == pytest.approx(by_hand[:2], abs=1e-12)
         assert (sum(by_hand) > 0) == (sum(points) > 0)
+        noted = any("arrival skew" in note for note in estimate(config, gpus, _skewed(SLOW), 0.5, vocab_size=257).notes)
+        assert noted == (sum(points) > 0)  # `fivefold plan` says so where it applies
+        assert not any("arrival" in note for note in estimate(config, gpus, SLOW, 0.5, vocab_size=257).notes)
     # sequence parallelism's all-gather follows the previous reduce-scatter: still two per pass; overlapped
     # rings hide their waits; a MoE block with expert parallelism blocks twice (dispatch, combine)
     sp = _config("--tensor_parallel.degree", "2", "--tensor_parallel.sequence_parallel", "true")

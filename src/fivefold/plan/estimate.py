@@ -1484,5 +1484,9 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
         notes.append("MoE block activations under tp > 1 or MLA are counted as a dense block's")
     if d.cp > 1:
         notes.append("context parallelism's extra saved tensors (ring steps' partial outputs) are not counted")
+    if cluster.arrival.measured and time is not None and any(
+            sum(block_sync_points(config, model, d, moe)) for moe in (False, True)):
+        notes.append("tp / cp / ep comm include the ranks' arrival skew at each blocking collective (the cluster's "
+                     "[arrival])")
     return Estimate(d, gpus, memory[worst], worst, memory, time, tokens, shared.flops_per_token(model, t.seq_len) * tokens,
                     peak, cluster.memory_bytes, notes, server, imbalance(rows) if rows is not None else None)
