@@ -61,6 +61,7 @@ def test_sync_delay_is_the_measured_rise_past_the_collectives_burst():
 def test_arrival_table_round_trips_and_bad_tables_are_refused():
     c = _skewed()
     assert cluster_from_dict(tomllib.loads(cluster_toml(c))).arrival == CURVE
+    assert cluster_from_dict(c.to_dict()) == c  # the Python dict too (its topology.torus is a tuple)
     assert "[arrival]" not in cluster_toml(H100)
     data = tomllib.loads(cluster_toml(c))
     for bad in ({"measured": [[0, 1]]}, {"measured": [[5, 1], [2, 1]], "ranks": 2}, {"measured": [[0, 1], [5, -1]]},

@@ -276,7 +276,7 @@ def topology_from_dict(table: Any, source: str = "<dict>") -> TopologySpec:
                           f"{', '.join(sorted(known))}")
     values = dict(table)
     if "torus" in values:
-        if not isinstance(values["torus"], list):
+        if not isinstance(values["torus"], (list, tuple)):  # a file's list, or ClusterSpec.to_dict()'s tuple
             raise ConfigError(f"cluster file {source}: topology.torus = {values['torus']!r}: write [x, y]")
         values["torus"] = tuple(values["torus"])
     return TopologySpec(**values)
