@@ -70,7 +70,7 @@ reach a blocking collective apart, and the collective lasts until the last one a
 this project's 2-core machine it took 0.6 ms after 2 ms and 1.8-2.3 ms after 10-20 ms. The
 collectives above were timed after `after_us` of compute, so they already hold that much skew:
 `ClusterSpec.sync_delay(T, p)` is the measured time at T less the time at `after_us` (never below
-0; beyond the last point, the last point's), scaled from the measured `ranks` to a group of p by the
+0; beyond the last point, the last point's; a point below an earlier one is read as that one), scaled from the measured `ranks` to a group of p by the
 expected latest of p normal arrivals. The planner and the simulator add it to the collectives a block
 pass blocks on (tensor-, context- and expert-parallel); GPU presets leave it out.
 """
@@ -208,8 +208,13 @@ class ArrivalSpec:
     ranks: int = 0  # the ranks the measured all-reduce spanned
 
     def at(self, compute: float) -> float:
-        """Seconds of the measured call after `compute` seconds of compute: linear between points, flat beyond."""
-        points, us = self.measured, compute * 1e6
+        """Seconds of the measured call after `compute` seconds of compute: linear between points, flat beyond;
+        each point raised to the largest time before it (more compute cannot bring the ranks closer: a dip is
+        a noisy mean)."""
+        points, top, us = [], 0.0, compute * 1e6
+        for c, t in self.measured:
+            top = max(top, t)
+            points.append((c, top))
         if us <= points[0][0]:
             return points[0][1] * 1e-6
         for (a, ta), (b, tb) in zip(points, points[1:]):
