@@ -247,8 +247,7 @@ def _measure_solo(world_size: int, name: str, argv: list[str], out_root: Path, t
 def _cluster(world_size: int, measured: dict, collectives: str = "beside"):
     """This machine as the planner sees it; collectives: the backend's collectives as timed beside compute (a step's)
     or back to back (`alone`)."""
-    from fivefold.comm.bench import arrival_spec
-    from fivefold.plan.cluster import Accelerator, ArrivalSpec, ClusterSpec, LinkSpec
+    from fivefold.plan.cluster import Accelerator, ArrivalSpec, ClusterSpec, LinkSpec, arrival_from_dict
 
     link = LinkSpec.from_fit(measured["links"]["intra"] if measured["links"] else {"alpha": 1e-6, "beta": 1e-9})
     return ClusterSpec(f"this machine, {world_size} ranks",
@@ -259,7 +258,7 @@ def _cluster(world_size: int, measured: dict, collectives: str = "beside"):
                        max(world_size, 1), link, link,
                        collectives={name: LinkSpec.from_fit(native) for name, native in
                                     measured.get("native" if collectives == "beside" else "native_alone", {}).items()},
-                       arrival=arrival_spec(measured.get("arrival", {})) if collectives == "beside" else ArrivalSpec())
+                       arrival=arrival_from_dict(measured.get("arrival", {})) if collectives == "beside" else ArrivalSpec())
 
 
 def _profiled(rows: list[dict], efficiency: float) -> None:

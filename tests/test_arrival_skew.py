@@ -86,7 +86,7 @@ def test_planner_adds_one_wait_per_sync_point_of_each_block_pass():
         gpus = math.prod(int(v) for v in options[1::2]) if options else 2
         d = degrees_of(config, gpus)
         model = model_for(config, 257)
-        assert block_sync_points(config, model, d, False) == points
+        assert block_sync_points(config, d, False) == points
         block = pass_costs(config, model, d, SLOW, 0.5).block[False]
         n = max(sum(points), 1)
         # per fold: its sync points x (the forward's wait + the backward's), every layer
@@ -103,13 +103,13 @@ def test_planner_adds_one_wait_per_sync_point_of_each_block_pass():
     # sequence parallelism's all-gather follows the previous reduce-scatter: still two per pass; overlapped
     # rings hide their waits; a MoE block with expert parallelism blocks twice (dispatch, combine)
     sp = _config("--tensor_parallel.degree", "2", "--tensor_parallel.sequence_parallel", "true")
-    assert block_sync_points(sp, model_for(sp, 257), degrees_of(sp, 2), False) == (2, 0, 0)
+    assert block_sync_points(sp, degrees_of(sp, 2), False) == (2, 0, 0)
     overlap = _config("--tensor_parallel.degree", "2", "--tensor_parallel.sequence_parallel", "true",
                       "--tensor_parallel.comm_overlap", "true")
-    assert block_sync_points(overlap, model_for(overlap, 257), degrees_of(overlap, 2), False) == (0, 0, 0)
+    assert block_sync_points(overlap, degrees_of(overlap, 2), False) == (0, 0, 0)
     moe = _config("--model.preset", "tiny-moe", "--expert_parallel.degree", "2")
-    assert block_sync_points(moe, model_for(moe, 257), degrees_of(moe, 2), True) == (0, 0, 2)
-    assert block_sync_points(moe, model_for(moe, 257), degrees_of(moe, 2), False) == (0, 0, 0)
+    assert block_sync_points(moe, degrees_of(moe, 2), True) == (0, 0, 2)
+    assert block_sync_points(moe, degrees_of(moe, 2), False) == (0, 0, 0)
 
 
 def test_simulator_waits_the_skew_of_the_compute_before_each_sync_point():

@@ -454,7 +454,7 @@ def optimizer_constants(params_a: int, tensors_a: int, seconds_a: float, params_
 
 def cluster_file_of(report: dict) -> str:
     """This machine as a planner cluster file: achieved matmul rates (use `plan --efficiency 1`), fitted links."""
-    from fivefold.plan.cluster import Accelerator, ClusterSpec, LinkSpec, cluster_toml
+    from fivefold.plan.cluster import Accelerator, ClusterSpec, LinkSpec, arrival_from_dict, cluster_toml
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / report["node_size"] / 2**30
     spec_ = ClusterSpec(f"this-machine-{report['backend']}",
@@ -469,17 +469,8 @@ def cluster_file_of(report: dict) -> str:
                                "collectives, timed matmuls (achieved rates: plan with --efficiency 1)",
                         collectives={name: LinkSpec.from_fit(link) for name, link in
                                      (report.get("native_links_beside_compute") or report.get("native_links", {})).items()},
-                        arrival=arrival_spec(report.get("arrival", {})))
+                        arrival=arrival_from_dict(report.get("arrival", {}), "bench comm"))
     return cluster_toml(spec_)
-
-
-def arrival_spec(arrival: dict):
-    """`measure_arrival`'s dict as the cluster's ArrivalSpec (empty: none)."""
-    from fivefold.plan.cluster import ArrivalSpec
-
-    if not arrival.get("measured"):
-        return ArrivalSpec()
-    return ArrivalSpec(arrival["after_us"], tuple((c, t) for c, t in arrival["measured"]), arrival["ranks"])
 
 
 def format_table(report: dict) -> str:

@@ -466,11 +466,12 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
                        _number(data, "host_bandwidth_gbs", "(top level)") if "host_bandwidth_gbs" in data else 32.0,
                        _number(data, "nvme_bandwidth_gbs", "(top level)") if "nvme_bandwidth_gbs" in data else 25.0,
                        fitted, topology_from_dict(data.get("topology", {}), source),
-                       _arrival_spec(data.get("arrival", {}), source))
+                       arrival_from_dict(data.get("arrival", {}), source))
 
 
-def _arrival_spec(table: Any, source: str) -> ArrivalSpec:
-    """[arrival]: after_us and measured = [[us of compute, us], ...], compute strictly increasing from >= 0."""
+def arrival_from_dict(table: Any, source: str = "<dict>") -> ArrivalSpec:
+    """[arrival] (or `comm/bench.py measure_arrival`'s dict): after_us, ranks and measured = [[us of compute, us],
+    ...], compute strictly increasing from >= 0; an empty table or measured list is no skew."""
     usage = (f"cluster file {source}: [arrival] holds after_us (>= 0), ranks and measured, a list of at least two "
              "[microseconds of compute, microseconds] pairs with compute strictly increasing from >= 0 and times >= 0")
     if not isinstance(table, dict) or set(table) - {"after_us", "measured", "ranks"}:

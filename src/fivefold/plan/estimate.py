@@ -768,7 +768,7 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
     links = cluster.links()
     # per (virtual) stage: forward compute seconds of one micro-batch, and its exposed tp / cp / ep seconds
-    forward, comm_tp, comm_cp, comm_ep, comm_ep_back, attn_core, comm_cp_tail = [], [], [], [], [], [], []
+    forward, comm_tp, comm_cp, comm_ep, comm_ep_back, attn_core, comm_cp_back = [], [], [], [], [], [], []
     comm_tp_back = []
     edge_fwd, edge_bwd = [], []  # per stage: tensor parallelism outside the blocks' regions (_tensor_parallel_edges)
     statistics = []  # per stage: the MoE layers' routing statistics (once per micro-batch: forward, or its recompute)
@@ -791,12 +791,11 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     kind_tp_back = {moe: _overlapped_tp_block(model, d, 2 * costs.block[moe], 2 * costs.core, activation_bytes, cluster,
                                               moe) if overlap else kind_tp[moe] for moe in costs.block}
     # arrival skew (ClusterSpec.sync_delay): per block pass, (forward, backward) waits of its tp, cp and ep syncs
-    waits = {moe: block_sync_waits(config, model, d, cluster, costs.block[moe], moe) for moe in costs.block}
+    waits = {moe: block_sync_waits(config, d, cluster, costs.block[moe], moe) for moe in costs.block}
     for moe, (fwd, bwd) in waits.items():  # a MoE block's tp half is per block; kind_tp is per half (x 2)
         kind_tp[moe] += fwd[0] / 2
         kind_tp_back[moe] += bwd[0] / 2
-    wait_cp_fwd, wait_cp_bwd = [], []
-    block_cp, block_cp_tail = _context_parallel_block(config, model, d, costs.core, element, cluster)
+    block_cp, block_cp_back = _context_parallel_block(config, model, d, costs.core, element, cluster)
     edge = _tensor_parallel_edges(config, model, d, cluster, activation_bytes)
     routing = _routing_collectives(config, model, d, cluster)
     # per MoE layer: its exchanges' (forward, backward) seconds, and the busiest EP rank's extra routed compute
@@ -821,36 +820,31 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
         edge_bwd.append((edge.embedding_backward if stage == 0 else 0.0) + (edge.head_backward if stage == len(split) - 1 else 0.0)
                         + edge.norms_backward * len(layers) + routing.replicas_backward * len(moe_layers))
         statistics.append(routing.statistics * len(moe_layers))
-        comm_cp.append(block_cp * len(layers))
-        comm_cp_tail.append(block_cp_tail * len(layers))
+        comm_cp.append(sum((block_cp + waits[m][0][1]) * n for m, n in counts if n))
+        comm_cp_back.append(sum((block_cp_back + waits[m][1][1]) * n for m, n in counts if n))
         comm_ep.append(sum(block_ep.get(layer, balanced)[0] for layer in moe_layers) + len(moe_layers) * waits[True][0][2]
                        if moe_layers else 0.0)
         comm_ep_back.append(sum(block_ep.get(layer, balanced)[1] for layer in moe_layers)
                             + len(moe_layers) * waits[True][1][2] if moe_layers else 0.0)
-        wait_cp_fwd.append(sum(waits[m][0][1] * n for m, n in counts if n))
-        wait_cp_bwd.append(sum(waits[m][1][1] * n for m, n in counts if n))
     recompute = {"none": 0.0, "selective": 1.0, "full": 1.0}[t.recompute]
     full = t.recompute == "full"
-    comm_cp = [c + w for c, w in zip(comm_cp, wait_cp_fwd)]  # the forward's waits (re-run by a recompute)
-    comm_cp_tail = [c + w - cp_backward_of(config) * f for c, w, f in zip(comm_cp_tail, wait_cp_bwd, wait_cp_fwd)]
     stage_fwd = [f + 2 * tpc + ep + cp + e + (0.0 if full else r)
                  for f, tpc, ep, cp, e, r in zip(forward, comm_tp, comm_ep, comm_cp, edge_fwd, statistics)]
-    # backward: twice the compute, the same tp / ep traffic again, cp's ring twice (K/V, then their gradients;
-    # Ulysses' all-to-alls once); recompute re-runs the forward (selective: the attention core, cp included)
-    cp_backward = cp_backward_of(config)
+    # backward: twice the compute, the same tp / ep traffic again, cp's backward pass (its all-to-alls' conjugates,
+    # the ring's K/V and their gradients); recompute re-runs the forward (selective: the attention core, cp included)
     # full recomputation re-runs the blocks' forward (parallel/recompute.py wraps blocks), not the head's
     blocks_forward = [f - (costs.head if i == len(split) - 1 else 0.0) for i, f in enumerate(forward)]
     stage_bwd = []
     for i in range(len(split)):
         again = blocks_forward[i] + 2 * comm_tp[i] + comm_ep[i] if t.recompute == "full" else recompute * attn_core[i]
         again += recompute * comm_cp[i]
-        stage_bwd.append(2 * forward[i] + 2 * comm_tp_back[i] + comm_ep_back[i] + cp_backward * comm_cp[i] + comm_cp_tail[i]
+        stage_bwd.append(2 * forward[i] + 2 * comm_tp_back[i] + comm_ep_back[i] + comm_cp_back[i]
                          + again + edge_bwd[i] + (statistics[i] if full else 0.0))
     compute_total = m * sum(forward[i] * 3 + (blocks_forward[i] if t.recompute == "full" else recompute * attn_core[i])
                             for i in range(len(split))) / d.pp
     tp_total = m * sum(2 * c + 2 * cb + (2 * c if t.recompute == "full" else 0) + f + b
                        for c, cb, f, b in zip(comm_tp, comm_tp_back, edge_fwd, edge_bwd)) / d.pp
-    cp_total = m * sum((1 + cp_backward + recompute) * c + tail for c, tail in zip(comm_cp, comm_cp_tail)) / d.pp
+    cp_total = m * sum((1 + recompute) * c + back for c, back in zip(comm_cp, comm_cp_back)) / d.pp
     # the routing report: after the step, one all-reduce per pipeline rank of its MoE layers' loads
     report = sum(routing.report(sum(model.is_moe_layer(layer) for s in range(r, len(split), d.pp) for layer in split[s]))
                  for r in range(d.pp)) / d.pp if model.n_experts else 0.0
@@ -894,13 +888,7 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
                     _optimizer_time(config, model, d, split, cluster.accelerator) + scalar_time(config, model, d, cluster))
 
 
-def cp_backward_of(config: JobConfig) -> float:
-    """A context-parallel block's backward traffic over its forward's: the ring passes K/V and then their
-    gradients (twice), Ulysses runs its all-to-alls once each way (once)."""
-    return 1.0 if config.context_parallel.method == "ulysses" else 2.0
-
-
-def block_sync_points(config: JobConfig, model: ModelConfig, d: Degrees, moe: bool) -> tuple[int, int, int]:
+def block_sync_points(config: JobConfig, d: Degrees, moe: bool) -> tuple[int, int, int]:
     """(tp, cp, ep): the sync points a block pass blocks on after a stretch of compute. Tensor parallelism:
     one per region (dense: attention and MLP; MoE: attention only), sequence parallelism's all-gather follows
     the previous region's reduce-scatter with no compute between; context parallelism: one per layer (ring
@@ -912,12 +900,11 @@ def block_sync_points(config: JobConfig, model: ModelConfig, d: Degrees, moe: bo
     return tp, int(d.cp > 1), 2 if moe and (d.ep > 1 or d.etp > 1) else 0
 
 
-def block_sync_waits(config: JobConfig, model: ModelConfig, d: Degrees, cluster: ClusterSpec, forward: float,
-                     moe: bool) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+def block_sync_waits(config: JobConfig, d: Degrees, cluster: ClusterSpec, forward: float, moe: bool) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
     """Arrival-skew seconds of one block's forward and backward, split (tp, cp, ep): each sync point of
     `block_sync_points` waits `cluster.sync_delay` of the pass's compute shared evenly between them (the
     backward's compute is twice the forward's `forward` seconds). Zero without a measured [arrival]."""
-    syncs = block_sync_points(config, model, d, moe)
+    syncs = block_sync_points(config, d, moe)
     total = sum(syncs)
     if not total or not cluster.arrival.measured:
         return (0.0, 0.0, 0.0), (0.0, 0.0, 0.0)
@@ -1055,8 +1042,7 @@ def _tensor_parallel_edges(config: JobConfig, model: ModelConfig, d: Degrees, cl
 
 def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, core: float, element: int,
                             cluster: ClusterSpec) -> tuple[float, float]:
-    """Exposed context-parallel seconds of one block's attention (forward, what backward exposes beyond twice the
-    forward's). Ring: r - 1 K/V blocks pass around a ring of r ranks, point to point, overlapped with the
+    """Exposed context-parallel seconds of one block's attention, (forward, backward). Ring: r - 1 K/V blocks pass around a ring of r ranks, point to point, overlapped with the
     attention core (Liu et al.'s ring attention); as a double ring (inner_ring w, LoongTrain), r / w rounds of
     an inner ring, the inner hops on the link their span crosses, the outer on the link all of cp spans.
     Backward sends each block's K/V gradient after it as well. What a pass exposes is walked in the runtime's
@@ -1086,7 +1072,7 @@ def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, c
         link = cluster.collective_link("all_to_all", (max(members) - min(members) + 1) * d.tp)
         exposed += 2 * native_collective("all_to_all", q_bytes, heads, link) + \
             2 * native_collective("all_to_all", kv_bytes, heads, link)
-    ring_ranks, tail = layout.ring, 0.0
+    ring_ranks, back = layout.ring, exposed
     if ring_ranks > 1:
         kv = 2 * local * heads * model.kv_dim // (d.tp * heads) * element
         inner, rounds = layout.inner_size, layout.outer
@@ -1094,11 +1080,9 @@ def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, c
         outer_msg = cluster.link_for(d.cp * d.tp).message(kv)
         forward = ring_pass_seconds(inner, rounds, core / ring_ranks, inner_msg, outer_msg, False) - core
         backward = ring_pass_seconds(inner, rounds, 2 * core / ring_ranks, inner_msg, outer_msg, True) - 2 * core
-        # backward runs the all-to-alls once more and the ring's backward pass; step_time charges it
-        # cp_backward x the forward's and this tail
-        tail = exposed + backward - cp_backward_of(config) * (exposed + forward)
+        back = exposed + backward  # the all-to-alls' conjugates, then the ring's backward pass
         exposed += forward
-    return exposed, tail
+    return exposed, back
 
 
 def _written_per_block(model: ModelConfig, config: JobConfig, d: Degrees) -> dict[bool, int]:
@@ -1485,7 +1469,7 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
     if d.cp > 1:
         notes.append("context parallelism's extra saved tensors (ring steps' partial outputs) are not counted")
     if cluster.arrival.measured and time is not None and any(
-            sum(block_sync_points(config, model, d, moe)) for moe in (False, True)):
+            sum(block_sync_points(config, d, moe)) for moe in (False, True)):
         notes.append("tp / cp / ep comm include the ranks' arrival skew at each blocking collective (the cluster's "
                      "[arrival])")
     return Estimate(d, gpus, memory[worst], worst, memory, time, tokens, shared.flops_per_token(model, t.seq_len) * tokens,

@@ -186,16 +186,11 @@ def simulate(programs: dict[StreamKey, list[Op]], network: FlowNetwork, record_s
         while stream.pc < count and stream.busy_until <= now:
             op = ops[stream.pc]
             kind = type(op)
-            if kind is Compute:
-                if op.seconds > 0 and stream.key in shared:
+            if kind is Compute or kind is Delay:  # a Delay waits its time off the shared cores
+                if kind is Compute and op.seconds > 0 and stream.key in shared:
                     cores.start(stream.key, op.seconds, now, op.label)
                     stream.busy_until = float("inf")  # until the cores finish it (then pc moves on)
                     return
-                stream.busy_until = now + op.seconds
-                if op.seconds > 0:
-                    heapq.heappush(timers, (stream.busy_until, stream.key))
-                    mark(stream.key, op.label, now, stream.busy_until)
-            elif kind is Delay:
                 stream.busy_until = now + op.seconds
                 if op.seconds > 0:
                     heapq.heappush(timers, (stream.busy_until, stream.key))
