@@ -287,7 +287,7 @@ def _profiled(rows: list[dict], efficiency: float) -> None:
         try:
             simulated = simulate_step(row["config"], row["world_size"], row["cluster"], chosen, vocab_size=257,
                                       record_spans=False).time
-        except ConfigError:  # what the simulator does not model (priority scheduling)
+        except ConfigError:  # what the simulator refuses (parameter servers at --fidelity analytical)
             continue
         error, sim_error = predicted / row["measured"] - 1, simulated / row["measured"] - 1
         errors.append(abs(error))

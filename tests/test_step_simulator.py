@@ -26,12 +26,13 @@ from fivefold.errors import ConfigError
 from fivefold.plan.cluster import PRESETS, LinkSpec
 from fivefold.plan.estimate import degrees_of, estimate, model_for, scalar_time
 from fivefold.plan.parameters import rank_parameters
-from fivefold.sim.engine import Collective, Compute, Send, simulate
+from fivefold.sim.engine import Collective, Compute, Send, SimResult, simulate
 from fivefold.sim.network import DedicatedNetwork, FlowNetwork
 from fivefold.sim.routing import Router
 from fivefold.sim.step import PHASES, simulate_step
 from fivefold.sim.topology import nvswitch
-from fivefold.sim.workload import Grid
+from fivefold.sim.priority import MAX_PASSES, greedy_order
+from fivefold.sim.workload import Grid, PrioritySlice, Workload, first_guess_order
 
 H100 = PRESETS["h100-sxm"]
 SMALL = ["--train.seq_len", "128", "--train.micro_batch_size", "2", "--model.n_layers", "4"]
@@ -486,7 +487,6 @@ def test_replicated_experts_sum_their_gradients_over_their_holders(tmp_path, mon
 @pytest.mark.parametrize("overrides,message", [
     (["--data_parallel.mode", "ps", "--parameter_server.sync", "asp"], "sync = asp"),
     (["--gradient_comm.compression", "sign", "--gradient_comm.compression_block", "8"], "not a multiple of 32"),
-    (["--gradient_comm.schedule", "priority", "--train.max_grad_norm", "0"], "schedule"),
 ])
 def test_unmodelled_layouts_are_refused_by_name(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -547,6 +547,9 @@ def test_every_step_option_changes_what_is_simulated(capsys):
     assert _step_json(capsys, *base, "--routing", "spray")["routing"] == "spray"
     controlled = _step_json(capsys, *base, "--fidelity", "flow", "--congestion", "aimd")
     assert controlled["congestion"] == "aimd" and controlled["seconds"] > flow["seconds"]
+    priority = _step_json(capsys, *base, "--train.max_grad_norm", "0", "--gradient_comm.schedule", "priority")
+    assert priority["priority_slices"] > 4 and priority["priority_order_simulations"] >= 1
+    assert plain["priority_slices"] == 0 and priority["seconds"] != plain["seconds"]
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -825,3 +828,68 @@ def test_context_parallel_priced_alike_by_planner_and_simulator(per_node):
         planned = estimate(config, gpus, node, 0.5, vocab_size=257).time
         assert run.breakdown()["cp"] == pytest.approx(planned.cp, rel=1e-9), extra
         assert run.time == pytest.approx(planned.total, rel=1e-9), extra
+
+
+def _priority(*overrides: str):
+    return _config("--train.max_grad_norm", "0", "--gradient_comm.schedule", "priority", "--gradient_comm.bucket_mb", "1",
+                   "--gradient_comm.slice_mb", "0.25", *overrides)
+
+
+def test_priority_schedule_on_a_free_network_moves_the_update_into_the_next_forward():
+    """gradient_comm.schedule = priority, its steady state (the second of two simulated steps): with free links every
+    slice is reduced as soon as backward completes its bucket, so the step is FIFO's (both unclipped) less the
+    gradient norm the schedule does not take: the same AdamW, run unit by unit before each unit's forward. One
+    step's traffic: each slice's all-reduce and the readiness vector's (4 bytes a slice) once per slice."""
+    cpu = _free(dataclasses.replace(H100, accelerator=dataclasses.replace(H100.accelerator, optimizer_gbs=10.0,
+                                                                          optimizer_tensor_us=20.0)))
+    fifo = simulate_step(_config("--train.max_grad_norm", "0"), 2, cpu, vocab_size=257)
+    run = simulate_step(_priority(), 2, cpu, vocab_size=257)
+    slices = run.workload.slices
+    assert run.workload.steps == 2 and len(slices) > 20 and len({piece.bucket for piece in slices}) > 2
+    params = rank_parameters(model_for(_priority(), 257), list(range(4)), True, True, 1).total
+    norm = cpu.accelerator.clip_seconds(params, False)
+    assert norm > 0 and run.time == pytest.approx(fifo.time - norm, rel=1e-9)
+    phases = run.breakdown()
+    assert phases["optimizer"] == pytest.approx(fifo.breakdown()["optimizer"] - norm, rel=1e-9)
+    assert sum(phases.values()) == pytest.approx(run.time, rel=1e-9)
+    for rank in range(2):
+        calls = run.workload.calls(rank)
+        assert sum(n == 4 * len(slices) for _, _, n in calls) == len(slices)
+        assert sorted(n for _, _, n in calls if n > 4 * len(slices)) == sorted(piece.nbytes for piece in slices)
+    # a one-rank job has no data-parallel group: the runtime keeps the plain step (norm, update at the end)
+    alone = simulate_step(_priority(), 1, cpu, vocab_size=257)
+    assert alone.workload.steps == 1 and alone.time == pytest.approx(estimate(_priority(), 1, cpu, vocab_size=257).time.total,
+                                                                     rel=1e-9)
+
+
+def test_priority_slices_go_in_the_order_the_runtimes_rule_picks():
+    """On slow links a bucket's slices are still on the wire when backward completes the next bucket, whose slices
+    the next forward needs sooner: they overtake (the order is not bucket by bucket), and the order the simulation
+    settles on is the one the runtime's rule (the most urgent slice ready everywhere, whenever the thread is free)
+    picks from the simulated times. Most of the step is then the slices' reduction, and the step is the
+    planner's (plan/estimate.py `_priority_time`) within 5%."""
+    slow = dataclasses.replace(H100, intra=LinkSpec(50.0, 10.0), inter=LinkSpec(50.0, 10.0), collectives={})
+    config = _priority()
+    for fidelity in ("analytical", "flow"):
+        run = simulate_step(config, 2, slow, vocab_size=257, fidelity=fidelity)
+        order = run.workload.slice_order
+        assert run.order_passes <= MAX_PASSES and greedy_order(run.workload, run.result, 1) == order
+        assert order != first_guess_order(run.workload.slices)
+        buckets = [run.workload.slices[k].bucket for k in order]
+        assert buckets != sorted(buckets)
+        assert run.breakdown()["dp"] > 0.5 * run.time
+        assert run.time == pytest.approx(estimate(config, 2, slow, vocab_size=257).time.total, rel=0.05)
+
+
+@pytest.mark.parametrize("took,expected", [(1.0, [1, 0, 2]), (2.0, [1, 2, 0])])
+def test_greedy_order_by_hand(took, expected):
+    """Bucket 0 (slices 0 and 1, forward positions 5 and 4) is ready at 0, bucket 1 (slice 2, position 0) at 1.5;
+    each slice takes `took`. The thread takes slice 1 first (more urgent than 0); at 1.0 only slice 0 is ready; at
+    2.0 slice 2 is too, and overtakes it."""
+    slices = [PrioritySlice(0, 100, 5), PrioritySlice(0, 100, 4), PrioritySlice(1, 100, 0)]
+    workload = Workload({}, Grid(1, 2, 1, 1, 1), None, [[0]], (0, 1), "analytical", slices=slices)
+    events = {(rank, "s1-ready0"): 0.0 for rank in (0, 1)} | {(0, "s1-ready1"): 1.4, (1, "s1-ready1"): 1.5}
+    for k in range(3):  # each rank's times (the slowest counts)
+        events |= {(rank, f"s1-begin{k}"): 10.0 * k for rank in (0, 1)}
+        events |= {(0, f"s1-slice{k}"): 10.0 * k + took, (1, f"s1-slice{k}"): 10.0 * k + took / 2}
+    assert greedy_order(workload, SimResult(0.0, {}, {}, [], events=events), 1) == expected

@@ -913,6 +913,12 @@ def block_sync_waits(config: JobConfig, d: Degrees, cluster: ClusterSpec, forwar
                  for scale in (1, 2))
 
 
+def priority_schedule(config: JobConfig, d: Degrees) -> bool:
+    """Does the priority schedule run (parallel/parallelize.py)? Only over a data-parallel group (dp x cp) of two
+    or more ranks: alone, a rank keeps the plain step, its norm and its update at the step's end."""
+    return config.gradient_comm.schedule == "priority" and d.dp * d.cp > 1
+
+
 def scalar_groups(config: JobConfig, model: ModelConfig, d: Degrees) -> list[tuple[str, int, str]]:
     """The step's scalar all-reduces, (what, bytes, group), the runtime's: the token count (4 bytes,
     train/trainer.py) over `dp_cp`; the gradient norm's (8 bytes, parallel/gradient_sync.py GradNorm) over ZeRO's
@@ -923,7 +929,7 @@ def scalar_groups(config: JobConfig, model: ModelConfig, d: Degrees) -> list[tup
     if config.data_parallel.mode == "ps":
         return []
     calls = [("token count", 4, "dp_cp")]
-    if config.gradient_comm.schedule != "priority":
+    if not priority_schedule(config, d):
         sharded = zero_degrees(config, d) is not None
         calls += [("gradient norm", 8, group) for group in (("shard",) if sharded else ()) + ("tp", "pp")]
         if model.n_experts:
@@ -1154,7 +1160,7 @@ def _optimizer_time(config: JobConfig, model: ModelConfig, d: Degrees, split: li
         return 0.0
     flat = zero_degrees(config, d) is not None
     clipping = config.train.max_grad_norm > 0
-    norm = config.gradient_comm.schedule != "priority"  # the priority schedule takes no norm (it refuses clipping)
+    norm = not priority_schedule(config, d)  # the priority schedule takes no norm (it refuses clipping)
 
     def seconds(layers: list[int], first: bool, last: bool) -> float:
         shard = optimizer_shard(rank_parameters(model, layers, first, last, d.tp, d.ep, d.etp, pipelined=d.pp > 1,

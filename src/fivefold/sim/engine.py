@@ -112,6 +112,7 @@ class SimResult:
     link_bytes: list[float]
     spans: list[Span] = field(default_factory=list)
     labelled: dict[StreamKey, dict[str, float]] = field(default_factory=dict)  # seconds per span label, per stream
+    events: dict[tuple[int, str], float] = field(default_factory=dict)  # (rank, event) -> when it was notified
 
     def chrome_trace(self) -> dict:
         """Chrome trace events: one process per rank, one thread per stream, times in microseconds."""
@@ -149,7 +150,7 @@ def simulate(programs: dict[StreamKey, list[Op]], network: FlowNetwork, record_s
     sent: dict[tuple[int, int], deque] = defaultdict(deque)  # (sender stream, handle, bytes) not yet matched
     posted_recvs: dict[tuple[int, int], deque] = defaultdict(deque)  # (receiver stream, handle) not yet matched
     in_flight: dict[int, tuple[tuple[StreamKey, int], tuple[StreamKey, int]]] = {}  # message -> (sender, receiver)
-    events: set[tuple[int, str]] = set()
+    events: dict[tuple[int, str], float] = {}  # (rank, event) -> when first notified
     pair_bytes: dict[tuple[int, int], int] = defaultdict(int)
     spans: list[Span] = []
     finish: dict[StreamKey, float] = {}
@@ -235,7 +236,7 @@ def simulate(programs: dict[StreamKey, list[Op]], network: FlowNetwork, record_s
                 posted_recvs[(op.peer, rank)].append((stream.key, op.handle))
                 match((op.peer, rank))
             elif kind is Notify:
-                events.add((rank, op.event))
+                events.setdefault((rank, op.event), now)
                 ready.extend(of_rank[rank])
             else:
                 raise TypeError(f"not a simulator operation: {op!r}")
@@ -269,4 +270,4 @@ def simulate(programs: dict[StreamKey, list[Op]], network: FlowNetwork, record_s
         while timers and timers[0][0] <= now:
             ready.append(heapq.heappop(timers)[1])
     return SimResult(max(finish.values(), default=0.0), finish, dict(pair_bytes),
-                     network.link_bytes.tolist(), spans, dict(labelled))
+                     network.link_bytes.tolist(), spans, dict(labelled), events)

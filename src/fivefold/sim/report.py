@@ -134,6 +134,7 @@ def run_step(args: argparse.Namespace, overrides: list[str]) -> int:
         "collectives_as_messages": work.recorded, "collectives_by_formula": work.analytical,
         "bytes_sent": sum(run_.result.pair_bytes.values()), "busiest_links": links[:args.top_links],
         "build_wall_seconds": run_.build_seconds, "simulation_wall_seconds": run_.simulate_seconds,
+        "priority_slices": len(work.slices), "priority_order_simulations": run_.order_passes,
     }
     if args.trace:
         _write_trace(run_.result, args.trace)
@@ -150,6 +151,9 @@ def run_step(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.expert_load:
         print(f"  experts      routed as measured in {args.expert_load}: the busiest expert-parallel rank receives "
               f"{work.expert_imbalance:.2f} x the mean rows")
+    if work.slices:
+        print(f"  priority     {len(work.slices)} gradient slices reduced in the order the runtime's rule picks (found in "
+              f"{run_.order_passes} simulation(s)); the second of two steps reported")
     for phase in PHASES:
         if phases[phase] > 0:
             print(f"    {phase:<11}{phases[phase] * 1e3:12.3f} ms {phases[phase] / run_.time:7.1%}")

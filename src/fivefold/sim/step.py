@@ -9,7 +9,8 @@ time with a per-phase breakdown of the slowest rank's compute stream:
     pipeline                        waits for pipeline messages plus idle time: the bubble and the
                                     activation transfers it could not hide
 
-The phases add up to the step time. The result also carries per-link utilisation, the bytes each
+The phases add up to the step time. Under the priority schedule the step is the steady state of
+sim/priority.py (the second of two steps, its communication thread's order the runtime's). The result also carries per-link utilisation, the bytes each
 pair of ranks exchanged and a Chrome trace of every simulated rank's streams. On a CPU host whose
 ranks share its cores (accelerator.shared_cores) the compute streams run on those cores (cores.py):
 a rank waiting for a message or a collective lends its share to the ranks still computing.
@@ -30,6 +31,7 @@ from fivefold.sim.collective import link_utilisation
 from fivefold.sim.cores import SharedCores
 from fivefold.sim.engine import SimResult, simulate
 from fivefold.sim.network import DedicatedNetwork, flow_network
+from fivefold.sim.priority import steady_state
 from fivefold.sim.routing import cluster_router
 from fivefold.sim.topology import Topology
 from fivefold.sim.workload import CODEC, COMPUTE, Workload, build_workload
@@ -46,6 +48,7 @@ class StepRun:
     result: SimResult
     build_seconds: float
     simulate_seconds: float
+    order_passes: int = 0  # the priority schedule: simulations run to find its slice order (sim/priority.py)
 
     @property
     def time(self) -> float:
@@ -96,12 +99,26 @@ def simulate_step(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency
     expert_load: each MoE layer's measured assignments per expert (uneven dispatch), default balanced."""
     start = time.perf_counter()
     router = cluster_router(cluster, gpus)
-    workload = build_workload(config, gpus, cluster, efficiency, fidelity, vocab_size, router, expert_load)
     if fidelity == "analytical" and congestion != "none":
         raise ConfigError(f"--congestion {congestion}: the analytical path has no shared links to control; use "
                           "--fidelity flow, hybrid or aggregate")
-    network = DedicatedNetwork(router) if fidelity == "analytical" else flow_network(router, congestion)
-    cores, shared = shared_cores(config, workload, cluster)
-    built = time.perf_counter()
-    result = simulate(workload.programs, network, record_spans, cores, shared)
-    return StepRun(workload, router.topology, result, built - start, time.perf_counter() - built)
+    clock = {"build": 0.0, "simulate": 0.0}
+
+    def play(slice_order: list[int] | None = None, steps: int = 0) -> tuple[Workload, SimResult]:
+        began = time.perf_counter()
+        workload = build_workload(config, gpus, cluster, efficiency, fidelity, vocab_size, router, expert_load,
+                                  slice_order, steps)
+        network = DedicatedNetwork(router) if fidelity == "analytical" else flow_network(router, congestion)
+        cores, shared = shared_cores(config, workload, cluster)
+        built = time.perf_counter()
+        result = simulate(workload.programs, network, record_spans, cores, shared)
+        clock["build"] += built - began
+        clock["simulate"] += time.perf_counter() - built
+        return workload, result
+
+    workload, result = play()
+    passes = 0
+    if workload.steps > 1:  # the priority schedule: its steady state, in the order the runtime's rule picks
+        workload, result, passes = steady_state(play, workload, result)
+    clock["build"] += time.perf_counter() - start - clock["build"] - clock["simulate"]  # the router, the order
+    return StepRun(workload, router.topology, result, clock["build"], clock["simulate"], passes)

@@ -71,7 +71,14 @@ thread is waited for.
 The step's scalar all-reduces (token count, gradient norm, the guard's verdict) run before the update,
 each by formula (`scalars`).
 
-Not modelled (stated in docs/simulator.md): priority scheduling, asynchronous parameter servers (asp, ssp).
+The priority schedule (parallel/comm_schedule.py) cuts DDP's buckets into the runtime's slices; the
+communication thread reduces them one by one (the readiness vector's all-reduce, then the slice's) in a
+given order, each once its bucket is ready, and the step does not wait for them: from the second step
+on, each unit's forward first waits for the previous step's slices holding its parameters and runs
+AdamW on them. Its steady state is the second of two steps; sim/priority.py finds the order the
+runtime's rule (the most urgent slice ready everywhere, whenever the thread is free) picks.
+
+Not modelled (stated in docs/simulator.md): asynchronous parameter servers (asp, ssp).
 """
 
 from __future__ import annotations
@@ -93,7 +100,7 @@ from fivefold.parallel.shard_layout import GROUP_KINDS
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.estimate import (Degrees, PassCosts, codec_exchanges, compute_dtype, degrees_of, dispatch_rows, model_for,
-                                    offload_seconds, pass_costs, server_loads, server_update_seconds,
+                                    offload_seconds, pass_costs, priority_schedule, server_loads, server_update_seconds,
                                     scalar_groups, tied_embedding_bytes, tied_embedding_pair, weight_element,
                                     zero_degrees)
 from fivefold.plan.expert_load import Matrix, exchange_matrices, expert_rows_by_load, imbalance
@@ -170,6 +177,22 @@ class Grid:
         return tuple(members)
 
 
+@dataclass(frozen=True)
+class PrioritySlice:
+    """One slice of the priority schedule: its DDP bucket, its bytes on the wire and its forward position (lower
+    goes first)."""
+
+    bucket: int
+    nbytes: int
+    priority: int
+
+
+def first_guess_order(slices: list[PrioritySlice]) -> list[int]:
+    """The communication thread's order if each bucket's slices were all reduced before the next bucket is ready:
+    buckets as backward completes them, each one's slices most urgent first (sim/priority.py refines it)."""
+    return sorted(range(len(slices)), key=lambda k: (slices[k].bucket, slices[k].priority, k))
+
+
 @dataclass
 class Unit:
     """A piece of a stage the runtime treats as one: a block, or the root (embedding; final norm and head)."""
@@ -194,9 +217,13 @@ class Workload:
     fidelity: str
     log: dict[int, list[tuple[str, tuple[int, ...], int, str, Matrix | None]]] = field(default_factory=dict)  # rank -> its calls
     expert_imbalance: float = 1.0  # under a measured expert load: the most rows an EP rank receives / the mean
-    recorded: int = 0  # collectives expanded into messages
-    analytical: int = 0  # collectives priced by formula
+    recorded: int = 0  # collectives expanded into messages (per step)
+    analytical: int = 0  # collectives priced by formula (per step)
     expand: Callable[..., dict[int, list[Op]]] | None = field(default=None, repr=False)
+    steps: int = 1  # optimizer steps the programs run (the priority schedule's steady state needs two)
+    slices: list[PrioritySlice] = field(default_factory=list)  # the priority schedule's slices (else none)
+    slice_order: list[int] = field(default_factory=list)  # the order its communication thread reduces them in
+    unit_slices: dict[str, list[int]] = field(default_factory=dict)  # a unit -> the slices its next forward waits for
 
     def calls(self, rank: int) -> list[tuple[str, tuple[int, ...], int]]:
         """`rank`'s torch.distributed calls, as sim/observe.py records the runtime's: (kind, group ranks, bytes)
@@ -278,6 +305,9 @@ class _DdpPart:
     contents: list[list[tuple[int, int]]] = field(default_factory=list)  # each bucket's tensors: (elements, rows)
     bucket_of: dict[tuple[int, str], list[int]] = field(default_factory=lambda: defaultdict(list))  # (stage, unit) ->
     # the buckets its backward completes
+    slices: list[PrioritySlice] = field(default_factory=list)  # the priority schedule's (comm_schedule.py plan_slices)
+    unit_slices: dict[tuple[int, str], list[int]] = field(default_factory=dict)  # (stage, unit) -> the slices its
+    # parameters lie in: what its next forward waits for
 
 
 @dataclass
@@ -294,7 +324,8 @@ class _ZeroPart:
 class _Builder:
     def __init__(self, config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency,
                  fidelity: str, vocab_size: int, router: Router | None = None,
-                 expert_load: dict[str, list[float]] | None = None):
+                 expert_load: dict[str, list[float]] | None = None, slice_order: list[int] | None = None,
+                 steps: int = 0):
         from fivefold.parallel.pipeline.stages import plan_stages
 
         if fidelity not in FIDELITIES:
@@ -361,6 +392,12 @@ class _Builder:
         self._since: dict[int, float] = defaultdict(float)  # compute seconds since the rank's last sync point
         self.recorded = self.analytical = 0
         self.log: dict[int, list[tuple[str, tuple[int, ...], int, str, Matrix | None]]] = defaultdict(list)
+        # the priority schedule (parallel/comm_schedule.py): its steady state is the second of two steps (the first
+        # step's gradients are reduced under the second's forward); slice_order: the communication thread's order
+        self.priority = priority_schedule(config, d)
+        self.steps = steps or (2 if self.priority else 1)
+        self.step = 0
+        self.slice_order = slice_order
 
     def expert_imbalance(self) -> float:
         """The most rows one expert-parallel rank receives over the mean, over the MoE layers (1: balanced)."""
@@ -779,11 +816,25 @@ class _Builder:
         tensors = [torch.empty(e, device="meta") for *_, (e, _) in order]
         owner = {id(t): (s, unit) for t, (s, unit, _) in zip(tensors, order)}
         shape = {id(t): kept for t, (*_, kept) in zip(tensors, order)}
-        for bucket in make_buckets(tensors, g.bucket_mb, dtype):
+        buckets = make_buckets(tensors, g.bucket_mb, dtype)
+        for bucket in buckets:
             part.buckets.append(bucket.buffer.numel() * bucket.buffer.element_size())
             part.contents.append([shape[id(t)] for t in bucket.params])
             first = min((owner[id(t)] for t in bucket.params), key=forward_position.get)  # backward runs units in reverse
             part.bucket_of[first].append(len(part.buckets) - 1)
+        if self.priority and not experts:  # the runtime's slices (the priority schedule refuses routed experts)
+            from types import SimpleNamespace
+
+            from fivefold.parallel.comm_schedule import plan_slices
+
+            element = dtype.itemsize
+            cut = plan_slices(SimpleNamespace(params=tensors, buckets=buckets), max(1, int(g.slice_mb * 2**20) // element))
+            part.slices = [PrioritySlice(c.bucket, (c.hi - c.lo) * element, c.priority) for c in cut]
+            for b, bucket in enumerate(buckets):
+                for t, lo in zip(bucket.params, bucket.offsets):
+                    hi = lo + t.numel()
+                    mine = part.unit_slices.setdefault(owner[id(t)], [])
+                    mine += [k for k, c in enumerate(cut) if c.bucket == b and c.lo < hi and c.hi > lo and k not in mine]
         return part
 
     def dp_algorithm(self, nbytes: int, p: int) -> str:
@@ -823,9 +874,12 @@ class _Builder:
             self.reduced.add((i, stage, unit.name))
 
     def reduce_bucket(self, rank: int, i: int, b: int) -> None:
-        """Launch DDP instance i's bucket b on the communication thread: one all-reduce, or its codec's exchanges."""
+        """Launch DDP instance i's bucket b on the communication thread: one all-reduce, or its codec's exchanges;
+        under the priority schedule its slices become ready (`priority_reduce` plays them)."""
         part = self.ddp_parts[i]
-        if self.config.gradient_comm.compression != "none":
+        if part.slices:
+            self.programs[(rank, COMPUTE)].append(Notify(f"s{self.step}-ready{b}"))
+        elif self.config.gradient_comm.compression != "none":
             self.compressed_reduce(rank, part.contents[b], part.group)
         else:
             nbytes = part.buckets[b]
@@ -934,6 +988,8 @@ class _Builder:
         self.zero3_root(rank, stage)
         blocks = [unit for unit in self.units[stage] if unit.index >= 0]
         for unit in self.units[stage]:
+            if self.priority:
+                self.deferred_update(rank, stage, unit)
             if unit.index >= 0:
                 self.zero3_before(rank, stage, blocks, blocks.index(unit))
                 self.block_pass(rank, unit, backward=False)
@@ -1026,6 +1082,9 @@ class _Builder:
                                                                 part.groups["split"]))
         if self.pending:
             self.programs[(rank, COMPUTE)].append(Await(self.pending[-1], "dp"))
+        for part in self.ddp_parts:
+            if part.slices:
+                self.priority_reduce(rank, part)
         self.replicated_experts(rank)
         for part in self.zero_parts:
             deg, groups = part.degrees, part.groups
@@ -1038,6 +1097,35 @@ class _Builder:
                 for n in pieces:
                     self.collective(rank, COMPUTE, "all_reduce", groups["replica"],
                                     n // deg.optim * self.reduce_element, "dp")
+
+    def priority_reduce(self, rank: int, part: _DdpPart) -> None:
+        """The priority schedule's communication thread for this step (parallel/comm_schedule.py
+        `_negotiate_and_reduce`): each slice, in `slice_order`, once its bucket is ready: the readiness vector's
+        all-reduce (4 bytes a slice, the backend's), then the slice's all-reduce (gradient_comm.allreduce_algorithm).
+        The step does not wait: each module's next forward waits for its own slices (`deferred_update`)."""
+        order = self.slice_order if self.slice_order is not None else first_guess_order(part.slices)
+        if sorted(order) != list(range(len(part.slices))):
+            raise ValueError(f"slice_order {order}: not an order of the {len(part.slices)} slices")
+        key, p = (rank, DP), len(part.group)
+        for k in order:
+            piece = part.slices[k]
+            self.programs[key] += [Await(f"s{self.step}-ready{piece.bucket}", "idle"), Notify(f"s{self.step}-begin{k}")]
+            self.collective(rank, DP, "all_reduce", part.group, 4 * len(part.slices), "dp")
+            self.collective(rank, DP, "all_reduce", part.group, piece.nbytes, "dp", self.dp_algorithm(piece.nbytes, p))
+            self.programs[key].append(Notify(f"s{self.step}-slice{k}"))
+
+    def deferred_update(self, rank: int, stage: int, unit: Unit) -> None:
+        """The priority schedule defers each module's update to its next forward (comm_schedule.py `_apply`): from
+        the second step on, a unit waits for the previous step's slices holding its parameters, then runs AdamW
+        on them. (The runtime does this per module; here per unit, a block's modules together.)"""
+        if self.step == 0:
+            return
+        for part in self.ddp_parts:
+            for k in part.unit_slices.get((stage, unit.name), []):
+                self.programs[(rank, COMPUTE)].append(Await(f"s{self.step - 1}-slice{k}", "dp"))
+        elements = sum(e for _, e in unit.params)
+        if elements:
+            self.compute(rank, self.cluster.accelerator.optimizer_seconds(elements, len(unit.params)), "optimizer")
 
     def replicated_experts(self, rank: int) -> None:
         """EPLB (parallel/expert_parallel.py `ReplicaGradients`): after DDP's reduction, each replicated expert this
@@ -1072,6 +1160,8 @@ class _Builder:
         accelerator's optimizer rate, with its cost per tensor updated (ZeRO: per flat group); offload: the shard's
         trips to the host and, with NVMe, the drives, as the planner prices them. ZeRO-1/2 gather the new weights."""
         self.scalars(rank)
+        if self.priority:  # each module is updated at its next forward (`deferred_update`)
+            return
         z = self.config.data_parallel
         stages = list(range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp))
         shards = {not part.dense: part.degrees.optim for part in self.zero_parts}  # experts? -> optimizer degree
@@ -1140,6 +1230,18 @@ class _Builder:
             stream = [Instruction(op, mb, 0) for mb in range(m) for op in (P.FORWARD, P.BACKWARD)]
             stream += [Instruction(P.REDUCE_GRADS), Instruction(P.OPTIMIZER_STEP)]
         self.data_parallel_setup(rank)
+        for self.step in range(self.steps):
+            self.step_program(rank, stream)
+            if self.step == 0:
+                logged = len(self.log[rank])
+        del self.log[rank][logged:]  # the calls of one step (every step makes the same)
+
+    def step_program(self, rank: int, stream: list) -> None:
+        """One optimizer step of `rank`: its instruction stream as the executor runs it."""
+        from fivefold.parallel.pipeline.schedules import Op as P
+
+        d, m, pipe = self.d, self.config.train.grad_accum_steps, self.config.pipeline_parallel
+        coords = self.grid.coords(rank)
         self.pending: list[str] = []
         self.launched: set[tuple[int, int]] = set()  # (DDP part, bucket)
         self.reduced: set[tuple[int, int, str]] = set()  # (ZeRO part, stage, unit)
@@ -1151,10 +1253,6 @@ class _Builder:
         posts: list[Op] = []
         receives: list[int] = []
         sends: list[int] = []
-        last_mb = {}
-        for ins in stream:
-            if ins.op in (P.BACKWARD, P.BACKWARD_WEIGHT):
-                last_mb[ins.stage] = ins.microbatch
         for ins in stream:
             if ins.op in (P.RECV_ACT, P.RECV_GRAD, P.SEND_ACT, P.SEND_GRAD):
                 peer = self.grid.rank(**(coords | {"pp": ins.peer}))
@@ -1202,8 +1300,6 @@ def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:
     if g.compression == "sign" and g.compression_block % 32:
         reasons.append(f"gradient_comm.compression = sign with compression_block = {g.compression_block}, not a multiple "
                        "of 32 (its 1-bit codes are played as 4-byte words)")
-    if g.schedule != "fifo":
-        reasons.append(f"gradient_comm.schedule = {g.schedule}")
     if reasons:
         raise ConfigError("the step simulator does not model " + "; ".join(reasons) +
                           ": use `fivefold plan` for this layout's estimate")
@@ -1211,13 +1307,20 @@ def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:
 
 def build_workload(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency = 0.5,
                    fidelity: str = "hybrid", vocab_size: int = 0, router: Router | None = None,
-                   expert_load: dict[str, list[float]] | None = None) -> Workload:
+                   expert_load: dict[str, list[float]] | None = None, slice_order: list[int] | None = None,
+                   steps: int = 0) -> Workload:
     """Every simulated rank's program for one optimizer step of `config` on `gpus` accelerators of `cluster`
     (router: the fabric the programs will run on, for the aggregate fidelity's latencies; default the
-    cluster's own; expert_load: each MoE layer's measured assignments per expert, default balanced)."""
-    builder = _Builder(config, gpus, cluster, efficiency, fidelity, vocab_size, router, expert_load)
+    cluster's own; expert_load: each MoE layer's measured assignments per expert, default balanced). Under the
+    priority schedule: `steps` steps (default 2: the second is the steady state), the communication thread
+    reducing the slices in `slice_order` (default `first_guess_order`; sim/priority.py finds the runtime's)."""
+    builder = _Builder(config, gpus, cluster, efficiency, fidelity, vocab_size, router, expert_load, slice_order, steps)
     for rank in builder.simulated:
         builder.rank_program(rank)
+    part = next((part for part in getattr(builder, "ddp_parts", []) if part.slices), None)
+    slices = part.slices if part else []
     return Workload(dict(builder.programs), builder.grid, builder.d, builder.split, builder.simulated, fidelity,
-                    dict(builder.log), builder.expert_imbalance(), recorded=builder.recorded, analytical=builder.analytical,
-                    expand=builder._recording)
+                    dict(builder.log), builder.expert_imbalance(), recorded=builder.recorded // builder.steps,
+                    analytical=builder.analytical // builder.steps, expand=builder._recording, steps=builder.steps, slices=slices,
+                    slice_order=list(slice_order) if slice_order is not None else first_guess_order(slices),
+                    unit_slices={unit: ks for (_, unit), ks in part.unit_slices.items()} if part else {})
