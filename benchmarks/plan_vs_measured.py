@@ -6,7 +6,8 @@ ping-pong (comm/measure.py) and each gloo collective's own link (comm/bench.py m
 at the sizes a step sends; measured again in each batch with its trainers alive, the median alpha and
 beta over batches, and each size's median time, which the planner interpolates at this world size), and
 the ranks' arrival skew (comm/bench.py measure_arrival: a tiny all-reduce after 0-20 ms of compute, the
-median per burst over batches; the cluster's [arrival]). Then, in batches of --batch layouts (their trainers alive together and
+median per burst over batches; the cluster's [arrival]) and the time a rank's thread spends posting a ring
+exchange beside compute (measure_post, the median per size over batches; accelerator.p2p_post_us). Then, in batches of --batch layouts (their trainers alive together and
 freed before the next batch: a score of live trainers slows every step by a quarter or more), every
 layout builds the real Trainer (configs/tiny.toml's model on the
 embedded corpus, shrunk by the options), takes warm-up steps, and is timed in rotating rounds: one step
@@ -151,8 +152,8 @@ def _measure(rank: int, world_size: int, job) -> dict:
     import torch
     import torch.distributed as dist
 
-    from fivefold.comm.bench import (codec_rates, matmul_tflops, measure_arrival, measure_native_links, memory_gbs,
-                                     optimizer_rate, oversubscribed_share, ranks_fitting)
+    from fivefold.comm.bench import (codec_rates, fit_post, matmul_tflops, measure_arrival, measure_native_links,
+                                     measure_post, memory_gbs, optimizer_rate, oversubscribed_share, ranks_fitting)
     from fivefold.comm.measure import measure_cluster
     from fivefold.comm.p2p import Ranks
     from fivefold.train.trainer import Trainer
@@ -167,6 +168,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
     natives: list[dict] = []  # each gloo collective's fitted link, measured again with each batch's trainers alive,
     alone: list[dict] = []  # each call after a burst of compute (as a step makes them) and back to back (alone)
     arrivals: list[dict] = []  # a tiny all-reduce after bursts of compute (the cluster's [arrival]), each batch
+    posts: list[dict] = []  # a ring exchange's post on the rank's thread, beside compute (p2p_post_us), each batch
     samples: dict[str, list[float]] = {name: [] for name, _ in configs}
     rates: dict[str, list[float]] = {"fp32": [], "bf16": []}
     fitting: list[float] = []  # the fp32 rate with only as many ranks computing as the cores hold
@@ -182,6 +184,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
             natives.append(measure_native_links(torch.device("cpu"), beside_compute=True))
             alone.append(measure_native_links(torch.device("cpu")))
             arrivals.append(measure_arrival(torch.device("cpu")))
+            posts.append(measure_post(torch.device("cpu")))
         compressed = [t for t in trainers.values() if t.config.gradient_comm.compression != "none"] if world_size > 1 else []
         names = list(trainers)
         for round_ in range(steps):
@@ -215,6 +218,8 @@ def _measure(rank: int, world_size: int, job) -> dict:
             "arrival": {**arrivals[0], "measured": [[c, statistics.median(a["measured"][i][1] for a in arrivals)]
                                                      for i, (c, _) in enumerate(arrivals[0]["measured"])]}
             if arrivals else {},
+            "post": fit_post([[size, statistics.median(p["measured"][i][1] for p in posts)]
+                              for i, (size, _) in enumerate(posts[0]["measured"])]) if posts else {},
             "rates": {dtype: statistics.median(values) for dtype, values in rates.items()},
             "memory_gbs": statistics.median(bandwidths),
             "optimizer_gbs": statistics.median(g for g, _ in optimizer),
@@ -254,7 +259,9 @@ def _cluster(world_size: int, measured: dict, collectives: str = "beside"):
                        Accelerator("cpu rank", 8.0, measured["rates"], measured["memory_gbs"], shared_cores=measured["cores"],
                                    oversubscribed_efficiency=measured["oversubscribed_efficiency"],
                                    optimizer_gbs=measured["optimizer_gbs"], optimizer_tensor_us=measured["optimizer_tensor_us"],
-                                   codec_ns=measured.get("codec_ns", {}), codec_encode_ns=measured.get("codec_encode_ns", {})),
+                                   codec_ns=measured.get("codec_ns", {}), codec_encode_ns=measured.get("codec_encode_ns", {}),
+                                   p2p_post_us=measured.get("post", {}).get("p2p_post_us", 0.0),
+                                   p2p_post_gbs=measured.get("post", {}).get("p2p_post_gbs", 0.0)),
                        max(world_size, 1), link, link,
                        collectives={name: LinkSpec.from_fit(native) for name, native in
                                     measured.get("native" if collectives == "beside" else "native_alone", {}).items()},

@@ -756,8 +756,11 @@ def test_optimizer_step_is_priced_at_the_accelerators_optimizer_rate(tmp_path):
     path = tmp_path / "cpu.toml"
     path.write_text(cluster_toml(cpu))
     assert load_cluster(str(path)) == cpu
+    posted = dataclasses.replace(cpu, accelerator=dataclasses.replace(cpu.accelerator, p2p_post_us=450.0, p2p_post_gbs=8.0))
+    path.write_text(cluster_toml(posted))
+    assert load_cluster(str(path)) == posted and posted.accelerator.post_seconds(8e6) == pytest.approx(450e-6 + 1e-3)
     data = json.loads(json.dumps(cpu.to_dict()))
-    for key in ("optimizer_gbs", "optimizer_tensor_us"):
+    for key in ("optimizer_gbs", "optimizer_tensor_us", "p2p_post_us", "p2p_post_gbs"):
         for bad in (-1, "fast", float("inf"), float("nan"), True):
             broken = json.loads(json.dumps(data))
             broken["accelerator"][key] = bad
@@ -845,3 +848,18 @@ def test_plan_sharding_degrees_prints_the_ranking_and_writes_the_winner(tmp_path
     ddp = ["plan", "--model.preset", "llama3-8b", "--gpus", "64", "--sharding-degrees"]
     assert main(ddp) == 2
     assert "set data_parallel.zero_stage to 1, 2 or 3" in capsys.readouterr().err
+
+
+def test_a_posts_line_is_fitted_through_its_times():
+    """comm/bench.py fit_post: the least-squares line through [bytes, us] (the accelerator's p2p_post_us and
+    p2p_post_gbs); times that do not rise with the bytes give their mean and no per-byte part."""
+    from fivefold.comm.bench import fit_post
+
+    line = fit_post([[1e6, 300.0], [2e6, 400.0], [4e6, 600.0]])  # 200 us + 1 us per 10 KB: 10 GB/s
+    assert line["p2p_post_us"] == pytest.approx(200.0) and line["p2p_post_gbs"] == pytest.approx(10.0)
+    flat = fit_post([[1e6, 500.0], [2e6, 400.0]])
+    assert flat["p2p_post_us"] == pytest.approx(450.0) and flat["p2p_post_gbs"] == 0.0
+    accelerator = dataclasses.replace(CLUSTERS["h100-sxm"].accelerator, p2p_post_us=line["p2p_post_us"],
+                                      p2p_post_gbs=line["p2p_post_gbs"])
+    assert accelerator.post_seconds(3e6) == pytest.approx(500e-6)
+    assert CLUSTERS["h100-sxm"].accelerator.post_seconds(1e9) == 0.0  # NCCL's kernels post: nothing on the host

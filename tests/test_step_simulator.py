@@ -676,9 +676,11 @@ def test_tensor_parallel_time_is_priced_as_the_simulator_plays_it(overrides):
     `comm_overlap` a backward hides its steps behind twice the forward's matmul."""
     config = _config("--tensor_parallel.degree", "2", *overrides)
     gpus = 4 if "--context_parallel.degree" in overrides else 2
-    simulated = simulate_step(config, gpus, H100, 0.5, "hybrid", vocab_size=257)
-    planned = estimate(config, gpus, H100, 0.5, vocab_size=257).time
-    assert planned.tp > 0 and simulated.breakdown()["tp"] == pytest.approx(planned.tp, rel=1e-9)
+    for posting in (0.0, 30.0):  # and each overlapped ring step posted on the rank's thread
+        cluster = dataclasses.replace(H100, accelerator=dataclasses.replace(H100.accelerator, p2p_post_us=posting))
+        simulated = simulate_step(config, gpus, cluster, 0.5, "hybrid", vocab_size=257)
+        planned = estimate(config, gpus, cluster, 0.5, vocab_size=257).time
+        assert planned.tp > 0 and simulated.breakdown()["tp"] == pytest.approx(planned.tp, rel=1e-9)
 
 
 @pytest.mark.parametrize("gpus, overrides", [
@@ -806,6 +808,12 @@ def test_ring_pass_walked_in_the_runtimes_order():
     assert ring_pass_seconds(4, 1, 1.0, 0.5, 0.0, False) == pytest.approx(4.0)
     # a double ring: 2 rounds of 2; the outer hop (5 s) posted at the start waits out the round's 2 steps
     assert ring_pass_seconds(2, 2, 1.0, 0.5, 5.0, False) == pytest.approx(5.0 + 2.0)
+    # each post takes the rank 0.25 s first: a ring of 4 forward posts 3 hops (each then starts 0.25 s later and
+    # still ends 2 s past its step); a ring of 2 backward posts the K/V hop (0.25 to 3.25) and two gradient hops:
+    # the first posted at 1.5, its channel busy until 3.25 anyway (3.25 to 6.25), the last posted at 6.25 (6.5 to 9.5)
+    assert ring_pass_seconds(4, 1, 1.0, 3.0, 0.0, False, 0.25) == pytest.approx(10.0 + 3 * 0.25)
+    assert ring_pass_seconds(2, 1, 1.0, 3.0, 0.0, True, 0.25) == pytest.approx(9.5)
+    assert ring_pass_seconds(4, 1, 1.0, 0.5, 0.0, False, 0.25) == pytest.approx(4.0 + 3 * 0.25)
 
 
 @pytest.mark.parametrize("per_node", [2, 4])
@@ -815,7 +823,8 @@ def test_context_parallel_priced_alike_by_planner_and_simulator(per_node):
     nodes or not): the planner's cp term equals the simulator's cp phase on its contention-free path, which
     plays the runtime's posts and waits message by message (each ring hop on the link its ring spans)."""
     node = dataclasses.replace(H100, intra=LinkSpec(5.0, 3.0), inter=LinkSpec(1.0, 6.0), accelerators_per_node=per_node,
-                               collectives={})
+                               collectives={}, accelerator=dataclasses.replace(H100.accelerator, p2p_post_us=20.0,
+                                                                               p2p_post_gbs=50.0))
     layouts = [((), 4), (("--context_parallel.inner_ring", "2"), 8), (("--context_parallel.method", "ulysses"), 4),
                (("--context_parallel.method", "2d", "--context_parallel.heads", "2"), 4),
                (("--context_parallel.method", "2d", "--context_parallel.heads", "2", "--train.recompute", "full"), 8),
@@ -828,6 +837,8 @@ def test_context_parallel_priced_alike_by_planner_and_simulator(per_node):
         planned = estimate(config, gpus, node, 0.5, vocab_size=257).time
         assert run.breakdown()["cp"] == pytest.approx(planned.cp, rel=1e-9), extra
         assert run.time == pytest.approx(planned.total, rel=1e-9), extra
+        unposted = estimate(config, gpus, dataclasses.replace(node, accelerator=H100.accelerator), 0.5, vocab_size=257)
+        assert (planned.cp > unposted.time.cp) == ("ulysses" not in extra), extra  # every ring hop's post is paid
 
 
 def _priority(*overrides: str):

@@ -121,4 +121,10 @@ def test_bench_comm_table_and_json(tmp_path, world_size):
     assert [x for point in here.arrival.measured for x in point] == \
         pytest.approx([x for point in arrival["measured"] for x in point])
     assert here.sync_delay(0.02, world_size) == pytest.approx(max(0.0, arrival["measured"][-1][1] - arrival["measured"][2][1]) * 1e-6)
+    # a ring exchange posted on the rank's own thread beside compute: the line through its times, in the accelerator
+    post = report["post"]
+    assert [size for size, _ in post["measured"]] == [16384.0, 262144.0, 1048576.0, 4194304.0]
+    assert all(t > 0 for _, t in post["measured"]) and post["p2p_post_us"] >= 0 and post["p2p_post_gbs"] >= 0
+    assert (here.accelerator.p2p_post_us, here.accelerator.p2p_post_gbs) == (post["p2p_post_us"], post["p2p_post_gbs"])
+    assert here.accelerator.post_seconds(1 << 20) > 0 and "ring exchange posted" in run.stdout
     assert "arrival skew" in run.stdout

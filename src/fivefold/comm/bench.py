@@ -14,7 +14,9 @@ and each backend collective's times and the link its ring form runs at (cost.fit
 again each after a burst of compute, as a training step calls them (`time_beside_compute`: on a shared
 CPU a call beside compute takes 2-3x its time back to back): the planner prices that collective on it.
 It also times a 4-byte all-reduce after bursts of 0 to 20 ms of compute (`measure_arrival`): how far
-apart the ranks reach a sync point after that much compute, the file's [arrival].
+apart the ranks reach a sync point after that much compute, the file's [arrival]; and the time a rank's
+thread spends posting a ring exchange (a send and a receive in one batch_isend_irecv) beside compute
+(`measure_post`), the accelerator's p2p_post_us and p2p_post_gbs.
 
 Run under torchrun (`fivefold bench comm --nproc-per-node 4` starts it); gloo on CPU, NCCL on GPU.
 """
@@ -150,11 +152,13 @@ BESIDE_BURST = 0.002  # seconds of compute before each collective the cluster fi
 ARRIVAL_BURSTS = (0.0, 0.0005, 0.002, 0.005, 0.01, 0.02)  # the compute before the [arrival] all-reduces
 
 
-def time_beside_compute(fn, iterations: int, device: torch.device, burst: float = BESIDE_BURST) -> float:
+def time_beside_compute(fn, iterations: int, device: torch.device, burst: float = BESIDE_BURST,
+                        after=None) -> float:
     """Seconds of one call made right after `burst` seconds of matmuls on every rank, as a training step's
     collectives are (the ranks arrive from their own compute, a little apart, the backend's threads idle since
     the last call), averaged over the calls and the ranks: what a step spends in it. On this project's shared
-    CPU a 512 KB gloo all-reduce takes 0.7 ms called back to back and 2-2.5 ms beside compute on average."""
+    CPU a 512 KB gloo all-reduce takes 0.7 ms called back to back and 2-2.5 ms beside compute on average.
+    after: called untimed with what `fn` returned (waiting for what it posted)."""
     a = torch.randn(128, 128, device=device)
     start, calls = time.perf_counter(), 0
     while time.perf_counter() - start < 0.02:
@@ -169,10 +173,12 @@ def time_beside_compute(fn, iterations: int, device: torch.device, burst: float 
         if device.type == "cuda":
             torch.cuda.synchronize()
         begin = time.perf_counter()
-        fn()
+        posted = fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
         total += time.perf_counter() - begin if i >= 2 else 0.0
+        if after is not None:
+            after(posted)
     mean = torch.tensor(total / iterations, dtype=torch.float64)
     dist.all_reduce(mean)
     return float(mean) / dist.get_world_size()
@@ -187,6 +193,46 @@ def measure_arrival(device: torch.device, bursts: tuple[float, ...] = ARRIVAL_BU
     points = [[burst * 1e6, time_beside_compute(lambda: dist.all_reduce(x), iterations, device, burst) * 1e6]
               for burst in bursts]
     return {"after_us": BESIDE_BURST * 1e6, "ranks": dist.get_world_size(), "measured": points}
+
+
+POST_SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20)  # bytes each way: ring attention's K/V blocks of small models
+
+
+def measure_post(device: torch.device, sizes: tuple[int, ...] = POST_SIZES, iterations: int = 20) -> dict:
+    """The time a rank's own thread spends posting one ring exchange (a send to the next rank and a receive from the
+    previous, one batch_isend_irecv: ring attention's and the overlapped tensor-parallel rings' hop) right after a
+    burst of compute on every rank, the transfer waited for untimed (collective). gloo writes the message into the
+    socket from the caller, so the post is work on the rank's thread that no overlap hides. Returns
+    {"p2p_post_us", "p2p_post_gbs" (0: no per-byte part), "measured": [[bytes, us], ...]}: the least-squares line
+    through the measured times (the accelerator's post_seconds)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    points = []
+    for size in sizes:
+        send = torch.zeros(size // 4, device=device)
+        recv = torch.empty_like(send)
+
+        def post():
+            return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, (rank + 1) % world),
+                                           dist.P2POp(dist.irecv, recv, (rank - 1) % world)])
+
+        def wait(works):
+            for work in works:
+                work.wait()
+
+        points.append([float(size), time_beside_compute(post, iterations, device, after=wait) * 1e6])
+    return fit_post(points)
+
+
+def fit_post(points: list[list[float]]) -> dict:
+    """The least-squares line through [bytes, us] points as {"p2p_post_us", "p2p_post_gbs", "measured"}; a line
+    that does not rise is their mean (no per-byte part: p2p_post_gbs 0)."""
+    n = len(points)
+    mean_x, mean_y = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
+    if slope <= 0:
+        return {"p2p_post_us": mean_y, "p2p_post_gbs": 0.0, "measured": points}
+    return {"p2p_post_us": max(0.0, mean_y - slope * mean_x), "p2p_post_gbs": 1e-3 / slope, "measured": points}
 
 
 def fit_native_links(rows: list[Row], p: int) -> dict[str, Link]:
@@ -279,9 +325,10 @@ def run(args: argparse.Namespace) -> dict:
     beside = {name: asdict(link) for name, link in measure_native_links(device, beside_compute=True).items()} \
         if args.cluster_file and p > 1 else {}
     arrival = measure_arrival(device) if args.cluster_file and p > 1 else {}
+    posting = measure_post(device) if args.cluster_file and p > 1 and device.type == "cpu" else {}
     return {"world_size": p, "backend": dist.get_backend(), "device": device.type, "node_size": node_size,
             "links": {"intra": asdict(cluster.intra), "inter": asdict(cluster.inter)}, "native_links": native,
-            "native_links_beside_compute": beside, "arrival": arrival,
+            "native_links_beside_compute": beside, "arrival": arrival, "post": posting,
             "matmul_tflops": rates, "memory_gbs": bandwidth, "oversubscribed_efficiency": efficiency,
             "optimizer_gbs": optimizer[0], "optimizer_tensor_us": optimizer[1],
             "codec_ns": codecs[0], "codec_encode_ns": codecs[1],
@@ -463,7 +510,9 @@ def cluster_file_of(report: dict) -> str:
                                     oversubscribed_efficiency=report.get("oversubscribed_efficiency", 1.0),
                                     optimizer_gbs=report.get("optimizer_gbs", 0.0),
                                     optimizer_tensor_us=report.get("optimizer_tensor_us", 0.0),
-                                    codec_ns=report.get("codec_ns", {}), codec_encode_ns=report.get("codec_encode_ns", {})),
+                                    codec_ns=report.get("codec_ns", {}), codec_encode_ns=report.get("codec_encode_ns", {}),
+                                    p2p_post_us=report.get("post", {}).get("p2p_post_us", 0.0),
+                                    p2p_post_gbs=report.get("post", {}).get("p2p_post_gbs", 0.0)),
                         report["node_size"], LinkSpec.from_fit(report["links"]["intra"]), LinkSpec.from_fit(report["links"]["inter"]),
                         source=f"fivefold bench comm on {report['world_size']} ranks: fitted links and native "
                                "collectives, timed matmuls (achieved rates: plan with --efficiency 1)",
@@ -505,6 +554,9 @@ def format_table(report: dict) -> str:
     if report.get("arrival", {}).get("measured"):
         lines.append("# arrival skew (4-byte all-reduce after compute): " + ", ".join(
             f"{c / 1e3:g} ms {t:.0f} us" for c, t in report["arrival"]["measured"]))
+    if report.get("post", {}).get("measured"):
+        lines.append("# ring exchange posted beside compute (a rank's own time): " + ", ".join(
+            f"{size / 1024:.0f} KB {us:.0f} us" for size, us in report["post"]["measured"]))
     for name, link in report.get("native_links_beside_compute", {}).items():
         lines.append(f"# native {name} beside compute (the cluster file's): "
                      + ", ".join(f"{size / 1024:.0f} KB {us * 1e6:.0f} us" for size, us in link["measured"]))

@@ -141,6 +141,17 @@ class Accelerator:
     # move (`CODEC_BYTES`) at the memory bandwidth (the GPU presets)
     codec_ns: dict[str, float] = field(default_factory=dict)
     codec_encode_ns: dict[str, float] = field(default_factory=dict)
+    # the host time a rank's own thread spends posting one point-to-point exchange (a send and a receive of n bytes
+    # in one batch_isend_irecv: ring attention's hops, the overlapped tensor-parallel rings), beside the other ranks'
+    # compute: p2p_post_us + n / p2p_post_gbs (0 GB/s: no per-byte part). gloo on a CPU writes the message into
+    # the socket from the caller, 0.3-0.8 ms here; 0 on the GPU presets (NCCL's kernels post). Measured by
+    # `fivefold bench comm --cluster-file` (comm/bench.py measure_post)
+    p2p_post_us: float = 0.0
+    p2p_post_gbs: float = 0.0
+
+    def post_seconds(self, nbytes: float) -> float:
+        """Seconds a rank's thread spends posting one send/receive pair of `nbytes` each (`p2p_post_us`)."""
+        return self.p2p_post_us * 1e-6 + (nbytes / (self.p2p_post_gbs * 1e9) if self.p2p_post_gbs else 0.0)
 
     def optimizer_seconds(self, params: float, tensors: int) -> float:
         """Seconds of one AdamW step over `params` parameters in `tensors` tensors (0 when no rate is known)."""
@@ -447,7 +458,7 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
         raise ConfigError(f"cluster file {source}: accelerator.oversubscribed_efficiency = {oversubscribed!r}: must be in "
                           "(0, 1] (a host's throughput with more threads than cores, over with as many)")
     optimizer = {key: _number(acc, key, "accelerator", positive=False) if key in acc else 0.0
-                 for key in ("optimizer_gbs", "optimizer_tensor_us")}
+                 for key in ("optimizer_gbs", "optimizer_tensor_us", "p2p_post_us", "p2p_post_gbs")}
     codecs = {key: _codec_rates(acc, key, source) for key in ("codec_ns", "codec_encode_ns")}
     for name, ns in codecs["codec_encode_ns"].items():
         if ns > codecs["codec_ns"].get(name, math.inf):
@@ -537,6 +548,8 @@ def cluster_toml(spec: ClusterSpec) -> str:
         f"oversubscribed_efficiency = {acc.oversubscribed_efficiency!r}",
         f"optimizer_gbs = {acc.optimizer_gbs!r}",
         f"optimizer_tensor_us = {acc.optimizer_tensor_us!r}",
+        f"p2p_post_us = {acc.p2p_post_us!r}",
+        f"p2p_post_gbs = {acc.p2p_post_gbs!r}",
         *(f"{key} = {{{', '.join(f'{k} = {v!r}' for k, v in table.items())}}}"
           for key, table in (("codec_ns", acc.codec_ns), ("codec_encode_ns", acc.codec_encode_ns)) if table),
         "", "[intra]", f"bandwidth_gbs = {intra.bandwidth_gbs!r}", f"latency_us = {intra.latency_us!r}",

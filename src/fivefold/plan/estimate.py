@@ -1051,7 +1051,8 @@ def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, c
     """Exposed context-parallel seconds of one block's attention, (forward, backward). Ring: r - 1 K/V blocks pass around a ring of r ranks, point to point, overlapped with the
     attention core (Liu et al.'s ring attention); as a double ring (inner_ring w, LoongTrain), r / w rounds of
     an inner ring, the inner hops on the link their span crosses, the outer on the link all of cp spans.
-    Backward sends each block's K/V gradient after it as well. What a pass exposes is walked in the runtime's
+    Backward sends each block's K/V gradient after it as well; each exchange is posted on the rank's own thread
+    (`Accelerator.post_seconds`). What a pass exposes is walked in the runtime's
     order of posts and waits (plan/ring_schedule.py; until 2026-11-26 afternoon a closed form that hid a
     round's hops behind the whole round's core, where the runtime waits for each after one step). Ulysses:
     all-to-alls of q, k and v to heads, one each, and of the output back (Jacobs et al.), not overlapped
@@ -1084,8 +1085,9 @@ def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, c
         inner, rounds = layout.inner_size, layout.outer
         inner_msg = cluster.link_for(layout.inner_span() * d.tp).message(kv)  # the outer ring spans all of cp
         outer_msg = cluster.link_for(d.cp * d.tp).message(kv)
-        forward = ring_pass_seconds(inner, rounds, core / ring_ranks, inner_msg, outer_msg, False) - core
-        backward = ring_pass_seconds(inner, rounds, 2 * core / ring_ranks, inner_msg, outer_msg, True) - 2 * core
+        posting = cluster.accelerator.post_seconds(kv)
+        forward = ring_pass_seconds(inner, rounds, core / ring_ranks, inner_msg, outer_msg, False, posting) - core
+        backward = ring_pass_seconds(inner, rounds, 2 * core / ring_ranks, inner_msg, outer_msg, True, posting) - 2 * core
         back = exposed + backward  # the all-to-alls' conjugates, then the ring's backward pass
         exposed += forward
     return exposed, back
@@ -1381,16 +1383,18 @@ def _overlapped_tp_block(model: ModelConfig, d: Degrees, block: float, core: flo
     """tensor_parallel.comm_overlap (parallel/tp_overlap.py): one block's exposed tensor-parallel seconds, per
     region of a dense block (the caller counts two). Each of a region's two rings takes t - 1 steps of one
     sequence chunk (alpha + activation/t beta on the tp link) beside 1/t of the matmul it feeds (q, k, v and wo;
-    w1, w3 and w2, shared by weight size); a step shows what its transfer takes beyond its matmul. A MoE
+    w1, w3 and w2, shared by weight size); a step shows what its transfer takes beyond its matmul, plus its post on
+    the rank's thread (`Accelerator.post_seconds`). A MoE
     block's MLP is outside the region: it has no tensor-parallel collective."""
     t = d.tp
     step = cluster.link_for(t).message(activation / t)
+    posting = cluster.accelerator.post_seconds(activation / t)  # each exchange posted on the rank's thread
     attention_matmul = block / 2 - core
     q, kv = model.q_dim, model.kv_dim
     shares = [(attention_matmul, (q + 2 * kv) / (2 * q + 2 * kv)), (attention_matmul, q / (2 * q + 2 * kv))]
     if not moe:
         shares += [(block / 2, 2 / 3), (block / 2, 1 / 3)]
-    exposed = sum((t - 1) * max(0.0, step - seconds * share / t) for seconds, share in shares)
+    exposed = sum((t - 1) * (posting + max(0.0, step - seconds * share / t)) for seconds, share in shares)
     return exposed / 2
 
 

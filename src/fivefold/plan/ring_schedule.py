@@ -14,7 +14,9 @@ depends on where the runtime waits (parallel/context_parallel.py `_RingAttention
 - every round waits for its outer K/V hop at its end; the pass ends waiting for the last outer gradient.
 
 Messages on one channel (the inner ring's, or the outer ring's neighbour) go one after the other at their
-alpha-beta time; the two channels run side by side (they reach different peers). This walk is the planner's
+alpha-beta time; the two channels run side by side (they reach different peers). Posting each exchange (one
+batch_isend_irecv of a send and a receive) takes the rank's own thread `post` seconds (the accelerator's
+`post_seconds`: gloo on a CPU writes into the socket from the caller; 0 on GPUs), which nothing hides. This walk is the planner's
 price of ring attention (plan/estimate.py `_context_parallel_block`); tests/test_step_simulator.py checks it
 against the simulator's contention-free path.
 """
@@ -23,13 +25,16 @@ from __future__ import annotations
 
 
 def ring_pass_seconds(inner: int, rounds: int, chunk: float, inner_message: float, outer_message: float,
-                      backward: bool) -> float:
+                      backward: bool, post_seconds: float = 0.0) -> float:
     """Seconds from the pass's start until its rank is done: `inner` x `rounds` core steps of `chunk` seconds
-    each, and the hops of the module docstring at `inner_message` / `outer_message` seconds each."""
+    each, and the hops of the module docstring at `inner_message` / `outer_message` seconds each, each posted in
+    `post_seconds` of the rank's time."""
     now = 0.0
     free = {"inner": 0.0, "outer": 0.0}  # when each channel is next free
 
     def post(channel: str, seconds: float) -> float:
+        nonlocal now
+        now += post_seconds
         start = max(now, free[channel])
         free[channel] = start + seconds
         return free[channel]

@@ -518,9 +518,13 @@ class _Builder:
         """Post a send to the next and a receive from the previous ring neighbour (one batch_isend_irecv);
         returns what to wait on. With the neighbours off the simulated ranks (the analytical path) the
         transfer is its alpha-beta time on a stream of its own, so it still overlaps the compute, on the link
-        the ring's `span` consecutive ranks cross (a ring moves at its slowest hop's pace; the planner's)."""
+        the ring's `span` consecutive ranks cross (a ring moves at its slowest hop's pace; the planner's). Posting
+        takes the rank's own thread the accelerator's `post_seconds` first (gloo on a CPU; 0 on GPUs)."""
         key = (rank, COMPUTE)
         self.log[rank].append(("send", (rank, peers[0]), nbytes, "", None))
+        posting = self.cluster.accelerator.post_seconds(nbytes)
+        if posting > 0:  # not compute since the last sync point (the planner's skew counts the passes' compute)
+            self.programs[key].append(Compute(posting, label))
         if peers[0] in self._simulated and peers[1] in self._simulated:
             send, recv = Send(peers[0], nbytes, self._handle(key)), Recv(peers[1], nbytes, self._handle(key))
             self.programs[key] += [send, recv]
