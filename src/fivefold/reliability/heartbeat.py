@@ -127,7 +127,11 @@ class Heartbeat(threading.Thread):
         path = heartbeat_path(self.folder, self.rank)
         tmp = path.with_name(f".{path.name}.{self.pid}.{threading.get_ident()}.tmp")
         try:
-            tmp.write_text(json.dumps(self.record()))
+            try:
+                tmp.write_text(json.dumps(self.record()))
+            except FileNotFoundError:  # the folder was removed under us: make it again, or no beat would ever land
+                self.folder.mkdir(parents=True, exist_ok=True)
+                tmp.write_text(json.dumps(self.record()))
             os.replace(tmp, path)
         except OSError:
             pass  # a full or vanished disk must not kill training from here; the next beat tries again

@@ -26,6 +26,7 @@ from fivefold.reliability.manifest import Manifest
 from fivefold.reliability.supervisor import Supervisor
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.checkpoint_writer import CheckpointWriter
+from fivefold.train.rendezvous import announce
 from fivefold.train.resume import apply_resume_settings, plan_rollback, plan_start, remove_run_files, resume_settings
 from fivefold.train.train_state import capture_training_state, restore_training_state
 
@@ -46,6 +47,8 @@ class RunCheckpoints:
             log(note)
         if self.is_rank0 and plan.remove_earlier:
             remove_run_files(self.output_dir, plan.remove_earlier)
+        if self.is_rank0:  # ranks outside the trainers' group (parameter servers) may now write in the folder
+            announce("output-ready", supervisor.attempt_id)
         self.plan = plan
         self.manifest: Manifest | None = ckpt.open_checkpoint(Path(plan.resume_from)) if plan.resume_from else None
         self.run_id = self._agree(self._run_id)

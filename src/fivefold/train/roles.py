@@ -29,6 +29,7 @@ from fivefold.model import build_model, materialize
 from fivefold.reliability.supervisor import Supervisor, shared_attempt_id
 from fivefold.train.distributed import init_distributed, local_device
 from fivefold.train.memory import measure_model_states
+from fivefold.train.rendezvous import wait_for
 from fivefold.train.setup import cap_threads, prepare_data_once, resolve_device, resolve_model_config
 from fivefold.train.trainer import Trainer
 
@@ -45,6 +46,9 @@ class ServerResult:
 def run_server(config: JobConfig, mesh: Mesh, rank: int, device: torch.device, supervisor: Supervisor) -> ServerResult:
     """A server rank: its shards of the initial weights, then serve every worker's steps."""
     ps, workers = config.parameter_server, mesh.dims.world_size
+    # not before rank 0 (a worker) has claimed the output folder: a fresh run removes an earlier run's heartbeats and
+    # events there, and this rank's would go with them (a race that failed a run's start on 2026-11-26)
+    wait_for("output-ready", supervisor.attempt_id, "waiting for rank 0 to claim the output folder")
     supervisor.start(role="server")
     data = prepare_data_once(config, workers + ps.servers, is_rank0=False, key=supervisor.attempt_id)
     model_config = resolve_model_config(config.model, data.tokenizer.vocab_size)

@@ -16,18 +16,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from fivefold.config import JobConfig
 from fivefold.data.dataset import PreparedData, prepare_data
 from fivefold.errors import ConfigError
 from fivefold.model import ModelConfig
-from fivefold.reliability.activity import phase
+from fivefold.train.rendezvous import announce, wait_for
 
 
 def resolve_device(name: str) -> torch.device:
@@ -88,12 +86,9 @@ def prepare_data_once(config: JobConfig, world_size: int, is_rank0: bool, key: s
                       log: Callable[[str], None] | None = None) -> PreparedData:
     """Rank 0 builds the token cache; the others wait on the rendezvous store, then open it."""
     if world_size > 1 and not is_rank0:
-        store = dist.distributed_c10d._get_default_store()
-        with phase("waiting for rank 0 to prepare the data"):
-            while not store.check([f"fivefold/data-ready/{key}"]):
-                time.sleep(0.2)
+        wait_for("data-ready", key, "waiting for rank 0 to prepare the data")
         return prepare_data(config.data)
     data = prepare_data(config.data, log)
     if world_size > 1:
-        dist.distributed_c10d._get_default_store().set(f"fivefold/data-ready/{key}", "1")
+        announce("data-ready", key)
     return data
