@@ -867,6 +867,10 @@ def test_priority_schedule_on_a_free_network_moves_the_update_into_the_next_forw
         calls = run.workload.calls(rank)
         assert sum(n == 4 * len(slices) for _, _, n in calls) == len(slices)
         assert sorted(n for _, _, n in calls if n > 4 * len(slices)) == sorted(piece.nbytes for piece in slices)
+    # two micro-batches: each unit is updated before its first forward only
+    accum = ("--train.grad_accum_steps", "2")
+    assert simulate_step(_priority(*accum), 2, cpu, vocab_size=257).time == pytest.approx(
+        simulate_step(_config("--train.max_grad_norm", "0", *accum), 2, cpu, vocab_size=257).time - norm, rel=1e-9)
     # a one-rank job has no data-parallel group: the runtime keeps the plain step (norm, update at the end)
     alone = simulate_step(_priority(), 1, cpu, vocab_size=257)
     assert alone.workload.steps == 1 and alone.time == pytest.approx(estimate(_priority(), 1, cpu, vocab_size=257).time.total,

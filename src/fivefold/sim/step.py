@@ -102,17 +102,15 @@ def simulate_step(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency
     if fidelity == "analytical" and congestion != "none":
         raise ConfigError(f"--congestion {congestion}: the analytical path has no shared links to control; use "
                           "--fidelity flow, hybrid or aggregate")
-    clock = {"build": 0.0, "simulate": 0.0}
+    clock = {"simulate": 0.0}
 
     def play(slice_order: list[int] | None = None, steps: int = 0) -> tuple[Workload, SimResult]:
-        began = time.perf_counter()
         workload = build_workload(config, gpus, cluster, efficiency, fidelity, vocab_size, router, expert_load,
                                   slice_order, steps)
         network = DedicatedNetwork(router) if fidelity == "analytical" else flow_network(router, congestion)
         cores, shared = shared_cores(config, workload, cluster)
         built = time.perf_counter()
         result = simulate(workload.programs, network, record_spans, cores, shared)
-        clock["build"] += built - began
         clock["simulate"] += time.perf_counter() - built
         return workload, result
 
@@ -120,5 +118,5 @@ def simulate_step(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency
     passes = 0
     if workload.steps > 1:  # the priority schedule: its steady state, in the order the runtime's rule picks
         workload, result, passes = steady_state(play, workload, result)
-    clock["build"] += time.perf_counter() - start - clock["build"] - clock["simulate"]  # the router, the order
-    return StepRun(workload, router.topology, result, clock["build"], clock["simulate"], passes)
+    built = time.perf_counter() - start - clock["simulate"]  # the router, the workloads, the order
+    return StepRun(workload, router.topology, result, built, clock["simulate"], passes)

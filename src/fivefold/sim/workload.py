@@ -1120,10 +1120,12 @@ class _Builder:
 
     def deferred_update(self, rank: int, stage: int, unit: Unit) -> None:
         """The priority schedule defers each module's update to its next forward (comm_schedule.py `_apply`): from
-        the second step on, a unit waits for the previous step's slices holding its parameters, then runs AdamW
-        on them. (The runtime does this per module; here per unit, a block's modules together.)"""
-        if self.step == 0:
+        the second step on, a unit's first forward of the step (later micro-batches' find it done) waits for the
+        previous step's slices holding its parameters, then runs AdamW on them. (The runtime does this per module;
+        here per unit, a block's modules together.)"""
+        if self.step == 0 or (stage, unit.name) in self.updated:
             return
+        self.updated.add((stage, unit.name))
         for part in self.ddp_parts:
             for k in part.unit_slices.get((stage, unit.name), []):
                 self.programs[(rank, COMPUTE)].append(Await(f"s{self.step - 1}-slice{k}", "dp"))
@@ -1251,6 +1253,7 @@ class _Builder:
         self.reduced: set[tuple[int, int, str]] = set()  # (ZeRO part, stage, unit)
         self.gathering: dict[tuple[int, str], str] = {}
         self.root_gathered: set[int] = set()
+        self.updated: set[tuple[int, str]] = set()  # the priority schedule: units whose deferred update ran this step
         scatter = pipe.scatter_gather and d.tp > 1  # each tp rank sends its piece; the receivers all-gather
         wire = self.activation // (d.tp if self.sp or scatter else 1)
         key = (rank, COMPUTE)
