@@ -593,6 +593,38 @@ def test_a_moe_blocks_fixed_cost_scales_with_its_operators():
     assert 1.5 < ratios["grouped"] < ratios["loop"]
 
 
+def test_ring_attentions_own_operators_add_to_a_blocks_fixed_cost():
+    """Context parallelism with a ring adds ring attention's operators (plan/operators.py
+    `ring_attention_operators`, the loopback count tests/distributed/test_ring_operators.py holds to a real ring's)
+    to every block's pass overhead, dense and MoE alike, as a share of a dense block's: more for a longer ring, the
+    same for a double ring of as many ranks, 2D's ring counted, Ulysses none; its FLOPs are priced as before."""
+    from fivefold.plan.estimate import degrees_of, model_for, pass_costs
+    from fivefold.plan.operators import ring_attention_operators
+
+    h100 = CLUSTERS["h100-sxm"]
+    slow = dataclasses.replace(h100, accelerator=dataclasses.replace(h100.accelerator, pass_overhead_us=250.0))
+
+    def overhead(gpus: int, *changes: str, preset: str = "tiny") -> dict[bool, float]:
+        config = load_config(None, ["--model.preset", preset, "--model.vocab_size", "257", "--train.seq_len", "128",
+                                    "--context_parallel.degree", str(gpus), *changes])
+        model, d = model_for(config), degrees_of(config, gpus)
+        slow_costs, free_costs = pass_costs(config, model, d, slow, 0.5), pass_costs(config, model, d, h100, 0.5)
+        return {kind: slow_costs.block[kind] - free_costs.block[kind] for kind in slow_costs.block}
+
+    model = load_config(None, ["--model.preset", "tiny", "--model.vocab_size", "257"]).model
+    two, four = ring_attention_operators(model, 2), ring_attention_operators(model, 4)
+    assert 0.2 < two < four and ring_attention_operators(model, 4, 2) == pytest.approx(four)
+    assert overhead(2)[False] == pytest.approx(250e-6 * (1 + two), rel=1e-9)
+    assert overhead(4, "--context_parallel.inner_ring", "2")[False] == pytest.approx(250e-6 * (1 + four), rel=1e-9)
+    assert overhead(4, "--context_parallel.method", "2d", "--context_parallel.heads", "2")[False] == \
+        pytest.approx(250e-6 * (1 + two), rel=1e-9)
+    assert overhead(2, "--context_parallel.method", "ulysses")[False] == pytest.approx(250e-6, rel=1e-9)
+    assert overhead(1)[False] == pytest.approx(250e-6, rel=1e-9)
+    moe_ring = ring_attention_operators(load_config(None, ["--model.preset", "tiny-moe", "--model.vocab_size", "257"]).model, 2)
+    assert overhead(2, preset="tiny-moe")[True] - overhead(1, preset="tiny-moe")[True] == \
+        pytest.approx(250e-6 * moe_ring, rel=1e-9)
+
+
 def test_parameter_server_roles_on_one_host_take_turns_with_its_cores():
     """Parameter servers on a CPU host (accelerator.shared_cores; rates measured with every rank computing): the
     workers compute while the servers wait for their pushes, and the servers update while the workers wait, so each

@@ -174,6 +174,10 @@ class ContextParallelGroups:
     head_group: dist.ProcessGroup | None
     ring_group: dist.ProcessGroup | None
     ring_ranks: list[int]  # global ranks of this rank's ring, in ring order
+    # counting only (plan/operators.py), never in training: every exchange hands back a copy of what it sends (the
+    # shapes a neighbour's block has) with no process group, and `posts` counts the exchanges
+    loopback: bool = False
+    posts: int = 0
 
     @property
     def ring_rank(self) -> int:
@@ -326,7 +330,7 @@ class _Ring:
 
     def __init__(self, groups: ContextParallelGroups, which: str):
         layout, me = groups.layout, groups.ring_rank
-        self.group = groups.ring_group
+        self.groups, self.group = groups, groups.ring_group
         self.size = layout.inner_size if which == "inner" else layout.outer
         nxt, prev = layout.ring_peers(me)[which]
         self.next, self.prev = groups.ring_ranks[nxt], groups.ring_ranks[prev]
@@ -335,6 +339,9 @@ class _Ring:
         if self.size == 1:
             return send, []
         recv = torch.empty_like(send)
+        if self.groups.loopback:
+            self.groups.posts += 1
+            return recv.copy_(send), []
         ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
                dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
         return recv, dist.batch_isend_irecv(ops)

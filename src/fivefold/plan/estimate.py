@@ -79,7 +79,7 @@ from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.expert_load import busiest_received, exchange_matrices, expert_rows_by_load, imbalance, routed_rows
 from fivefold.plan.flops import flops_per_token
 from fivefold.plan.memory import nvme_host_bytes, sharded_model_states, zero_model_states
-from fivefold.plan.operators import operator_ratio
+from fivefold.plan.operators import operator_ratio, ring_attention_operators
 from fivefold.plan.parameters import (RankParameters, first_block, block_parameters, expert_values, padded_vocab,
                                       powersgd_shares, priority_slice_bytes, rank_parameters, rank_tensors)
 
@@ -718,8 +718,9 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
     written = _written_per_block(model, config, d) if bandwidth else {}
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
     overhead = cluster.accelerator.pass_overhead_us * 1e-6  # a dense block's; a MoE block's by its operators
-    fixed = {False: overhead, True: overhead * operator_ratio(model, expert_rows(config, model, d).kernel)
-             if overhead and model.n_experts else overhead}
+    ring = ring_operators(config, model, d) if overhead else 0.0  # ring attention's own, a share of a dense block's
+    routed = operator_ratio(model, expert_rows(config, model, d).kernel) if overhead and model.n_experts else 1.0
+    fixed = {False: overhead * (1 + ring), True: overhead * (routed + ring)}
     block = {moe: (_block_forward_flops(model, layer, tokens, seq, d, sp) - core_flops) / rate + core
              + (written[moe] / bandwidth if bandwidth else 0.0) + fixed[moe]
              for moe in (False, True) if (layer := first_block(model, moe)) >= 0}
@@ -739,6 +740,18 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
                                    tensor_parallel=dataclasses.replace(config.tensor_parallel, sequence_parallel=False))
     one = Degrees(1, 1, 1, 1, 1, 1, 1)
     return profiled_costs(profile, costs, pass_costs(measured, model, one, cluster, dataclasses.replace(eff, profile=None)))
+
+
+def ring_operators(config: JobConfig, model: ModelConfig, d: Degrees) -> float:
+    """The operators ring attention adds to each block (context parallelism with a ring: `ring` and `2d`), as a share
+    of a dense block's (plan/operators.py `ring_attention_operators`); 0 without a ring."""
+    if d.cp == 1:
+        return 0.0
+    from fivefold.parallel.context_parallel import ContextParallelLayout
+
+    cp = config.context_parallel
+    layout = ContextParallelLayout.for_method(cp.method, d.cp, cp.heads, cp.inner_ring, cp.placement)
+    return ring_attention_operators(model, layout.ring, layout.inner)
 
 
 def profiled_costs(profile, modelled: PassCosts, at_profile: PassCosts) -> PassCosts:

@@ -17,6 +17,16 @@ The counts are the runtime's own: one block of each kind is built from the model
 forward and backward on one short sequence under a dispatch-mode counter, which sees every aten operator
 the block's forward and its backward run (autograd's gradient accumulation included), views aside.
 tests/test_planner.py checks that the small copy counts what the full-width block dispatches.
+
+Ring attention (context parallelism, parallel/context_parallel.py) adds operators of its own to every block:
+each visiting K/V block's partial attention and its merge, the stacked K/V, backward's gradient buffers and
+their sums. They are counted the same way, the block's attention core replaced by the runtime's ring on a
+loopback (`ContextParallelGroups.loopback`: each exchange hands back a copy of what it sends, no process
+group) as ring rank 0, the busiest (every block it receives is later in the sequence: its queries' second
+halves, copied out); the exchanges' own operators (the receive buffer, the send and the receive) are left out,
+since posting an exchange is priced apart (`Accelerator.post_seconds`). tests/distributed/test_ring_operators.py
+checks the count against ring rank 0 of a real ring. Ulysses' all-to-alls (and the 2D method's) are not
+counted: their few reshapes are left in the fitted cost.
 """
 
 from __future__ import annotations
@@ -40,9 +50,11 @@ def small_copy(model: ModelConfig) -> ModelConfig:
         qk_rope_head_dim=_HEAD, v_head_dim=_HEAD, vocab_size=64, init_from_hf="")
 
 
-def count_block_operators(model: ModelConfig, layer: int, expert_kernel: str = "auto", seq: int = 16) -> int:
+def count_block_operators(model: ModelConfig, layer: int, expert_kernel: str = "auto", seq: int = 16,
+                          core=None) -> int:
     """Aten operators other than views that block `layer` of `model` dispatches in one forward and backward of
-    one sequence of `seq` tokens, with the given expert kernel (model/moe.py ExpertKernel)."""
+    one sequence of `seq` tokens, with the given expert kernel (model/moe.py ExpertKernel); `core` replaces its
+    attention core (as parallel/context_parallel.py apply_context_parallel does)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -60,6 +72,8 @@ def count_block_operators(model: ModelConfig, layer: int, expert_kernel: str = "
 
     generator = torch.Generator().manual_seed(0)
     block = TransformerBlock(model, layer)
+    if core is not None:
+        block.attention.core = core
     if model.is_moe_layer(layer):
         block.feed_forward.kernel = ExpertKernel(expert_kernel)
     cos, sin = rope_tables(model, torch.device("cpu"))
@@ -82,3 +96,24 @@ def _operator_ratio(fields: tuple, expert_kernel: str) -> float:
     moe = small.moe_layers[0]
     dense = dataclasses.replace(small, n_experts=0)
     return count_block_operators(small, moe, expert_kernel) / count_block_operators(dense, moe)
+
+
+def ring_attention_operators(model: ModelConfig, ring: int, inner: int = 0) -> float:
+    """The operators ring attention over `ring` ranks (an inner ring of `inner`, 0: one ring) adds to a dense block's
+    forward and backward, as a share of the block's own count (0.0 for no ring); the exchanges' own left out."""
+    if ring < 2:
+        return 0.0
+    return _ring_attention_operators(dataclasses.astuple(model), ring, inner)
+
+
+@functools.lru_cache(maxsize=64)
+def _ring_attention_operators(fields: tuple, ring: int, inner: int) -> float:
+    from fivefold.parallel.context_parallel import ContextParallelAttention, ContextParallelGroups, ContextParallelLayout
+
+    small = dataclasses.replace(small_copy(ModelConfig(*fields)), n_experts=0)
+    layer = 0
+    plain = count_block_operators(small, layer)
+    groups = ContextParallelGroups(ContextParallelLayout(ring=ring, heads=1, inner=inner), 0, None, None, list(range(ring)),
+                                   loopback=True)
+    counted = count_block_operators(small, layer, core=ContextParallelAttention(groups))
+    return max(0.0, (counted - 2 * groups.posts - plain) / plain)  # each loopback exchange: a buffer and a copy
