@@ -31,6 +31,7 @@ from fivefold.sim.network import DedicatedNetwork, FlowNetwork
 from fivefold.sim.routing import Router
 from fivefold.sim.step import PHASES, simulate_step
 from fivefold.sim.topology import nvswitch
+from fivefold.sim.asynchronous import arrival_orders
 from fivefold.sim.priority import MAX_PASSES, greedy_order
 from fivefold.sim.workload import Grid, PrioritySlice, Workload, first_guess_order
 
@@ -327,10 +328,10 @@ def test_parameter_servers_are_simulated_as_the_runtime_runs_them():
             config, gpus, host, 0.5, vocab_size=257).time
         assert shared.breakdown()["compute"] == pytest.approx(planned.compute, rel=1e-9) and planned.compute < run.time
         assert shared.time == pytest.approx(planned.total, rel=0.05)
-    for overrides, fidelity, message in ((["--parameter_server.sync", "asp"], "flow", "sync = asp"),
-                                         ([], "analytical", "fidelity analytical")):
-        with pytest.raises(ConfigError, match=message):
-            simulate_step(_config("--data_parallel.mode", "ps", *overrides), 3, H100, 0.5, fidelity, vocab_size=257)
+    for sync in ("bsp", "asp"):  # the contention-free path cannot share a server's link among its pushes
+        with pytest.raises(ConfigError, match="fidelity analytical"):
+            simulate_step(_config("--data_parallel.mode", "ps", "--parameter_server.sync", sync), 3, H100, 0.5,
+                          "analytical", vocab_size=257)
 
 
 def test_ranks_sharing_a_hosts_cores_lend_them_while_they_wait():
@@ -485,7 +486,6 @@ def test_replicated_experts_sum_their_gradients_over_their_holders(tmp_path, mon
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["--data_parallel.mode", "ps", "--parameter_server.sync", "asp"], "sync = asp"),
     (["--gradient_comm.compression", "sign", "--gradient_comm.compression_block", "8"], "not a multiple of 32"),
 ])
 def test_unmodelled_layouts_are_refused_by_name(overrides, message):
@@ -563,7 +563,6 @@ def test_every_step_option_changes_what_is_simulated(capsys):
     ([], "--gpus N"), (["--gpus", "4", "--ranks", "4"], "--gpus N"), (["--gpus", "0"], "--gpus 0"),
     (["--ranks", "8", "--train.steps", "3"], "use --gpus"), (["--gpus", "3", "--tensor_parallel.degree", "2"], "world size is 3"),
     (["--gpus", "2", "--plot", "/no/such/folder/p.png"], "--plot"),
-    (["--gpus", "3", "--data_parallel.mode", "ps", "--parameter_server.sync", "ssp"], "parameter_server.sync = ssp"),
     (["--gpus", "3", "--data_parallel.mode", "ps", "--fidelity", "analytical"], "contention-free path"),
 ])
 def test_simulate_step_rejects_bad_input_in_one_line(argv, message, capsys):
@@ -908,3 +907,46 @@ def test_greedy_order_by_hand(took, expected):
         events |= {(rank, f"s1-begin{k}"): 10.0 * k for rank in (0, 1)}
         events |= {(0, f"s1-slice{k}"): 10.0 * k + took, (1, f"s1-slice{k}"): 10.0 * k + took / 2}
     assert greedy_order(workload, SimResult(0.0, {}, {}, [], events=events), 1) == expected
+
+
+def test_asynchronous_parameter_servers_settle_into_their_steady_state():
+    """parameter_server.sync = asp / ssp (4 workers, 1 or 2 servers, free links): the workers' steady step, after
+    the first. A server steps once per push (U, the planner's `server_update_seconds` for one push), so with short
+    compute C the server is the bottleneck and a worker's step is 4 U (the busier server's); with long compute
+    the workers fall out of phase and each waits only for its own update: C + U + its own gradient's clipping.
+    ssp with staleness 0 keeps them in lock step, waiting for all four updates: C + 4 U; with staleness 1 they
+    stagger as under asp. The servers take the pushes in the order they arrive (here the workers in turn)."""
+    from fivefold.plan.estimate import server_loads, server_update_seconds
+
+    cpu = _free(dataclasses.replace(H100, accelerator=dataclasses.replace(H100.accelerator, optimizer_gbs=10.0,
+                                                                          optimizer_tensor_us=20.0)))
+
+    def run(sync: str, staleness: int, efficiency: float, servers: int = 1):
+        config = _config("--data_parallel.mode", "ps", "--parameter_server.sync", sync, "--parameter_server.staleness",
+                         str(staleness), "--parameter_server.servers", str(servers))
+        updates = [server_update_seconds(config, elements, tensors, 1, cpu.accelerator)
+                   for elements, tensors in server_loads(model_for(config, 257), servers, 5 - servers)]
+        simulated = simulate_step(config, 5, cpu, efficiency, "flow", vocab_size=257)
+        phases = simulated.breakdown()
+        assert sum(phases.values()) == pytest.approx(simulated.time, rel=1e-9)
+        assert simulated.workload.push_orders == {rank: list(range(5 - servers)) * 4 for rank in range(5 - servers, 5)}
+        assert simulated.slowest_rank < 5 - servers and simulated.order_passes == 1
+        return simulated.time, phases["compute"], phases["optimizer"], max(updates)
+
+    time, compute, clip, update = run("asp", 0, 0.5)
+    assert compute < update and time == pytest.approx(4 * update, rel=1e-9)
+    time, compute, clip, update = run("asp", 0, 0.5, servers=2)
+    assert time == pytest.approx(3 * update, rel=1e-9)  # 3 workers
+    time, compute, clip, update = run("asp", 0, 0.001)
+    assert compute > 4 * update and time == pytest.approx(compute + update + clip, rel=1e-9)
+    for staleness, expected in ((0, lambda: compute + 4 * update + clip), (1, lambda: compute + update + clip)):
+        time, compute, clip, update = run("ssp", staleness, 0.001)
+        assert time == pytest.approx(expected(), rel=1e-9), staleness
+
+
+def test_pushes_are_taken_in_the_order_they_were_posted():
+    """sim/asynchronous.py arrival_orders by hand: 2 workers, 2 steps; worker 1 posts its first push before worker
+    0, worker 0 its second first; a tie goes to the lower rank. Every server gets the same order."""
+    workload = Workload({}, Grid(1, 2, 1, 1, 1), None, [[0]], (0, 1, 2, 3), "flow", steps=2, server_ranks=(2, 3))
+    events = {(0, "s0-push"): 2.0, (1, "s0-push"): 1.0, (0, "s1-push"): 5.0, (1, "s1-push"): 5.0}
+    assert arrival_orders(workload, SimResult(0.0, {}, {}, [], events=events)) == {2: [1, 0, 0, 1], 3: [1, 0, 0, 1]}

@@ -9,7 +9,9 @@ a list of operations executed in order:
     Send(peer, nbytes, handle)  post a message to global rank `peer` (returns at once)
     Recv(peer, nbytes, handle)  post a receive from `peer` (returns at once)
     Wait(handles)               block until those sends are delivered / receives have their data
-    Notify(event) / Await(event)  order streams of one rank (CUDA events)
+    Notify(event) / Await(event)  order streams of one rank (CUDA events); a Notify whose event starts
+                                with SNAPSHOT also keeps its stream's seconds per label so far
+                                (`SimResult.snapshots`: the phases of one step of several)
     Collective(key, size, seconds)  the analytical fast path: a collective priced by its formula;
                                 the stream waits until all `size` members have reached the op with
                                 this key, then all are busy `seconds` together, off the network
@@ -88,6 +90,7 @@ class Collective:
 
 
 Op = Compute | Delay | Send | Recv | Wait | Notify | Await | Collective
+SNAPSHOT = "snapshot:"  # a Notify event with this prefix keeps its stream's labelled seconds
 StreamKey = tuple[int, str]  # (global rank, stream name)
 
 
@@ -113,6 +116,8 @@ class SimResult:
     spans: list[Span] = field(default_factory=list)
     labelled: dict[StreamKey, dict[str, float]] = field(default_factory=dict)  # seconds per span label, per stream
     events: dict[tuple[int, str], float] = field(default_factory=dict)  # (rank, event) -> when it was notified
+    snapshots: dict[tuple[int, str], dict[str, float]] = field(default_factory=dict)  # (rank, SNAPSHOT event) ->
+    # its stream's seconds per label when it was notified
 
     def chrome_trace(self) -> dict:
         """Chrome trace events: one process per rank, one thread per stream, times in microseconds."""
@@ -151,6 +156,7 @@ def simulate(programs: dict[StreamKey, list[Op]], network: FlowNetwork, record_s
     posted_recvs: dict[tuple[int, int], deque] = defaultdict(deque)  # (receiver stream, handle) not yet matched
     in_flight: dict[int, tuple[tuple[StreamKey, int], tuple[StreamKey, int]]] = {}  # message -> (sender, receiver)
     events: dict[tuple[int, str], float] = {}  # (rank, event) -> when first notified
+    snapshots: dict[tuple[int, str], dict[str, float]] = {}
     pair_bytes: dict[tuple[int, int], int] = defaultdict(int)
     spans: list[Span] = []
     finish: dict[StreamKey, float] = {}
@@ -237,6 +243,8 @@ def simulate(programs: dict[StreamKey, list[Op]], network: FlowNetwork, record_s
                 match((op.peer, rank))
             elif kind is Notify:
                 events.setdefault((rank, op.event), now)
+                if op.event.startswith(SNAPSHOT):
+                    snapshots[(rank, op.event)] = dict(labelled[stream.key])
                 ready.extend(of_rank[rank])
             else:
                 raise TypeError(f"not a simulator operation: {op!r}")
@@ -270,4 +278,4 @@ def simulate(programs: dict[StreamKey, list[Op]], network: FlowNetwork, record_s
         while timers and timers[0][0] <= now:
             ready.append(heapq.heappop(timers)[1])
     return SimResult(max(finish.values(), default=0.0), finish, dict(pair_bytes),
-                     network.link_bytes.tolist(), spans, dict(labelled), events)
+                     network.link_bytes.tolist(), spans, dict(labelled), events, snapshots)

@@ -10,7 +10,8 @@ time with a per-phase breakdown of the slowest rank's compute stream:
                                     activation transfers it could not hide
 
 The phases add up to the step time. Under the priority schedule the step is the steady state of
-sim/priority.py (the second of two steps, its communication thread's order the runtime's). The result also carries per-link utilisation, the bytes each
+sim/priority.py (the second of two steps, its communication thread's order the runtime's); with asynchronous
+parameter servers the workers' steady state of sim/asynchronous.py. The result also carries per-link utilisation, the bytes each
 pair of ranks exchanged and a Chrome trace of every simulated rank's streams. On a CPU host whose
 ranks share its cores (accelerator.shared_cores) the compute streams run on those cores (cores.py):
 a rank waiting for a message or a collective lends its share to the ranks still computing.
@@ -31,6 +32,7 @@ from fivefold.sim.collective import link_utilisation
 from fivefold.sim.cores import SharedCores
 from fivefold.sim.engine import SimResult, simulate
 from fivefold.sim.network import DedicatedNetwork, flow_network
+from fivefold.sim import asynchronous
 from fivefold.sim.priority import steady_state
 from fivefold.sim.routing import cluster_router
 from fivefold.sim.topology import Topology
@@ -48,7 +50,8 @@ class StepRun:
     result: SimResult
     build_seconds: float
     simulate_seconds: float
-    order_passes: int = 0  # the priority schedule: simulations run to find its slice order (sim/priority.py)
+    order_passes: int = 0  # simulations run to find the priority schedule's slice order (sim/priority.py) or
+    # asynchronous parameter servers' push orders (sim/asynchronous.py)
 
     @property
     def time(self) -> float:
@@ -56,7 +59,9 @@ class StepRun:
 
     @property
     def slowest_rank(self) -> int:
-        return max(self.workload.simulated, key=lambda r: self.result.finish.get((r, COMPUTE), 0.0))
+        """The rank whose compute stream ends last (with asynchronous parameter servers: the slowest worker)."""
+        ranks = [r for r in self.workload.simulated if r not in self.workload.server_ranks]
+        return max(ranks, key=lambda r: self.result.finish.get((r, COMPUTE), 0.0))
 
     def breakdown(self, rank: int | None = None) -> dict[str, float]:
         """Seconds per phase (PHASES) of `rank`'s compute stream (the slowest rank's by default); they sum to
@@ -104,9 +109,10 @@ def simulate_step(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency
                           "--fidelity flow, hybrid or aggregate")
     clock = {"simulate": 0.0}
 
-    def play(slice_order: list[int] | None = None, steps: int = 0) -> tuple[Workload, SimResult]:
+    def play(slice_order: list[int] | None = None, steps: int = 0,
+             push_orders: dict[int, list[int]] | None = None) -> tuple[Workload, SimResult]:
         workload = build_workload(config, gpus, cluster, efficiency, fidelity, vocab_size, router, expert_load,
-                                  slice_order, steps)
+                                  slice_order, steps, push_orders)
         network = DedicatedNetwork(router) if fidelity == "analytical" else flow_network(router, congestion)
         cores, shared = shared_cores(config, workload, cluster)
         built = time.perf_counter()
@@ -116,7 +122,9 @@ def simulate_step(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency
 
     workload, result = play()
     passes = 0
-    if workload.steps > 1:  # the priority schedule: its steady state, in the order the runtime's rule picks
+    if workload.server_ranks:  # asynchronous parameter servers: the workers' steady state, pushes as they arrive
+        workload, result, passes = asynchronous.steady_state(play, workload, result)
+    elif workload.steps > 1:  # the priority schedule: its steady state, in the order the runtime's rule picks
         workload, result, passes = steady_state(play, workload, result)
     built = time.perf_counter() - start - clock["simulate"]  # the router, the workloads, the order
     return StepRun(workload, router.topology, result, built, clock["simulate"], passes)

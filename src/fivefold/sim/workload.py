@@ -78,7 +78,9 @@ on, each unit's forward first waits for the previous step's slices holding its p
 AdamW on them. Its steady state is the second of two steps; sim/priority.py finds the order the
 runtime's rule (the most urgent slice ready everywhere, whenever the thread is free) picks.
 
-Not modelled (stated in docs/simulator.md): asynchronous parameter servers (asp, ssp).
+Asynchronous parameter servers (asp, ssp) run ASYNC_STEPS steps: each server steps once per push, in a given
+order of the workers' pushes, and answers as the runtime's rule allows (`async_server_program`);
+sim/asynchronous.py finds the arrival order and reads the workers' steady state off the run.
 """
 
 from __future__ import annotations
@@ -108,10 +110,11 @@ from fivefold.plan.parameters import experts_per_rank, expert_values, local_tens
 from fivefold.plan.zero_traffic import quantized_parts
 from fivefold.sim.names import FIDELITIES
 from fivefold.sim.routing import Router, cluster_router
-from fivefold.sim.engine import Await, Collective, Compute, Delay, Notify, Op, Recv, Send, StreamKey, Wait
+from fivefold.sim.engine import SNAPSHOT, Await, Collective, Compute, Delay, Notify, Op, Recv, Send, StreamKey, Wait
 from fivefold.sim.trace import collective_programs, resolve_algorithm, uneven_all_to_all_programs
 
 COMPUTE, DP, CODEC = "compute", "dp", "codec"  # CODEC: a gradient codec's local work, for the DP stream
+ASYNC_STEPS = 4  # steps simulated for asynchronous parameter servers (their steady state: sim/asynchronous.py)
 _RING_FLOWS = ("all_reduce", "reduce_scatter", "all_gather")  # aggregate: the ring collectives played as flows
 
 
@@ -224,6 +227,8 @@ class Workload:
     slices: list[PrioritySlice] = field(default_factory=list)  # the priority schedule's slices (else none)
     slice_order: list[int] = field(default_factory=list)  # the order its communication thread reduces them in
     unit_slices: dict[str, list[int]] = field(default_factory=dict)  # a unit -> the slices its next forward waits for
+    server_ranks: tuple[int, ...] = ()  # asynchronous parameter servers' ranks (else none)
+    push_orders: dict[int, list[int]] = field(default_factory=dict)  # each such server's order of the workers' pushes
 
     def calls(self, rank: int) -> list[tuple[str, tuple[int, ...], int]]:
         """`rank`'s torch.distributed calls, as sim/observe.py records the runtime's: (kind, group ranks, bytes)
@@ -325,7 +330,7 @@ class _Builder:
     def __init__(self, config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency,
                  fidelity: str, vocab_size: int, router: Router | None = None,
                  expert_load: dict[str, list[float]] | None = None, slice_order: list[int] | None = None,
-                 steps: int = 0):
+                 steps: int = 0, push_orders: dict[int, list[int]] | None = None):
         from fivefold.parallel.pipeline.stages import plan_stages
 
         if fidelity not in FIDELITIES:
@@ -395,9 +400,14 @@ class _Builder:
         # the priority schedule (parallel/comm_schedule.py): its steady state is the second of two steps (the first
         # step's gradients are reduced under the second's forward); slice_order: the communication thread's order
         self.priority = priority_schedule(config, d)
-        self.steps = steps or (2 if self.priority else 1)
+        # asynchronous parameter servers (asp, ssp): no two steps alike until the workers settle into their
+        # rhythm around the servers; ASYNC_STEPS steps, sim/asynchronous.py reads the steady state off them;
+        # push_orders: each server's order of the workers' pushes
+        self.async_ps = self.ps and config.parameter_server.sync != "bsp"
+        self.steps = steps or (2 if self.priority else ASYNC_STEPS if self.async_ps else 1)
         self.step = 0
         self.slice_order = slice_order
+        self.push_orders = push_orders
 
     def expert_imbalance(self) -> float:
         """The most rows one expert-parallel rank receives over the mean, over the MoE layers (1: balanced)."""
@@ -1191,9 +1201,15 @@ class _Builder:
 
     # ------------------------------------------------------------------ parameter servers
     def push_pull(self, rank: int) -> None:
-        """A worker after its backward (parallel/parameter_server.py, bsp): its gradients pushed to every server
-        (each server's shard, 4 bytes a value), the new weights pulled back, then the next step may start."""
+        """A worker after its backward (parallel/parameter_server.py): its gradients pushed to every server (each
+        server's shard, 4 bytes a value), the new weights pulled back, then the next step may start; under asp and
+        ssp the worker first takes its own gradient's norm and clips it (the planner's `clip_seconds`)."""
         key, handles = (rank, COMPUTE), []
+        if self.async_ps:
+            elements = sum(e for e, _ in self.loads)
+            self.compute(rank, self.cluster.accelerator.clip_seconds(elements, self.config.train.max_grad_norm > 0),
+                         "optimizer")
+            self.programs[key].append(Notify(f"s{self.step}-push"))
         for server, (elements, _) in zip(self.server_ranks, self.loads):
             handles.append(self._handle(key))
             self.programs[key].append(Send(server, 4 * elements, handles[-1]))
@@ -1202,6 +1218,37 @@ class _Builder:
             handles.append(self._handle(key))
             self.programs[key].append(Recv(server, 4 * elements, handles[-1]))
         self.programs[key].append(Wait(tuple(handles), "dp"))
+        if self.async_ps:
+            self.programs[key].append(Notify(f"{SNAPSHOT}s{self.step}"))
+
+    def async_server_program(self, rank: int) -> None:
+        """A server under asp / ssp (parameter_server.py `_serve_asynchronous`) for the simulated steps: each push
+        as it arrives, in `push_orders` (default: the workers in turn, step by step), stepped at once (the
+        planner's `server_update_seconds` for one push) and answered, under ssp only once the pusher is at most
+        `staleness` steps ahead of the slowest worker (or done): the runtime's rule on the same clocks."""
+        key, workers = (rank, COMPUTE), self.d.dp
+        elements, tensors = self.loads[self.server_ranks.index(rank)]
+        order = (self.push_orders or {}).get(rank) or [w for _ in range(self.steps) for w in range(workers)]
+        if sorted(order) != sorted(w for _ in range(self.steps) for w in range(workers)):
+            raise ValueError(f"push order {order}: not {self.steps} pushes of each of {workers} workers")
+        ps = self.config.parameter_server
+        bound = ps.staleness if ps.sync == "ssp" else None
+        update = server_update_seconds(self.config, elements, tensors, 1, self.cluster.accelerator)
+        clocks, waiting, sends = [0] * workers, [], []
+        for w in order:
+            received = self._handle(key)
+            self.programs[key] += [Recv(w, 4 * elements, received), Wait((received,), "dp")]
+            self.compute(rank, update, "optimizer")
+            clocks[w] += 1
+            waiting.append(w)
+            slowest = min(clocks)
+            for v in [v for v in waiting if bound is None or clocks[v] >= self.steps or clocks[v] - slowest <= bound]:
+                waiting.remove(v)
+                sends.append(self._handle(key))
+                self.programs[key].append(Send(v, 4 * elements, sends[-1]))
+                if len(sends) <= workers:  # the calls of one step's worth
+                    self.log[rank].append(("send", (rank, v), 4 * elements, "", None))
+        self.programs[key].append(Wait(tuple(sends), "dp"))
 
     def server_program(self, rank: int) -> None:
         """A server's step: every worker's push of its shard, their sum, the norm and clipping, AdamW
@@ -1224,7 +1271,7 @@ class _Builder:
         from fivefold.parallel.pipeline.schedules import Instruction, Op as P, PipelineShape, schedule
 
         if rank in self.server_ranks:
-            self.server_program(rank)
+            (self.async_server_program if self.async_ps else self.server_program)(rank)
             return
 
         d, t, pipe = self.d, self.config.train, self.config.pipeline_parallel
@@ -1299,11 +1346,8 @@ class _Builder:
 
 
 def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:
-    z, g = config.data_parallel, config.gradient_comm
+    g = config.gradient_comm
     reasons = []
-    if z.mode == "ps" and config.parameter_server.sync != "bsp":
-        reasons.append(f"parameter_server.sync = {config.parameter_server.sync} (workers out of lock step: no one "
-                       "step to simulate; bsp is modelled)")
     if g.compression == "sign" and g.compression_block % 32:
         reasons.append(f"gradient_comm.compression = sign with compression_block = {g.compression_block}, not a multiple "
                        "of 32 (its 1-bit codes are played as 4-byte words)")
@@ -1315,13 +1359,16 @@ def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:
 def build_workload(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency = 0.5,
                    fidelity: str = "hybrid", vocab_size: int = 0, router: Router | None = None,
                    expert_load: dict[str, list[float]] | None = None, slice_order: list[int] | None = None,
-                   steps: int = 0) -> Workload:
+                   steps: int = 0, push_orders: dict[int, list[int]] | None = None) -> Workload:
     """Every simulated rank's program for one optimizer step of `config` on `gpus` accelerators of `cluster`
     (router: the fabric the programs will run on, for the aggregate fidelity's latencies; default the
     cluster's own; expert_load: each MoE layer's measured assignments per expert, default balanced). Under the
     priority schedule: `steps` steps (default 2: the second is the steady state), the communication thread
-    reducing the slices in `slice_order` (default `first_guess_order`; sim/priority.py finds the runtime's)."""
-    builder = _Builder(config, gpus, cluster, efficiency, fidelity, vocab_size, router, expert_load, slice_order, steps)
+    reducing the slices in `slice_order` (default `first_guess_order`; sim/priority.py finds the runtime's).
+    Asynchronous parameter servers: `steps` steps (default ASYNC_STEPS), each server taking the workers' pushes in
+    `push_orders` (server rank -> worker per push; default in turn; sim/asynchronous.py finds the arrival order)."""
+    builder = _Builder(config, gpus, cluster, efficiency, fidelity, vocab_size, router, expert_load, slice_order, steps,
+                       push_orders)
     for rank in builder.simulated:
         builder.rank_program(rank)
     part = next((part for part in getattr(builder, "ddp_parts", []) if part.slices), None)
@@ -1330,4 +1377,8 @@ def build_workload(config: JobConfig, gpus: int, cluster: ClusterSpec, efficienc
                     dict(builder.log), builder.expert_imbalance(), recorded=builder.recorded // builder.steps,
                     analytical=builder.analytical // builder.steps, expand=builder._recording, steps=builder.steps, slices=slices,
                     slice_order=list(slice_order) if slice_order is not None else first_guess_order(slices),
-                    unit_slices={unit: ks for (_, unit), ks in part.unit_slices.items()} if part else {})
+                    unit_slices={unit: ks for (_, unit), ks in part.unit_slices.items()} if part else {},
+                    server_ranks=builder.server_ranks if builder.async_ps else (),
+                    push_orders={server: list((push_orders or {}).get(server) or
+                                              [w for _ in range(builder.steps) for w in range(builder.d.dp)])
+                                 for server in builder.server_ranks} if builder.async_ps else {})
