@@ -781,10 +781,19 @@ def test_optimizer_step_is_priced_at_the_accelerators_optimizer_rate(tmp_path):
     two = estimate(tiny("--data_parallel.mode", "ps", "--parameter_server.servers", "2"), 5, cpu)
     assert two.time.optimizer == pytest.approx(max(3 * 4 * e / 3350e9 + 28 * e / 10e9 + n * 20e-6 + clip * e
                                                    for e, n in server_loads(model, 2, 3)))
-    # asp: a server steps per push, unclipped; each worker clipped its own whole gradient before pushing
+    # asp: a server steps per push, unclipped; each worker clipped its own whole gradient before pushing; in the
+    # steady state a worker waits for its own push, update and pull, or for the server's queue when that is longer
+    # (4 pushes taken and stepped one after another): here the server is the bottleneck
+    per_push = 4 * psi / 3350e9 + 28 * psi / 10e9 + tensors * 20e-6
     asp = estimate(tiny("--data_parallel.mode", "ps", "--parameter_server.sync", "asp"), 5, cpu).time
-    assert asp.optimizer == pytest.approx(4 * 4 * psi / 3350e9 + 4 * (28 * psi / 10e9 + tensors * 20e-6))
-    assert asp.dp == pytest.approx(found.time.dp + clip * psi)
+    assert asp.optimizer == pytest.approx(per_push)
+    assert asp.total == pytest.approx(found.time.dp / 2 + 4 * per_push)
+    assert asp.dp == pytest.approx(found.time.dp / 2 + 4 * per_push - asp.compute - asp.optimizer)
+    assert asp.dp >= clip * psi + found.time.dp / 4
+    # ssp with staleness 0 keeps the workers in lock step: everything one after another
+    lock = estimate(tiny("--data_parallel.mode", "ps", "--parameter_server.sync", "ssp", "--parameter_server.staleness",
+                         "0"), 5, cpu).time
+    assert lock.optimizer == pytest.approx(4 * per_push) and lock.dp == pytest.approx(found.time.dp + clip * psi)
     path = tmp_path / "cpu.toml"
     path.write_text(cluster_toml(cpu))
     assert load_cluster(str(path)) == cpu

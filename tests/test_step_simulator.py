@@ -915,7 +915,8 @@ def test_asynchronous_parameter_servers_settle_into_their_steady_state():
     compute C the server is the bottleneck and a worker's step is 4 U (the busier server's); with long compute
     the workers fall out of phase and each waits only for its own update: C + U + its own gradient's clipping.
     ssp with staleness 0 keeps them in lock step, waiting for all four updates: C + 4 U; with staleness 1 they
-    stagger as under asp. The servers take the pushes in the order they arrive (here the workers in turn)."""
+    stagger as under asp. The servers take the pushes in the order they arrive (here the workers in turn). The
+    planner prices the same steady state (plan/estimate.py), equal here."""
     from fivefold.plan.estimate import server_loads, server_update_seconds
 
     cpu = _free(dataclasses.replace(H100, accelerator=dataclasses.replace(H100.accelerator, optimizer_gbs=10.0,
@@ -927,6 +928,7 @@ def test_asynchronous_parameter_servers_settle_into_their_steady_state():
         updates = [server_update_seconds(config, elements, tensors, 1, cpu.accelerator)
                    for elements, tensors in server_loads(model_for(config, 257), servers, 5 - servers)]
         simulated = simulate_step(config, 5, cpu, efficiency, "flow", vocab_size=257)
+        assert simulated.time == pytest.approx(estimate(config, 5, cpu, efficiency, vocab_size=257).time.total, rel=1e-9)
         phases = simulated.breakdown()
         assert sum(phases.values()) == pytest.approx(simulated.time, rel=1e-9)
         assert simulated.workload.push_orders == {rank: list(range(5 - servers)) * 4 for rank in range(5 - servers, 5)}

@@ -533,8 +533,9 @@ def server_memory(config: JobConfig, shard: int, workers: int) -> RankMemory:
 
 
 def _parameter_server_time(config: JobConfig, loads: list[tuple[int, int]], workers: int, gpus: int,
-                           cluster: ClusterSpec) -> tuple[float, float]:
-    """(push + pull seconds, the servers' update seconds) per step, `loads` each server's (elements, tensors). The
+                           cluster: ClusterSpec) -> tuple[float, float, float]:
+    """(push + pull seconds, the pusher's own clipping, the servers' update seconds) per step, `loads` each server's
+    (elements, tensors). The
     busiest server takes every worker's push of its shard (W x 4 x shard bytes in) and answers every pull (as many
     out), over the link spanning the job (servers are the last ranks); a worker waits for both, after its backward.
     bsp sums W pushes (read 4 W x shard bytes at memory bandwidth), takes the gradient norm and clips the sum
@@ -543,10 +544,11 @@ def _parameter_server_time(config: JobConfig, loads: list[tuple[int, int]], work
     slowest server's update."""
     shard = max(elements for elements, _ in loads)
     comm = 2 * workers * cluster.link_for(gpus).message(4 * shard)
+    clip = 0.0
     if config.parameter_server.sync != "bsp":  # parallel/parameter_server.py: the pusher clips
-        comm += cluster.accelerator.clip_seconds(sum(elements for elements, _ in loads), config.train.max_grad_norm > 0)
-    return comm, max(server_update_seconds(config, elements, tensors, workers, cluster.accelerator)
-                     for elements, tensors in loads)
+        clip = cluster.accelerator.clip_seconds(sum(elements for elements, _ in loads), config.train.max_grad_norm > 0)
+    return comm, clip, max(server_update_seconds(config, elements, tensors, workers, cluster.accelerator)
+                           for elements, tensors in loads)
 
 
 def server_update_seconds(config: JobConfig, elements: int, tensors: int, workers: int, accelerator: Accelerator) -> float:
@@ -1478,13 +1480,20 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
     rows = expert_rows_by_load(model, config, d, expert_load) if expert_load is not None else None
     time = None if over and not time_if_over else step_time(config, model, d, split, cluster, efficiency, runs, rows)
     if time is not None and server is not None:
-        push_pull, update = _parameter_server_time(config, loads, d.dp, gpus, cluster)
+        push_pull, clip, update = _parameter_server_time(config, loads, d.dp, gpus, cluster)
         compute = time.compute
         sharing = host_sharing(config, gpus, cluster)
         if sharing is not None:  # the workers compute while the servers wait, and the other way round
             compute /= sharing.speed(d.dp, gpus)
             update /= sharing.speed(gpus - d.dp, gpus)
-        time = dataclasses.replace(time, compute=compute, dp=push_pull, optimizer=update)
+        ps = config.parameter_server
+        if ps.sync == "bsp" or (ps.sync == "ssp" and ps.staleness == 0):  # in lock step: one after another
+            time = dataclasses.replace(time, compute=compute, dp=push_pull + clip, optimizer=update)
+        else:  # the workers' steady state (sim/asynchronous.py): a worker waits for its own push, update and pull,
+            # unless the busiest server, taking each push and then stepping it, one after another, is slower
+            own, mine = update / d.dp, push_pull / d.dp
+            queue = max(0.0, (push_pull / 2 + update) - (compute + clip + mine + own))
+            time = dataclasses.replace(time, compute=compute, dp=clip + mine + queue, optimizer=own)
     tokens = t.micro_batch_size * t.grad_accum_steps * d.dp * t.seq_len
     notes = []
     if model.n_experts and (d.tp > 1 or model.attention != "mha"):
