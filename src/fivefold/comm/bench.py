@@ -40,7 +40,8 @@ import torch.distributed.distributed_c10d as c10d
 
 from fivefold.comm import ALL_REDUCE, all_reduce, default_node_size
 from fivefold.comm.alltoall import pairwise_all_to_all
-from fivefold.comm.cost import NATIVE_COLLECTIVES, Link, bus_factor, fit_native_link, predict_collective, traffic
+from fivefold.comm.cost import (NATIVE_COLLECTIVES, Link, bus_factor, fit_link, fit_native_link, predict_collective,
+                                traffic)
 from fivefold.comm.measure import measure_cluster
 from fivefold.comm.native import all_gather_flat, reduce_scatter_flat
 from fivefold.comm.p2p import Ranks
@@ -226,13 +227,10 @@ def measure_post(device: torch.device, sizes: tuple[int, ...] = POST_SIZES, iter
 def fit_post(points: list[list[float]]) -> dict:
     """The least-squares line through [bytes, us] points as {"p2p_post_us", "p2p_post_gbs", "measured"}; a line
     that does not rise is their mean (no per-byte part: p2p_post_gbs 0)."""
-    n = len(points)
-    mean_x, mean_y = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    spread = sum((x - mean_x) ** 2 for x, _ in points)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
-    if slope <= 0:
-        return {"p2p_post_us": mean_y, "p2p_post_gbs": 0.0, "measured": points}
-    return {"p2p_post_us": max(0.0, mean_y - slope * mean_x), "p2p_post_gbs": 1e-3 / slope, "measured": points}
+    line = fit_link([x for x, _ in points], [y for _, y in points])  # alpha in us, beta in us per byte
+    if line.beta <= 0:
+        return {"p2p_post_us": statistics.fmean(y for _, y in points), "p2p_post_gbs": 0.0, "measured": points}
+    return {"p2p_post_us": line.alpha, "p2p_post_gbs": 1e-3 / line.beta, "measured": points}
 
 
 def fit_native_links(rows: list[Row], p: int) -> dict[str, Link]:

@@ -8,7 +8,7 @@ pushes. A server receives from whichever worker's push comes first (`dist.recv` 
 static program cannot say, so each server's order is a fixed point, as the priority schedule's is
 (sim/priority.py): simulate with the workers in turn, order the pushes by when the workers posted them
 (`arrival_orders`: a worker's own in step order, ties to the lower rank), simulate again in that order, until
-the two agree (at most `MAX_PASSES` simulations; should they still differ, the last stands).
+the two agree (sim/priority.py `settle`: at most 4 simulations; should they still differ, the last stands).
 
 The step reported is the workers' steady state: per worker, the time from the end of its first step to the end
 of its last over the steps between, the slowest worker's; its phases likewise, from snapshots of the worker's
@@ -18,14 +18,9 @@ its steps. The first step is left out: every worker starts at once, so its pushe
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from fivefold.sim.engine import SNAPSHOT, SimResult
+from fivefold.sim.priority import Play, settle
 from fivefold.sim.workload import COMPUTE, Workload
-
-MAX_PASSES = 4
-
-Play = Callable[..., tuple[Workload, SimResult]]  # (push_orders=...) -> the workload and its run
 
 
 def workers_of(workload: Workload) -> list[int]:
@@ -44,13 +39,7 @@ def arrival_orders(workload: Workload, result: SimResult) -> dict[int, list[int]
 def steady_state(play: Play, workload: Workload, result: SimResult) -> tuple[Workload, SimResult, int]:
     """From a first run (`workload`, `result`): the run whose push orders are its own arrival orders, reported as
     its steady step (see the module docstring), and how many simulations found the orders."""
-    passes = 1
-    while passes < MAX_PASSES:
-        orders = arrival_orders(workload, result)
-        if orders == workload.push_orders:
-            break
-        workload, result = play(push_orders=orders)
-        passes += 1
+    workload, result, passes = settle(play, workload, result, arrival_orders, "push_orders")
     return workload, steady_step(result, workload), passes
 
 

@@ -23,9 +23,23 @@ from collections.abc import Callable
 from fivefold.sim.engine import SimResult
 from fivefold.sim.workload import COMPUTE, Workload
 
-MAX_PASSES = 4  # simulations of the two steps while looking for the order (a fixed point is usually the second)
+MAX_PASSES = 4  # simulations while looking for an order (a fixed point is usually the second)
 
-Play = Callable[..., tuple[Workload, SimResult]]  # (slice_order=..., steps=...) -> the workload and its run
+Play = Callable[..., tuple[Workload, SimResult]]  # (slice_order=..., steps=..., push_orders=...) -> workload, run
+
+
+def settle(play: Play, workload: Workload, result: SimResult, propose: Callable[[Workload, SimResult], object],
+           name: str) -> tuple[Workload, SimResult, int]:
+    """Simulate again with what `propose` reads off the last run (the workload's field and `play`'s keyword `name`)
+    until it is what that run used, at most MAX_PASSES simulations in all (the last stands); and their count."""
+    passes = 1
+    while passes < MAX_PASSES:
+        proposal = propose(workload, result)
+        if proposal == getattr(workload, name):
+            break
+        workload, result = play(**{name: proposal})
+        passes += 1
+    return workload, result, passes
 
 
 def greedy_order(workload: Workload, result: SimResult, step: int) -> list[int]:
@@ -59,13 +73,7 @@ def greedy_order(workload: Workload, result: SimResult, step: int) -> list[int]:
 def steady_state(play: Play, workload: Workload, result: SimResult) -> tuple[Workload, SimResult, int]:
     """From a first two-step run (`workload`, `result`): the run whose slice order the runtime's rule reproduces,
     reported as its second step (see the module docstring), and how many simulations found the order."""
-    passes = 1
-    while passes < MAX_PASSES:
-        order = greedy_order(workload, result, workload.steps - 1)
-        if order == workload.slice_order:
-            break
-        workload, result = play(slice_order=order)
-        passes += 1
+    workload, result, passes = settle(play, workload, result, lambda w, r: greedy_order(w, r, w.steps - 1), "slice_order")
     _, first = play(slice_order=workload.slice_order, steps=workload.steps - 1)
     return workload, second_step(result, first, workload), passes
 

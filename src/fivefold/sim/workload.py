@@ -407,7 +407,9 @@ class _Builder:
         self.steps = steps or (2 if self.priority else ASYNC_STEPS if self.async_ps else 1)
         self.step = 0
         self.slice_order = slice_order
-        self.push_orders = push_orders
+        turns = [w for _ in range(self.steps) for w in range(d.dp)]  # default: the workers in turn, step by step
+        self.push_orders = {server: list((push_orders or {}).get(server) or turns)
+                            for server in self.server_ranks} if self.async_ps else {}
 
     def expert_imbalance(self) -> float:
         """The most rows one expert-parallel rank receives over the mean, over the MoE layers (1: balanced)."""
@@ -1228,7 +1230,7 @@ class _Builder:
         `staleness` steps ahead of the slowest worker (or done): the runtime's rule on the same clocks."""
         key, workers = (rank, COMPUTE), self.d.dp
         elements, tensors = self.loads[self.server_ranks.index(rank)]
-        order = (self.push_orders or {}).get(rank) or [w for _ in range(self.steps) for w in range(workers)]
+        order = self.push_orders[rank]
         if sorted(order) != sorted(w for _ in range(self.steps) for w in range(workers)):
             raise ValueError(f"push order {order}: not {self.steps} pushes of each of {workers} workers")
         ps = self.config.parameter_server
@@ -1379,6 +1381,4 @@ def build_workload(config: JobConfig, gpus: int, cluster: ClusterSpec, efficienc
                     slice_order=list(slice_order) if slice_order is not None else first_guess_order(slices),
                     unit_slices={unit: ks for (_, unit), ks in part.unit_slices.items()} if part else {},
                     server_ranks=builder.server_ranks if builder.async_ps else (),
-                    push_orders={server: list((push_orders or {}).get(server) or
-                                              [w for _ in range(builder.steps) for w in range(builder.d.dp)])
-                                 for server in builder.server_ranks} if builder.async_ps else {})
+                    push_orders=builder.push_orders)
