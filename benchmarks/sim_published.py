@@ -4,15 +4,18 @@ Two tables, both on the `a100-80gb` cluster preset (plan/published.py builds eac
 job: the paper's width, depth, heads, vocabulary, sequence, degrees and batch):
 
 - Narayanan et al., SC21, Table 1: achieved teraFLOP/s per GPU of GPT 1.7B to 1T on 32 to 3,072
-  GPUs (full recomputation, 1F1B, micro-batch 1); the predicted rate is the paper's FLOPs per
-  iteration over (simulated step x GPUs), as the paper counts it.
+  GPUs (full recomputation; micro-batch and interleaving as the authors' script ran each row); the
+  predicted rate is the paper's FLOPs per iteration over (simulated step x GPUs), as the paper counts it.
 - Korthikanti et al., 2022, Table 5: seconds per iteration of 22B, 175B, 530B and 1T with full
   recomputation and with sequence parallelism + selective recomputation.
 
-The compute model has two fitted numbers (plan/efficiency.py): the achieved share of peak in the
-large matmuls and in the attention core. Both are fitted, with the simulator, on two SC21 rows
-(--fit; default 1.7B, whose attention core is 15% of its matmul FLOPs, and 18B, 6%) and used for
-every other row, which are predictions. Each step is simulated on the analytical path (one rank per
+The compute model has two fitted numbers (plan/efficiency.py, the width law): the achieved share of
+peak in a wide GEMM, and the narrowest GEMM dimension (per rank) at which a matmul reaches half of
+it, so that tensor parallelism's narrower slices and the attention core (narrowest: the head
+dimension) run further from peak. Both are fitted, with the simulator, on two SC21 rows (--fit;
+default 1.7B, head dimension 96 and its attention core 15% of its matmul FLOPs, and 18B, tp 8) and
+used for every other row, which are predictions. --no-width-law fits two fixed shares instead (the
+matmuls' and the attention core's). Each step is simulated on the analytical path (one rank per
 pipeline stage, collectives by formula on a contention-free fabric; --fidelity to change it).
 
     python benchmarks/sim_published.py                                   # the tables of docs/simulator.md
@@ -20,7 +23,7 @@ pipeline stage, collectives by formula on a contention-free fabric; --fidelity t
 
 Prints both tables and
 RESULT name=sim_published rows=N within_10pct=K median_abs_error=... worst_abs_error=... efficiency=...
-       attention_efficiency=... plan_median_abs_error=...
+       attention_efficiency=... half_width=... plan_median_abs_error=...
 (errors over the rows not fitted: rate error for SC21, iteration-time error for Korthikanti et al.)
 """
 
@@ -66,19 +69,40 @@ def solve(rate_of: Callable[[float], float], target: float, start: float) -> flo
     return 1 / x1
 
 
-def fit(attention_row: PublishedRun, matmul_row: PublishedRun, fidelity: str) -> Efficiency:
-    """Both shares, alternately: the matmul share on the wide row, the attention share on the narrow one."""
+def fit(attention_row: PublishedRun, matmul_row: PublishedRun, fidelity: str, width_law: bool = True) -> Efficiency:
+    """The compute model's two numbers, alternately: the wide-GEMM share on the wide row, and on the narrow row
+    either the width law's half width (attention share by the law) or, without it, the attention core's share."""
     def rate(run: PublishedRun, efficiency: Efficiency) -> float:
         return sc21_rate(run, simulated_step(sc21_config(run), run.gpus, efficiency, fidelity).time)
 
-    matmul, attention = 0.5, 0.5
+    def efficiency(matmul: float, other: float) -> Efficiency:
+        return Efficiency(matmul, 0.0, None, other) if width_law else Efficiency(matmul, other)
+
+    matmul, other = 0.5, (300.0 if width_law else 0.5)
     for _ in range(10):
-        previous = (matmul, attention)
-        matmul = solve(lambda x: rate(matmul_row, Efficiency(x, attention)), matmul_row.tflops_per_gpu, matmul)
-        attention = solve(lambda x: rate(attention_row, Efficiency(matmul, x)), attention_row.tflops_per_gpu, attention)
-        if max(abs(a - b) for a, b in zip(previous, (matmul, attention))) < 1e-5:
+        previous = (matmul, other)
+        matmul = solve(lambda x: rate(matmul_row, efficiency(x, other)), matmul_row.tflops_per_gpu, matmul)
+        if width_law:
+            other = half_width(lambda w: rate(attention_row, efficiency(matmul, w)), attention_row.tflops_per_gpu)
+        else:
+            other = solve(lambda x: rate(attention_row, efficiency(matmul, x)), attention_row.tflops_per_gpu, other)
+        if max(abs(a - b) / b for a, b in zip(previous, (matmul, other))) < 1e-5:
             break
-    return Efficiency(matmul, attention)
+    return efficiency(matmul, other)
+
+
+def half_width(rate_of: Callable[[float], float], target: float) -> float:
+    """The half width w with rate_of(w) = target (the rate falls as w grows): bisection on log w over [1, 1e5]."""
+    low, high = 1.0, 1e5
+    for _ in range(40):
+        middle = (low * high) ** 0.5
+        if rate_of(middle) > target:
+            low = middle
+        else:
+            high = middle
+        if high / low < 1 + 1e-6:
+            break
+    return (low * high) ** 0.5
 
 
 def main() -> int:
@@ -89,6 +113,8 @@ def main() -> int:
     parser.add_argument("--fit", default="1.7B,18B",
                         help="the two SC21 rows the attention and the matmul shares are fitted on")
     parser.add_argument("--fidelity", default="analytical", choices=FIDELITIES)
+    parser.add_argument("--no-width-law", action="store_true",
+                        help="fit two fixed shares (matmuls, attention core) instead of the width law")
     args = parser.parse_args()
     by_name = {run.name: run for run in SC21_TABLE1}
     names = args.fit.split(",")
@@ -97,15 +123,17 @@ def main() -> int:
     if not (0 <= args.sc21_rows <= len(SC21_TABLE1) and 0 <= args.korthikanti_rows <= len(KORTHIKANTI_TABLE)):
         parser.error("--sc21-rows and --korthikanti-rows: between 0 and the table's length")
     started = time.perf_counter()
-    efficiency = fit(by_name[names[0]], by_name[names[1]], args.fidelity)
-    print(f"cluster a100-80gb, fidelity {args.fidelity}; efficiency {efficiency.matmul:.4f} (matmuls), "
-          f"{efficiency.attention:.4f} (attention core), fitted on {names[0]} and {names[1]} "
+    efficiency = fit(by_name[names[0]], by_name[names[1]], args.fidelity, not args.no_width_law)
+    what = (f"width law: {efficiency.matmul:.4f} of peak in wide GEMMs, half of it at width {efficiency.half_width:.0f} "
+            f"(attention core at head dim 128: {efficiency.share(128):.4f})" if efficiency.half_width else
+            f"efficiency {efficiency.matmul:.4f} (matmuls), {efficiency.attention:.4f} (attention core)")
+    print(f"cluster a100-80gb, fidelity {args.fidelity}; {what}, fitted on {names[0]} and {names[1]} "
           f"in {time.perf_counter() - started:.1f} s")
     runs = PipelineRuns()
     errors, plan_errors = [], []
 
     print(f"\nsource: {SC21_SOURCE}")
-    print("| model | tp x pp x dp | batch | simulated step (s) | simulated TFLOP/s | published | error | "
+    print("| model | tp x pp x dp (virtual) | batch (micro) | simulated step (s) | simulated TFLOP/s | published | error | "
           "planner TFLOP/s | planner error | pipeline | tp | dp |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for run in SC21_TABLE1[:args.sc21_rows]:
@@ -119,7 +147,8 @@ def main() -> int:
         if not fitted:
             errors.append(abs(error))
             plan_errors.append(abs(plan_error))
-        print(f"| {run.name}{' (fitted)' if fitted else ''} | {run.tp} x {run.pp} x {run.dp} | {run.batch} | "
+        print(f"| {run.name}{' (fitted)' if fitted else ''} | {run.tp} x {run.pp} x {run.dp} ({run.virtual}) | "
+              f"{run.batch} ({run.micro_batch}) | "
               f"{step.time:.2f} | {rate:.1f} | {run.tflops_per_gpu:.0f} | {error:+.1%} | {planned:.1f} | "
               f"{plan_error:+.1%} | {phases['pipeline'] / step.time:.1%} | {phases['tp'] / step.time:.1%} | "
               f"{phases['dp'] / step.time:.1%} |", flush=True)
@@ -148,7 +177,7 @@ def main() -> int:
     print(f"RESULT name=sim_published rows={len(errors)} within_10pct={within} "
           f"median_abs_error={statistics.median(errors) if errors else 0.0:.4f} "
           f"worst_abs_error={max(errors, default=0.0):.4f} efficiency={efficiency.matmul:.4f} "
-          f"attention_efficiency={efficiency.attention:.4f} "
+          f"attention_efficiency={efficiency.attention:.4f} half_width={efficiency.half_width:.1f} "
           f"plan_median_abs_error={statistics.median(plan_errors) if plan_errors else 0.0:.4f}")
     return 0
 

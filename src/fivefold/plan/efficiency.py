@@ -7,6 +7,12 @@ its two matmuls, so it reaches a smaller share of peak, fused (FlashAttention) o
 block's FLOPs is s / 6h, so one efficiency for both makes narrow models look as fast as wide ones;
 Megatron-LM's published rates rise from 137 to 163 teraFLOP/s per A100 as h grows from 2,304 to
 25,600 (docs/simulator.md, "Against published runs").
+
+The width law (`half_width` > 0) replaces both numbers' fixed shares by one curve: a GEMM whose narrowest
+dimension (of M, K and N, as one rank runs it: plan/gemms.py) is n reaches `matmul` x n / (n + half_width) of
+peak. Wide GEMMs approach `matmul`; tensor parallelism's narrower slices and the attention core's head
+dimension fall below it, so one curve covers the projections, the MLP, the head and the core (unless
+`attention` still sets the core's share).
 """
 
 from __future__ import annotations
@@ -19,13 +25,15 @@ from fivefold.errors import ConfigError
 
 @dataclass(frozen=True)
 class Efficiency:
-    """matmul: achieved share of peak in the projections, MLP and head; attention: in the attention
-    core (0: the same as matmul)."""
+    """matmul: achieved share of peak in the projections, MLP and head (with the width law: in a GEMM of
+    unbounded width); attention: in the attention core (0: the same as matmul, or by the width law);
+    half_width: the narrowest GEMM dimension at which a matmul reaches half of `matmul` (0: no width law)."""
 
     matmul: float = 0.5
     attention: float = 0.0
     # measured forward passes (plan/profile.py ComputeProfile) that replace the modelled ones, scaled to each layout
     profile: object | None = None
+    half_width: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.matmul <= 1:
@@ -33,6 +41,19 @@ class Efficiency:
         if not 0 <= self.attention <= 1:
             raise ConfigError(f"attention efficiency = {self.attention}: the attention core's achieved share of "
                               "peak FLOP/s must lie in (0, 1] (0: the same as the matmuls')")
+        if not (0 <= self.half_width < float("inf")):
+            raise ConfigError(f"half width = {self.half_width}: the GEMM width at which a matmul reaches half its "
+                              "share must be a finite number >= 0 (0: no width law)")
+
+    def share(self, narrowest: float) -> float:
+        """The achieved share of peak of a GEMM whose narrowest dimension is `narrowest`."""
+        if not self.half_width:
+            return self.matmul
+        return self.matmul * narrowest / (narrowest + self.half_width)
+
+    def core_share(self, narrowest: float) -> float:
+        """The attention core's share: `attention` when set, else the width law at the head dimension."""
+        return self.attention or (self.share(narrowest) if self.half_width else self.matmul)
 
     @property
     def core(self) -> float:
@@ -43,7 +64,8 @@ class Efficiency:
         if self.profile is not None:
             return f"measured passes ({self.profile.device}, micro-batch {self.profile.micro_batch_size} x " \
                    f"{self.profile.seq_len}), carried to the layout by the model at {self.matmul:g}"
-        return f"{self.matmul:g}" + (f" (attention core {self.attention:g})" if self.attention else "")
+        width = f", half at GEMM width {self.half_width:g}" if self.half_width else ""
+        return f"{self.matmul:g}" + (f" (attention core {self.attention:g})" if self.attention else "") + width
 
 
 def as_efficiency(value: float | Efficiency) -> Efficiency:
@@ -57,7 +79,11 @@ def add_efficiency_arguments(parser: argparse.ArgumentParser | argparse._Argumen
                         help="achieved share of peak FLOP/s in the blocks' matmuls (default 0.5)")
     parser.add_argument("--attention-efficiency", type=float, default=0.0,
                         help="achieved share of peak FLOP/s in the attention core, softmax(q k^T) v, which runs "
-                             "further from peak than the large matmuls (default: the same as --efficiency)")
+                             "further from peak than the large matmuls (default: the same as --efficiency, or by "
+                             "--half-width)")
+    parser.add_argument("--half-width", type=float, default=0.0,
+                        help="the width law: a matmul whose narrowest dimension (per rank) is n runs at "
+                             "efficiency x n / (n + HALF_WIDTH) of peak (default 0: every matmul at --efficiency)")
     parser.add_argument("--profile", default=None,
                         help="measured forward passes of this model (`fivefold bench compute --out FILE`): they "
                              "replace the modelled compute, scaled to the layout by the model (docs/planner.md)")
@@ -70,4 +96,4 @@ def efficiency_from(args: argparse.Namespace) -> Efficiency:
         from fivefold.plan.profile import load_profile
 
         profile = load_profile(args.profile)
-    return Efficiency(args.efficiency, args.attention_efficiency, profile)
+    return Efficiency(args.efficiency, args.attention_efficiency, profile, getattr(args, "half_width", 0.0))

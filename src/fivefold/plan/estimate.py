@@ -26,7 +26,8 @@ Step time (seconds) = pipeline makespan + exposed data-parallel communication:
 
     compute     forward FLOPs of a stage's blocks (2 x matmul parameters x tokens at the
                 accelerator's peak x efficiency, the attention core 4 q s per token at peak x the
-                attention efficiency, split by tp and cp; the head on the last stage), plus the bytes the blocks write outside their
+                attention efficiency, split by tp and cp; with the width law each GEMM at
+                efficiency x n / (n + half_width), n its narrowest dimension, plan/gemms.py; the head on the last stage), plus the bytes the blocks write outside their
                 matmuls (the kept activations, the logits) at its memory bandwidth, plus the
                 accelerator's fixed pass_overhead_us per block (a MoE block's by its operators over a
                 dense block's, plan/operators.py); backward twice the forward;
@@ -50,7 +51,7 @@ Step time (seconds) = pipeline makespan + exposed data-parallel communication:
                 the bubble
     dp          over dp x cp on the link the group spans (routed experts: a second instance over
                 their expert-data-parallel group): DDP / ZeRO-1 reduce once in the last
-                micro-batch's backward, ZeRO-2 reduce-scatters in every micro-batch's, ZeRO-3
+                micro-batch's backward (under a pipeline after the schedule, exposed), ZeRO-2 reduce-scatters in every micro-batch's, ZeRO-3
                 also gathers weights in each forward and backward; ZeRO-1/2 gather the updated
                 weights after the step; only what a pass cannot hide (at least a bucket) counts
     offload     ZeRO-Offload's gradient shard down and weight shard up over the host link
@@ -76,6 +77,7 @@ from fivefold.plan.activations import (ActivationShape, ExpertRows, block_activa
                                       moe_block_activation_elements)
 from fivefold.plan.cluster import Accelerator, ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
+from fivefold.plan.gemms import block_gemms, core_narrowest, experts_rows, head_gemm
 from fivefold.plan.expert_load import busiest_received, exchange_matrices, expert_rows_by_load, imbalance, routed_rows
 from fivefold.plan.flops import flops_per_token
 from fivefold.plan.memory import nvme_host_bytes, sharded_model_states, zero_model_states
@@ -715,23 +717,34 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
     rate = peak * eff.matmul
     tokens, seq = t.micro_batch_size * t.seq_len, t.seq_len
     core_flops = _attention_core_flops(model, tokens, seq, d)
-    core = core_flops / (peak * eff.core)
+    core = core_flops / (peak * eff.core_share(core_narrowest(model)))
     bandwidth = cluster.accelerator.memory_bandwidth_gbs * 1e9
     written = _written_per_block(model, config, d) if bandwidth else {}
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
     overhead = cluster.accelerator.pass_overhead_us * 1e-6  # a dense block's; a MoE block's by its operators
     ring = ring_operators(config, model, d) if overhead else 0.0  # ring attention's own, a share of a dense block's
-    routed = operator_ratio(model, expert_rows(config, model, d).kernel) if overhead and model.n_experts else 1.0
+    rows = expert_rows(config, model, d)
+    routed = operator_ratio(model, rows.kernel) if overhead and model.n_experts else 1.0
     fixed = {False: overhead * (1 + ring), True: overhead * (routed + ring)}
-    block = {moe: (_block_forward_flops(model, layer, tokens, seq, d, sp) - core_flops) / rate + core
-             + (written[moe] / bandwidth if bandwidth else 0.0) + fixed[moe]
-             for moe in (False, True) if (layer := first_block(model, moe)) >= 0}
-    head = 2 * padded_vocab(model.vocab_size, d.tp) * model.dim * tokens / (d.tp * d.cp) / rate
+    moe = first_block(model, True)
+    if eff.half_width:  # the width law: each GEMM at its own share (plan/gemms.py)
+        per_expert = experts_rows(rows.rows, model, d.ep) if moe >= 0 and rows.rows is not None else 0.0
+        gemms = {kind: block_gemms(model, layer, tokens, d.tp, d.cp, sp, d.etp, per_expert)
+                 for kind in (False, True) if (layer := first_block(model, kind)) >= 0}
+        matmuls = {kind: sum(g.flops / (peak * eff.share(g.narrowest)) for g in found) for kind, found in gemms.items()}
+        head_gemm_ = head_gemm(model, tokens, d.tp, d.cp)
+        head = head_gemm_.flops / (peak * eff.share(head_gemm_.narrowest))
+        routed = sum(g.flops / (peak * eff.share(g.narrowest)) for g in gemms.get(True, ()) if g.routed)
+    else:
+        matmuls = {kind: (_block_forward_flops(model, layer, tokens, seq, d, sp) - core_flops) / rate
+                   for kind in (False, True) if (layer := first_block(model, kind)) >= 0}
+        head = 2 * padded_vocab(model.vocab_size, d.tp) * model.dim * tokens / (d.tp * d.cp) / rate
+        routed = 2 * routed_parameters_per_token(model, moe) * tokens / (d.cp * (d.tp if sp else 1)) / rate \
+            if moe >= 0 else 0.0
+    block = {kind: seconds + core + (written[kind] / bandwidth if bandwidth else 0.0) + fixed[kind]
+             for kind, seconds in matmuls.items()}
     if bandwidth:
         head += 2 * 4 * tokens // d.cp * padded_vocab(model.vocab_size, d.tp) // d.tp / bandwidth
-    moe = first_block(model, True)
-    routed = 2 * routed_parameters_per_token(model, moe) * tokens / (d.cp * (d.tp if sp else 1)) / rate \
-        if moe >= 0 else 0.0
     costs = PassCosts(block, core, head, routed)
     if eff.profile is None:
         return costs
@@ -893,11 +906,12 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
         pp_comm = min(idle, 2 * m * len(split) / d.pp * send)
         bubble = idle - pp_comm
         pp_comm += _tied_embedding_time(config, model, d, split, cluster)
-        last_backward = stage_bwd[0]
+        # every micro-batch runs under no_sync: the once-per-step reduction waits for the schedule's end
+        once_behind = 0.0
     else:
         pp_comm = bubble = 0.0
-        last_backward = stage_bwd[0]
-    dp_time = _data_parallel_time(config, model, d, split, cluster, stage_fwd[0], last_backward)
+        once_behind = stage_bwd[0]
+    dp_time = _data_parallel_time(config, model, d, split, cluster, stage_fwd[0], stage_bwd[0], once_behind)
     return StepTime(compute_total, tp_total, cp_total, ep_total, pp_comm, bubble, dp_time,
                     _offload_time(config, model, d, split, cluster),
                     _optimizer_time(config, model, d, split, cluster.accelerator) + scalar_time(config, model, d, cluster))
@@ -1213,9 +1227,11 @@ def offload_seconds(config: JobConfig, shard: float, cluster: ClusterSpec) -> fl
 
 
 def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], cluster: ClusterSpec,
-                        forward: float, backward: float) -> float:
+                        forward: float, backward: float, once_behind: float | None = None) -> float:
     """Exposed data-parallel seconds per step. DDP and ZeRO-1 reduce once, during the last micro-batch's
-    backward (DDP all-reduces, natively or with its configured algorithm; ZeRO reduce-scatters); ZeRO-2
+    backward (DDP all-reduces, natively or with its configured algorithm; ZeRO reduce-scatters), or, under a
+    pipeline, whose micro-batches all run under no_sync, after the schedule (`once_behind` = 0: the compute
+    the once-per-step reduction hides behind; default `backward`); ZeRO-2
     reduce-scatters in every micro-batch's backward; ZeRO-3 also gathers the weights in each forward and
     backward (prefetched: hidden behind that pass's compute). ZeRO-1/2 gather the updated weights after the
     step, exposed. What one pass cannot hide is exposed, and never less than the last bucket. A gradient codec's
@@ -1226,6 +1242,7 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
     group, experts = d.dp * d.cp, _expert_dp(config, d)
     if group == 1 and experts == 1:
         return 0.0
+    once_behind = backward if once_behind is None else once_behind
     z, m, g = config.data_parallel, config.train.grad_accum_steps, config.gradient_comm
     stages = list(range(0, len(split), d.pp))
     layers = [layer for s in stages for layer in split[s]]
@@ -1259,25 +1276,25 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
         work = sum(cluster.accelerator.codec_seconds(g.compression, values, ranks)
                    for values, ranks in ((dense, group), (routed, experts)) if values and ranks > 1)
         if core_sharing(config, d, cluster) is not None:  # the host's cores are busy with backward: work adds
-            return hidden_behind(reduce, backward) + work
-        return hidden_behind(reduce + work, backward)
+            return hidden_behind(reduce, once_behind) + work
+        return hidden_behind(reduce + work, once_behind)
     if z.zero_stage == 0:
         if g.schedule == "priority":  # dense DDP only (MoE, pipelines and codecs are refused with it)
             pieces = priority_slice_bytes(model, d.tp, g.bucket_mb, g.slice_mb, grad_element)
             return _priority_time(g, pieces, group, cluster, span, forward, backward)
         expert_reduce = native("all_reduce", routed * grad_element, experts) if routed and experts > 1 else 0.0
         reduce = _dense_all_reduce(g, grad_bytes, group, cluster, span, grad_bytes / buckets) if group > 1 else 0.0
-        return hidden_behind(reduce + expert_reduce, backward) + replica_gradient_seconds(config, model, d, cluster)
+        return hidden_behind(reduce + expert_reduce, once_behind) + replica_gradient_seconds(config, model, d, cluster)
     if z.quantized_weights or z.hpz_partition > 1 or z.gradient_bits:
         forward_gather, backward_gather, scatter = _zero_pp_times(config, params.total, d, cluster)
         return m * (hidden_behind(forward_gather, forward) + hidden_behind(backward_gather + scatter, backward))
-    time = _sharded_time(zero_degrees(config, d), d, cluster, weight_bytes, grad_bytes, m, forward, backward, buckets) \
-        if group > 1 else 0.0
+    time = _sharded_time(zero_degrees(config, d), d, cluster, weight_bytes, grad_bytes, m, forward, backward, buckets,
+                         once_behind) if group > 1 else 0.0
     if routed and experts > 1:  # plain ZeRO at the same stage over the EDP group
         from fivefold.parallel.shard_layout import stage_degrees
 
         time += _sharded_time(stage_degrees(z, experts, experts), d, cluster, routed * element,
-                              routed * grad_element, m, forward, backward, buckets)
+                              routed * grad_element, m, forward, backward, buckets, once_behind)
     return time
 
 
@@ -1361,13 +1378,14 @@ def _compressed_reduce_time(g, numel: int, p: int, buckets: int, cluster: Cluste
 
 
 def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, weight_bytes: float, grad_bytes: float, m: int,
-                  forward: float, backward: float, buckets: int) -> float:
+                  forward: float, backward: float, buckets: int, once_behind: float) -> float:
     """Exposed ZeRO seconds per step for sharding degrees p | g | o over D = dp x cp ranks (parallel/shard_layout.py),
     each collective on the links its group spans (members are tp ranks apart on the grid; params, grads and
     blocks are consecutive, split and publish groups strided within a block of o, replicas across blocks):
         per micro-batch  p > 1: all-gather of the weights over p before forward (hidden behind it) and backward;
                          g > 1: reduce-scatter of the gradients over g (hidden behind backward)
-        once             g = 1: reduce-scatter over the block of o (hidden behind the last backward);
+        once             g = 1: reduce-scatter over the block of o (hidden behind the last backward, or
+                         `once_behind`: nothing under a pipeline);
                          g > 1: reduce-scatter of the gradient piece over o/g; all-reduce of the optimizer piece
                          over D/o replicas; all-gather of the updated weights over o/p: all exposed.
     The stages are (1, 1, N), (1, N, N), (N, N, N)."""
@@ -1386,7 +1404,7 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, weight_bytes: float, gr
     gather = over("params", "all_gather", weight_bytes)
     per_micro = hidden_behind(gather, forward) + hidden_behind(gather + over("grads", "reduce_scatter", grad_bytes), backward)
     if deg.grads == 1:
-        once = hidden_behind(over("split", "reduce_scatter", grad_bytes), backward)
+        once = hidden_behind(over("split", "reduce_scatter", grad_bytes), once_behind)
     else:
         once = over("split", "reduce_scatter", grad_bytes / deg.grads)
     once += over("replica", "all_reduce", grad_bytes / deg.optim) + over("publish", "all_gather", weight_bytes / deg.params)

@@ -7,8 +7,13 @@ Megatron-LM" (SC21, arXiv 2104.04473), Table 1: GPT models from 1.7B to 1T param
 InfiniBand links per node), vocabulary 51,200, sequence 2,048, mixed precision, full activation
 recomputation. The same table is in NVIDIA/Megatron-LM's repository as images/cases_april2021.png
 (added in commit 50a4b5fa02, April 2021), whose README says a model-parallel size above 8 is tensor
-parallelism 8 times pipeline parallelism. Achieved teraFLOP/s there count the paper's
-96 B s l h^2 (1 + s / 6h + V / 16 l h) FLOPs per iteration, the recomputed forward included.
+parallelism 8 times pipeline parallelism. The table does not give the micro-batch or the interleaving;
+the authors' own script for it does (NVIDIA/Megatron-LM examples/sc21/run_table_1.sh: micro-batch 16
+for 1.7B to 7.5B, 8 for 18B, 4 for 39B, 2 for 76B and 145B, 1 beyond; layers per virtual stage 5 for
+76B and 145B, 3 for 310B, 1 for 530B, i.e. 3, 2, 2 and 3 virtual stages; none for 39B and 1T), and
+the attention heads (24 to 160: head dimension 96 for 1.7B and 3.6B, 160 for 530B and 1T, else 128).
+Achieved teraFLOP/s there count the paper's 96 B s l h^2 (1 + s / 6h + V / 16 l h) FLOPs per iteration,
+the recomputed forward included.
 
 Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (MLSys 2023,
 arXiv 2205.05198): Table 3 gives four GPT models (22B, 175B, 530B, 1T; vocabulary 51,200, sequence
@@ -31,7 +36,8 @@ from fivefold.config import JobConfig
 from fivefold.config.loader import load_config
 
 SC21_SOURCE = ("Narayanan et al., SC21 (arXiv 2104.04473), Table 1; NVIDIA/Megatron-LM "
-               "images/cases_april2021.png (commit 50a4b5fa02)")
+               "images/cases_april2021.png (commit 50a4b5fa02); micro-batch and interleaving from "
+               "NVIDIA/Megatron-LM examples/sc21/run_table_1.sh")
 SC21_VOCAB = 51200
 SC21_SEQ = 2048
 
@@ -43,35 +49,33 @@ class PublishedRun:
     name: str
     hidden: int
     layers: int
+    heads: int
     params_billion: float
     tp: int
     pp: int
     gpus: int
     batch: int  # global batch, sequences
     tflops_per_gpu: float  # achieved, as the paper counts it
+    micro_batch: int = 1  # sequences, as the authors' script ran the row
+    virtual: int = 1  # virtual stages per pipeline rank (the interleaved schedule when > 1)
 
     @property
     def dp(self) -> int:
         return self.gpus // (self.tp * self.pp)
 
-    @property
-    def heads(self) -> int:
-        """Head dim 128 (the table does not list heads; they do not change the FLOP count)."""
-        return self.hidden // 128
 
-
-# name, h, l, params (B), tp, pp, GPUs, batch, achieved TFLOP/s per GPU
+# name, h, l, heads, params (B), tp, pp, GPUs, batch, achieved TFLOP/s per GPU, micro-batch, virtual stages
 SC21_TABLE1 = [
-    PublishedRun("1.7B", 2304, 24, 1.7, 1, 1, 32, 512, 137),
-    PublishedRun("3.6B", 3072, 30, 3.6, 2, 1, 64, 512, 138),
-    PublishedRun("7.5B", 4096, 36, 7.5, 4, 1, 128, 512, 142),
-    PublishedRun("18B", 6144, 40, 18.4, 8, 1, 256, 1024, 135),
-    PublishedRun("39B", 8192, 48, 39.1, 8, 2, 512, 1536, 138),
-    PublishedRun("76B", 10240, 60, 76.1, 8, 4, 1024, 1792, 140),
-    PublishedRun("145B", 12288, 80, 145.6, 8, 8, 1536, 2304, 148),
-    PublishedRun("310B", 16384, 96, 310.1, 8, 16, 1920, 2160, 155),
-    PublishedRun("530B", 20480, 105, 529.6, 8, 35, 2520, 2520, 163),
-    PublishedRun("1T", 25600, 128, 1008.0, 8, 64, 3072, 3072, 163),
+    PublishedRun("1.7B", 2304, 24, 24, 1.7, 1, 1, 32, 512, 137, 16),
+    PublishedRun("3.6B", 3072, 30, 32, 3.6, 2, 1, 64, 512, 138, 16),
+    PublishedRun("7.5B", 4096, 36, 32, 7.5, 4, 1, 128, 512, 142, 16),
+    PublishedRun("18B", 6144, 40, 48, 18.4, 8, 1, 256, 1024, 135, 8),
+    PublishedRun("39B", 8192, 48, 64, 39.1, 8, 2, 512, 1536, 138, 4),
+    PublishedRun("76B", 10240, 60, 80, 76.1, 8, 4, 1024, 1792, 140, 2, 3),
+    PublishedRun("145B", 12288, 80, 96, 145.6, 8, 8, 1536, 2304, 148, 2, 2),
+    PublishedRun("310B", 16384, 96, 128, 310.1, 8, 16, 1920, 2160, 155, 1, 2),
+    PublishedRun("530B", 20480, 105, 128, 529.6, 8, 35, 2520, 2520, 163, 1, 3),
+    PublishedRun("1T", 25600, 128, 160, 1008.0, 8, 64, 3072, 3072, 163, 1),
 ]
 
 
@@ -105,10 +109,14 @@ def gpt_config(hidden: int, heads: int, layers: int, tp: int, pp: int, micro_bat
     return load_config(None, overrides)
 
 
-def sc21_config(run: PublishedRun, micro_batch: int = 1, schedule: str = "1f1b") -> JobConfig:
-    """The row as a fivefold job: its degrees, bf16 compute, full recomputation, DDP (2021: no ZeRO)."""
-    return gpt_config(run.hidden, run.heads, run.layers, run.tp, run.pp, micro_batch,
-                      run.batch // (run.dp * micro_batch), "full", False, schedule)
+def sc21_config(run: PublishedRun, schedule: str | None = None) -> JobConfig:
+    """The row as a fivefold job: its degrees, micro-batch and interleaving as the authors ran it, bf16
+    compute, full recomputation, DDP (2021: no ZeRO). `schedule` replaces the pipeline schedule (then
+    without virtual stages)."""
+    virtual = run.virtual if schedule is None else 1
+    schedule = schedule or ("interleaved" if run.virtual > 1 else "1f1b")
+    return gpt_config(run.hidden, run.heads, run.layers, run.tp, run.pp, run.micro_batch,
+                      run.batch // (run.dp * run.micro_batch), "full", False, schedule, virtual)
 
 
 KORTHIKANTI_SOURCE = ("Korthikanti et al., MLSys 2023 (arXiv 2205.05198), Tables 3 and 5; micro-batch and "

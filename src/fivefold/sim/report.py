@@ -13,6 +13,8 @@ from pathlib import Path
 
 from fivefold.errors import ConfigError
 from fivefold.plan.efficiency import add_efficiency_arguments, efficiency_from
+from fivefold.plan.gemms import core_narrowest
+from fivefold.plan.estimate import model_for
 from fivefold.units import parse_bytes
 from fivefold.sim.names import COLLECTIVE_ALGORITHMS, CONGESTION, FIDELITIES, PLACEMENTS, ROUTINGS, TOPOLOGY_KINDS
 
@@ -127,7 +129,8 @@ def run_step(args: argparse.Namespace, overrides: list[str]) -> int:
         "gpus": args.gpus, "layout": work.degrees.describe(), "cluster": cluster.name, "topology": spec.kind,
         "fabric": run_.topology.describe(), "routing": spec.routing, "fidelity": args.fidelity,
         "congestion": args.congestion,
-        "efficiency": efficiency.matmul, "attention_efficiency": efficiency.core, "seconds": run_.time,
+        "efficiency": efficiency.matmul, "attention_efficiency": efficiency.core_share(core_narrowest(model_for(config, args.vocab_size))),
+        "half_width": efficiency.half_width, "seconds": run_.time,
         "phases_seconds": phases, "expert_load": args.expert_load or "balanced",
         "expert_imbalance": work.expert_imbalance,
         "slowest_rank": run_.slowest_rank, "simulated_ranks": len(work.simulated),
