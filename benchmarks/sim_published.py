@@ -10,9 +10,9 @@ job: the paper's width, depth, heads, vocabulary, sequence, degrees and batch):
   recomputation and with sequence parallelism + selective recomputation.
 
 The compute model has two fitted numbers (plan/efficiency.py, the width law): the achieved share of
-peak in a wide GEMM, and the narrowest GEMM dimension (per rank) at which a matmul reaches half of
-it, so that tensor parallelism's narrower slices and the attention core (narrowest: the head
-dimension) run further from peak. Both are fitted, with the simulator, on two SC21 rows (--fit;
+peak in a wide GEMM, and the narrower side of a weight slice (min(K, N) on one rank) at which a
+matmul reaches half of it, so that tensor parallelism's narrower slices and the attention core
+(the head dimension) run further from peak. Both are fitted, with the simulator, on two SC21 rows (--fit;
 default 1.7B, head dimension 96 and its attention core 15% of its matmul FLOPs, and 18B, tp 8) and
 used for every other row, which are predictions. --no-width-law fits two fixed shares instead (the
 matmuls' and the attention core's). Each step is simulated on the analytical path (one rank per

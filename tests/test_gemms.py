@@ -41,16 +41,19 @@ def test_gemm_flops_add_up_to_the_blocks_count(preset, tp, cp, sp):
         assert any(g.routed for g in gemms) == moe
 
 
-def test_each_gemm_has_the_narrowest_dimension_one_rank_runs():
-    """Column-parallel projections narrow their N, row-parallel ones their K, to width / tp; tokens bound M."""
-    model = dataclasses.replace(get_preset("llama3-8b"))  # dim 4096, 32 heads of 128, 8 KV heads, MLP 14336
-    names = {g.name: g.narrowest for g in block_gemms(model, 0, 8192, 8, 1, False)}
-    assert names == {"wq": 512, "wkv": 128, "wo": 512, "mlp": 1792}
+def test_each_gemm_has_the_shape_one_rank_runs():
+    """Column-parallel projections narrow their N, row-parallel ones their K, to width / tp; the law reads the
+    weight slice's narrower side, not the tokens (M)."""
+    model = get_preset("llama3-8b")  # dim 4096, 32 heads of 128, 8 KV heads, MLP 14336
+    shapes = {g.name: (g.m, g.k, g.n) for g in block_gemms(model, 0, 8192, 8, 2, False)}
+    assert shapes == {"wq": (4096, 4096, 512), "wkv": (4096, 4096, 128), "wo": (4096, 512, 4096),
+                      "w1 w3": (4096, 4096, 1792), "w2": (4096, 1792, 4096)}
     names = {g.name: g.narrowest for g in block_gemms(model, 0, 8192, 1, 1, False)}
-    assert names == {"wq": 4096, "wkv": 1024, "wo": 4096, "mlp": 4096}
-    assert {g.name: g.narrowest for g in block_gemms(model, 0, 256, 1, 1, False)}["mlp"] == 256  # a short M
+    assert names == {"wq": 4096, "wkv": 1024, "wo": 4096, "w1 w3": 4096, "w2": 4096}
+    assert {g.name: g.narrowest for g in block_gemms(model, 0, 256, 1, 1, False)} == names  # M does not narrow
     assert core_narrowest(model) == 128
-    assert head_gemm(model, 8192, 8, 1).narrowest == 4096  # 128,256 / 8 = 16,032 columns, K = 4096
+    head = head_gemm(model, 8192, 8, 1)
+    assert (head.k, head.n, head.narrowest) == (4096, 16032, 4096)  # 128,256 / 8 columns
 
 
 def test_width_law_shares():

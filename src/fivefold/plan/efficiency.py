@@ -8,9 +8,8 @@ block's FLOPs is s / 6h, so one efficiency for both makes narrow models look as 
 Megatron-LM's published rates rise from 137 to 163 teraFLOP/s per A100 as h grows from 2,304 to
 25,600 (docs/simulator.md, "Against published runs").
 
-The width law (`half_width` > 0) replaces both numbers' fixed shares by one curve: a GEMM whose narrowest
-dimension (of M, K and N, as one rank runs it: plan/gemms.py) is n reaches `matmul` x n / (n + half_width) of
-peak. Wide GEMMs approach `matmul`; tensor parallelism's narrower slices and the attention core's head
+The width law (`half_width` > 0) replaces both numbers' fixed shares by one curve: a GEMM whose weight slice
+on one rank is K x N reaches `matmul` x n / (n + half_width) of peak, n = min(K, N) (plan/gemms.py). Wide GEMMs approach `matmul`; tensor parallelism's narrower slices and the attention core's head
 dimension fall below it, so one curve covers the projections, the MLP, the head and the core (unless
 `attention` still sets the core's share).
 """
@@ -27,7 +26,8 @@ from fivefold.errors import ConfigError
 class Efficiency:
     """matmul: achieved share of peak in the projections, MLP and head (with the width law: in a GEMM of
     unbounded width); attention: in the attention core (0: the same as matmul, or by the width law);
-    half_width: the narrowest GEMM dimension at which a matmul reaches half of `matmul` (0: no width law)."""
+    half_width: the weight slice's narrower side (min(K, N) per rank) at which a matmul reaches half of
+    `matmul` (0: no width law)."""
 
     matmul: float = 0.5
     attention: float = 0.0
@@ -46,7 +46,7 @@ class Efficiency:
                               "share must be a finite number >= 0 (0: no width law)")
 
     def share(self, narrowest: float) -> float:
-        """The achieved share of peak of a GEMM whose narrowest dimension is `narrowest`."""
+        """The achieved share of peak of a GEMM whose weight slice's narrower side is `narrowest`."""
         if not self.half_width:
             return self.matmul
         return self.matmul * narrowest / (narrowest + self.half_width)
@@ -82,8 +82,9 @@ def add_efficiency_arguments(parser: argparse.ArgumentParser | argparse._Argumen
                              "further from peak than the large matmuls (default: the same as --efficiency, or by "
                              "--half-width)")
     parser.add_argument("--half-width", type=float, default=0.0,
-                        help="the width law: a matmul whose narrowest dimension (per rank) is n runs at "
-                             "efficiency x n / (n + HALF_WIDTH) of peak (default 0: every matmul at --efficiency)")
+                        help="the width law: a matmul whose weight slice on a rank is K x N runs at "
+                             "efficiency x n / (n + HALF_WIDTH) of peak, n = min(K, N) (default 0: every matmul "
+                             "at --efficiency)")
     parser.add_argument("--profile", default=None,
                         help="measured forward passes of this model (`fivefold bench compute --out FILE`): they "
                              "replace the modelled compute, scaled to the layout by the model (docs/planner.md)")

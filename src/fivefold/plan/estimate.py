@@ -27,7 +27,7 @@ Step time (seconds) = pipeline makespan + exposed data-parallel communication:
     compute     forward FLOPs of a stage's blocks (2 x matmul parameters x tokens at the
                 accelerator's peak x efficiency, the attention core 4 q s per token at peak x the
                 attention efficiency, split by tp and cp; with the width law each GEMM at
-                efficiency x n / (n + half_width), n its narrowest dimension, plan/gemms.py; the head on the last stage), plus the bytes the blocks write outside their
+                efficiency x n / (n + half_width), n = min(K, N) of its weight slice, plan/gemms.py; the head on the last stage), plus the bytes the blocks write outside their
                 matmuls (the kept activations, the logits) at its memory bandwidth, plus the
                 accelerator's fixed pass_overhead_us per block (a MoE block's by its operators over a
                 dense block's, plan/operators.py); backward twice the forward;
@@ -77,7 +77,7 @@ from fivefold.plan.activations import (ActivationShape, ExpertRows, block_activa
                                       moe_block_activation_elements)
 from fivefold.plan.cluster import Accelerator, ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
-from fivefold.plan.gemms import block_gemms, core_narrowest, experts_rows, head_gemm
+from fivefold.plan.gemms import block_gemms, core_narrowest, head_gemm
 from fivefold.plan.expert_load import busiest_received, exchange_matrices, expert_rows_by_load, imbalance, routed_rows
 from fivefold.plan.flops import flops_per_token
 from fivefold.plan.memory import nvme_host_bytes, sharded_model_states, zero_model_states
@@ -728,8 +728,7 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
     fixed = {False: overhead * (1 + ring), True: overhead * (routed + ring)}
     moe = first_block(model, True)
     if eff.half_width:  # the width law: each GEMM at its own share (plan/gemms.py)
-        per_expert = experts_rows(rows.rows, model, d.ep) if moe >= 0 and rows.rows is not None else 0.0
-        gemms = {kind: block_gemms(model, layer, tokens, d.tp, d.cp, sp, d.etp, per_expert)
+        gemms = {kind: block_gemms(model, layer, tokens, d.tp, d.cp, sp, d.etp)
                  for kind in (False, True) if (layer := first_block(model, kind)) >= 0}
         matmuls = {kind: sum(g.flops / (peak * eff.share(g.narrowest)) for g in found) for kind, found in gemms.items()}
         head_gemm_ = head_gemm(model, tokens, d.tp, d.cp)
