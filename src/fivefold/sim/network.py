@@ -7,8 +7,10 @@ together until some link is full; the flows crossing it are frozen at that rate;
 rising until every flow crosses a full link. A sprayed flow uses each link in proportion to the
 share of it the link carries (weighted progressive filling). Rates are recomputed whenever a flow
 starts or ends, the standard flow-level approximation of a packet network (what SimGrid and
-ASTRA-sim's analytical backend do): no packets, no queues. `AimdNetwork` replaces the instant
-max-min rates by a rate-based congestion controller (additive increase, multiplicative decrease).
+ASTRA-sim's analytical backend do): no packets, no queues; only for the flows connected to it
+through shared links, since max-min fairness splits over the flow-link graph's components.
+`AimdNetwork` replaces the instant max-min rates by a rate-based congestion controller (additive
+increase, multiplicative decrease).
 
 In isolation a message of n bytes takes latency + n / bandwidth over its slowest link: the alpha-
 beta model. The network also counts the bytes each link carried, for utilisation.
@@ -106,7 +108,8 @@ class FlowNetwork:
                                    np.array([weight for _, weight in route], dtype=float))
         return self._routes[route]
 
-    def _start(self, flows: list[_Flow]) -> None:
+    def _start(self, flows: list[_Flow]) -> np.ndarray:
+        """Put `flows` in transfer; returns the links they cross."""
         slots, links, weights = [], [], []
         for flow in flows:
             slot = self._slot()
@@ -120,15 +123,41 @@ class FlowNetwork:
         self._pair_slot = np.concatenate([self._pair_slot, *slots])
         self._pair_link = np.concatenate([self._pair_link, *links])
         self._pair_weight = np.concatenate([self._pair_weight, *weights])
+        return np.concatenate(links) if links else np.zeros(0, dtype=np.int64)
 
-    def _update_rates(self) -> None:
-        """New max-min rates, and with them the time the first flow in transfer ends (rates hold till then)."""
-        self._rate[:] = 0.0
+    def _update_rates(self, touched: np.ndarray | None = None) -> None:
+        """New max-min rates, and with them the time the first flow in transfer ends (rates hold till then).
+        `touched`: the links of the flows that just started or ended; only the flows that share links with them,
+        directly or through other flows, can change rate (max-min fairness splits over the connected components
+        of the flow-link graph), so only that component is recomputed. None: every flow."""
         self._next_end = float("inf")
-        if len(self._pair_slot):
+        if not len(self._pair_slot):
+            self._rate[:] = 0.0
+            return
+        part = None if touched is None else self._component(touched)
+        if part is None or part.all():
             self._rate[:] = max_min_rates(self._pair_slot, self._pair_link, self._pair_weight, self._capacity,
                                           len(self._rate))
-            self._schedule_end()
+        else:
+            slots = self._pair_slot[part]
+            rates = max_min_rates(slots, self._pair_link[part], self._pair_weight[part], self._capacity, len(self._rate))
+            self._rate[slots] = rates[slots]
+            self._rate[~self._active] = 0.0
+        self._schedule_end()
+
+    def _component(self, touched: np.ndarray) -> np.ndarray:
+        """The (slot, link) pairs of every flow connected to the `touched` links through shared links."""
+        links = np.zeros(len(self._capacity), dtype=bool)
+        links[touched] = True
+        flows = np.zeros(len(self._rate), dtype=bool)
+        while True:
+            flows[self._pair_slot[links[self._pair_link]]] = True
+            part = flows[self._pair_slot]
+            reached = np.zeros(len(self._capacity), dtype=bool)
+            reached[self._pair_link[part]] = True
+            if not (reached & ~links).any():
+                return part
+            links |= reached
 
     def _schedule_end(self) -> None:
         active = self._active
@@ -142,11 +171,10 @@ class FlowNetwork:
                    self._instant[0][0] if self._instant else float("inf"), self._next_end)
 
     def _sync(self) -> None:
-        """Bring bytes left and link counters up to `now` (rates were constant since the last sync)."""
+        """Bring bytes left up to `now` (rates were constant since the last sync). A link's byte counter is added
+        to when a flow crossing it ends (its whole size x the link's weight): what it carried."""
         elapsed = self.now - self._synced
         if len(self._pair_slot) and elapsed > 0:
-            self.link_bytes += np.bincount(self._pair_link, self._pair_weight * self._rate[self._pair_slot] * elapsed,
-                                           minlength=len(self.link_bytes))
             active = self._active
             self._left[active] -= self._rate[active] * elapsed
         self._synced = self.now
@@ -156,6 +184,7 @@ class FlowNetwork:
         Flows are only touched when one ends or starts: in between, time moves and nothing else does."""
         delivered: list[int] = []
         changed = False
+        touched: list[np.ndarray] = []  # the links of the flows that end or start now
         self.now = max(self.now, until)
         starts = bool(self._starting) and self._starting[0][0] <= self.now
         if len(self._pair_slot) and (self.now >= self._next_end or starts):
@@ -166,6 +195,10 @@ class FlowNetwork:
                 self._active[finished] = False
                 self._free.extend(finished.tolist())
                 keep = self._active[self._pair_slot]
+                ended = ~keep
+                np.add.at(self.link_bytes, self._pair_link[ended],
+                          self._pair_weight[ended] * self._size[self._pair_slot[ended]])
+                touched.append(self._pair_link[ended])
                 self._pair_slot, self._pair_link = self._pair_slot[keep], self._pair_link[keep]
                 self._pair_weight = self._pair_weight[keep]
                 for message in self._message[finished].tolist():
@@ -183,10 +216,10 @@ class FlowNetwork:
             starting.append(self._parked.pop(flow_id))
         if starting:
             self._sync()
-            self._start(starting)
+            touched.append(self._start(starting))
             changed = True
         if changed:
-            self._update_rates()
+            self._update_rates(np.concatenate(touched))
         return delivered
 
     def _finish(self, message: int, delivered: list[int]) -> None:
@@ -330,9 +363,9 @@ class AimdNetwork(FlowNetwork):
         self._new.append(slot)
         return slot
 
-    def _start(self, flows: list[_Flow]) -> None:
+    def _start(self, flows: list[_Flow]) -> np.ndarray:
         self._new = []
-        super()._start(flows)
+        links = super()._start(flows)
         new = np.array(self._new, dtype=np.int64)
         line = np.full(len(self._rate), np.inf)
         np.minimum.at(line, self._pair_slot, self._capacity[self._pair_link] / self._pair_weight)
@@ -340,13 +373,15 @@ class AimdNetwork(FlowNetwork):
         self._window[new] = self.decrease * line[new]
         if self._tick == float("inf"):
             self._tick = self.now + self.interval
+        return links
 
     def _loads(self) -> np.ndarray:
         return np.bincount(self._pair_link, self._pair_weight * self._window[self._pair_slot],
                            minlength=len(self._capacity))
 
-    def _update_rates(self) -> None:
-        """Each flow's delivered rate: its offered rate, thinned by its most overloaded link."""
+    def _update_rates(self, touched: np.ndarray | None = None) -> None:
+        """Each flow's delivered rate: its offered rate, thinned by its most overloaded link (every flow: the
+        controller's rates change at every tick)."""
         self._rate[:] = 0.0
         self._next_end = float("inf")
         if len(self._pair_slot):
