@@ -1003,11 +1003,13 @@ class _Builder:
     def forward(self, rank: int, stage: int) -> None:
         self.zero3_root(rank, stage)
         blocks = [unit for unit in self.units[stage] if unit.index >= 0]
+        position = 0  # the unit's place among the stage's blocks
         for unit in self.units[stage]:
             if self.priority:
                 self.deferred_update(rank, stage, unit)
             if unit.index >= 0:
-                self.zero3_before(rank, stage, blocks, blocks.index(unit))
+                self.zero3_before(rank, stage, blocks, position)
+                position += 1
                 self.block_pass(rank, unit, backward=False)
             elif unit.name == "head":
                 self.vocab_parallel(rank, "head", backward=False)
@@ -1040,12 +1042,14 @@ class _Builder:
         blocks = [unit for unit in units if unit.index >= 0]
         recompute = self.config.train.recompute
         share = {"B": 1.0, "I": 0.5, "W": 0.5}[part]
+        position = 0  # the unit's place among the (reversed) stage's blocks
         for unit in units:
             if unit.index >= 0:
+                position += 1
                 if part == "W":
                     self.compute(rank, 2 * self.costs.block[unit.moe] * share, "backward")
                 else:
-                    self.zero3_before(rank, stage, blocks, blocks.index(unit), backward=True)
+                    self.zero3_before(rank, stage, blocks, position - 1, backward=True)
                     if recompute == "full":
                         self.block_pass(rank, unit, backward=False, recompute=True)
                     elif recompute == "selective":  # the attention core again, context parallelism's messages too
