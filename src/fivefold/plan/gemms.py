@@ -19,9 +19,10 @@ norms) is one more entry at the block's width, so the entries sum to that count 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from fivefold.model.config import ModelConfig
-from fivefold.plan.parameters import block_parameters, padded_vocab
+if TYPE_CHECKING:  # the model package imports torch; `fivefold --help` must not
+    from fivefold.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class Gemm:
 def block_gemms(model: ModelConfig, layer: int, tokens: int, tp: int, cp: int, sp: bool, etp: int = 1) -> list[Gemm]:
     """The matmuls of block `layer` on one rank for `tokens` tokens (before the cp split), without the attention
     core (a routed expert's M: the rank's own tokens, its rows before dispatch)."""
+    from fivefold.plan.parameters import block_parameters
+
     h, m = model.dim, tokens / cp
     inside = 2 * tokens / (tp * cp)  # FLOPs per full-width parameter, inside the tensor-parallel region
     gemms = _attention_gemms(model, m, tp, inside)
@@ -104,6 +107,8 @@ def core_narrowest(model: ModelConfig) -> int:
 
 def head_gemm(model: ModelConfig, tokens: int, tp: int, cp: int) -> Gemm:
     """The output head's matmul on the last stage: tokens x dim @ dim x (padded vocabulary / tp)."""
+    from fivefold.plan.parameters import padded_vocab
+
     vocab = padded_vocab(model.vocab_size, tp)
     return Gemm("head", 2 * vocab * model.dim * tokens / (tp * cp), tokens / cp, model.dim, vocab // tp)
 

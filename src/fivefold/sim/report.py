@@ -13,8 +13,6 @@ from pathlib import Path
 
 from fivefold.errors import ConfigError
 from fivefold.plan.efficiency import add_efficiency_arguments, efficiency_from
-from fivefold.plan.gemms import core_narrowest
-from fivefold.plan.estimate import model_for
 from fivefold.units import parse_bytes
 from fivefold.sim.names import COLLECTIVE_ALGORITHMS, CONGESTION, FIDELITIES, PLACEMENTS, ROUTINGS, TOPOLOGY_KINDS
 
@@ -108,6 +106,8 @@ def _write_trace(result, path: str) -> None:
 
 def run_step(args: argparse.Namespace, overrides: list[str]) -> int:
     from fivefold.config import load_config
+    from fivefold.plan.estimate import model_for
+    from fivefold.plan.gemms import core_narrowest
     from fivefold.sim.step import PHASES, simulate_step
 
     if args.gpus < 1:
