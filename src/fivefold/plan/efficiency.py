@@ -55,11 +55,6 @@ class Efficiency:
         """The attention core's share: `attention` when set, else the width law at the head dimension."""
         return self.attention or (self.share(narrowest) if self.half_width else self.matmul)
 
-    @property
-    def core(self) -> float:
-        """The attention core's share."""
-        return self.attention or self.matmul
-
     def describe(self) -> str:
         if self.profile is not None:
             return f"measured passes ({self.profile.device}, micro-batch {self.profile.micro_batch_size} x " \
