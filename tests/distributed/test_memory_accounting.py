@@ -22,6 +22,7 @@ def _measure(rank, world_size, configs):
         groups = len(zero.groups) if zero else 0
         out.append((tuple(trainer.report.model_state_bytes.__dict__.values()),
                     tuple(trainer.report.expected_model_states().__dict__.values()), groups))
+        trainer.close()
     return out
 
 

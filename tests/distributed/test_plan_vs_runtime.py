@@ -117,6 +117,7 @@ def _measure(rank, world_size, configs):
                     (mine.parameters, mine.gradients, mine.optimizer + mine.host),
                     tuple(trainer.report.model_state_bytes.__dict__.values()), groups, (mine.buckets, buckets),
                     (saved.peak, mine.activations, mine.logits), tensors))
+        trainer.close()  # its gloo groups' threads and sockets: 38 layouts' worth would pile up otherwise
     return out
 
 

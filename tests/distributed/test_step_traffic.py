@@ -143,6 +143,7 @@ def _record(rank, world_size, configs):
         calls: list = []
         with recording_traffic(calls):
             trainer.train_step()
+        trainer.close()
         out.append(calls)
     return out
 

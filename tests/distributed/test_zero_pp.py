@@ -74,6 +74,7 @@ def _step_counts(rank, world_size, configs):
                           replicas=4 // zero.shards)
         groups = [(g.numel, g.unit < len(zero.units)) for g in zero.groups]
         out.append((measured, zero3_step_bytes(groups, shape, config.train.grad_accum_steps)))
+        trainer.close()
     return out
 
 
