@@ -83,7 +83,7 @@ def fit(attention_row: PublishedRun, matmul_row: PublishedRun, fidelity: str, wi
         previous = (matmul, other)
         matmul = solve(lambda x: rate(matmul_row, efficiency(x, other)), matmul_row.tflops_per_gpu, matmul)
         if width_law:
-            other = half_width(lambda w: rate(attention_row, efficiency(matmul, w)), attention_row.tflops_per_gpu)
+            other = half_width(lambda w: rate(attention_row, efficiency(matmul, w)), attention_row.tflops_per_gpu, other)
         else:
             other = solve(lambda x: rate(attention_row, efficiency(matmul, x)), attention_row.tflops_per_gpu, other)
         if max(abs(a - b) / b for a, b in zip(previous, (matmul, other))) < 1e-5:
@@ -91,18 +91,20 @@ def fit(attention_row: PublishedRun, matmul_row: PublishedRun, fidelity: str, wi
     return efficiency(matmul, other)
 
 
-def half_width(rate_of: Callable[[float], float], target: float) -> float:
-    """The half width w with rate_of(w) = target (the rate falls as w grows): bisection on log w over [1, 1e5]."""
-    low, high = 1.0, 1e5
-    for _ in range(40):
-        middle = (low * high) ** 0.5
-        if rate_of(middle) > target:
-            low = middle
-        else:
-            high = middle
-        if high / low < 1 + 1e-6:
+def half_width(rate_of: Callable[[float], float], target: float, start: float) -> float:
+    """The half width w with rate_of(w) = target (the rate falls as w grows). A GEMM of narrowest width n runs
+    at matmul * n / (n + w): its time, and so the step's, is affine in w, and the secant method on 1 / rate
+    lands in two or three simulations."""
+    x0, x1 = start, start * 1.1
+    f0, f1 = 1 / rate_of(x0) - 1 / target, 1 / rate_of(x1) - 1 / target
+    for _ in range(20):
+        if f1 == f0:
             break
-    return (low * high) ** 0.5
+        x0, x1, f0 = x1, min(max(x1 - f1 * (x1 - x0) / (f1 - f0), 1.0), 1e5), f1
+        f1 = 1 / rate_of(x1) - 1 / target
+        if abs(f1) * target < 1e-6:
+            break
+    return x1
 
 
 def main() -> int:
