@@ -46,12 +46,12 @@ def test_benchmark_runs_and_prints_result(script, extra, expected):
 @pytest.mark.slow
 @pytest.mark.parametrize("script,args,expected", [
     ("checksums.py", ["--mib", "8", "--rounds", "1"], "xxh3_128_vs_sha256="),
-    ("faults.py", ["--heartbeat", "1", "--steps", "6", "--fail-every", "3", "--ckpt-every", "2", "--saves", "1",
+    ("faults.py", ["--heartbeat", "1", "--steps", "4", "--fail-every", "3", "--ckpt-every", "2", "--saves", "1",
                    "--dim", "32"], "hung_rank_heartbeats="),
     ("diagnosis.py", ["--per-class", "1", "--classes", "completed,disk_full"], "accuracy="),
     ("plan_vs_measured.py", ["--quick", "--only", "single,tp2,pp2-1f1b", "--steps", "1", "--warmup", "1", "--layers", "2",
                              "--seq-len", "64"], "layouts=3 efficiency="),
-    ("plan_published.py", ["--rows", "3"], "median_abs_error="),
+    ("plan_published.py", ["--rows", "3", "--half-width", "306"], "median_abs_error="),
     ("sim_published.py", ["--sc21-rows", "2", "--korthikanti-rows", "1"], "within_10pct="),
 ])
 def test_reliability_benchmark_runs_and_prints_result(script, args, expected):
