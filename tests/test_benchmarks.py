@@ -120,3 +120,23 @@ def test_zero_pp_benchmark_counts_fewer_cross_node_bytes_and_keeps_hpz_exact():
     assert numbers["hpz_loss_abs_diff"] == 0.0  # hpZ gathers the same values as plain ZeRO-3
     assert numbers["last_loss_rel_diff"] <= 5e-2  # the lossy switches stay within their tested bound
     assert all(numbers[f"{v}_cross_node_less"] > 1 for v in ("qwZ", "hpZ", "qgZ_int8", "qgZ_int4", "zeropp"))
+
+
+def test_sim_published_fits_its_shares_by_the_secant_method():
+    """The published-rows fit solves two one-dimensional equations: the wide-GEMM share x, where the step is
+    nearly affine in 1 / x, and the half width w, where it is affine in w. On exactly such steps both
+    solvers land on the root from a start far from it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sim_published", ROOT / "benchmarks" / "sim_published.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    flops = 1e3
+    def rate_at_width(w: float) -> float:  # 2 s of GEMMs at n = 512 and 1 s of the rest
+        return flops / (1.0 + 2.0 * (512 + w) / 512)
+
+    assert module.half_width(rate_at_width, rate_at_width(306.0), start=30.0) == pytest.approx(306.0, rel=1e-5)
+    def rate_at_share(x: float) -> float:
+        return flops / (0.3 + 1.2 / x)
+
+    assert module.solve(rate_at_share, rate_at_share(0.71), start=0.3) == pytest.approx(0.71, rel=1e-5)
