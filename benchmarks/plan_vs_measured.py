@@ -55,8 +55,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ranks import spawn  # noqa: E402
-from fivefold.sim.names import FIDELITIES  # noqa: E402
+from fivefold.sim.names import FIDELITIES  # noqa: E402  (torch-free: a bad argument is refused before torch loads)
 
 ROOT = Path(__file__).parent.parent
 
@@ -438,6 +437,8 @@ def main() -> int:
             continue
         together = [(name, config) for name, config in configs if name not in alone] or \
             [("_fit", load_config(ROOT / "configs" / "tiny.toml", [*base, "--train.output_dir", str(out_root / "_fit")]))]
+        from ranks import spawn
+
         measured = spawn(_measure, world_size, (together, args.steps, args.warmup, args.batch), args.timeout)
         for name, extra in alone.items():
             measured["times"][name] = _measure_solo(world_size, name, ["--config", str(ROOT / "configs" / "tiny.toml"),
