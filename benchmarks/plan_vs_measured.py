@@ -405,6 +405,7 @@ def main() -> int:
     from fivefold.config import load_config
     from fivefold.plan.cluster import cluster_from_dict
     from fivefold.plan.estimate import estimate
+    from ranks import spawn
 
     out_root = Path(os.environ.get("TMPDIR", "/tmp")) / f"plan_vs_measured-{os.getpid()}"
     base = ["--train.seq_len", str(args.seq_len), "--train.micro_batch_size", str(args.micro_batch),
@@ -437,8 +438,6 @@ def main() -> int:
             continue
         together = [(name, config) for name, config in configs if name not in alone] or \
             [("_fit", load_config(ROOT / "configs" / "tiny.toml", [*base, "--train.output_dir", str(out_root / "_fit")]))]
-        from ranks import spawn
-
         measured = spawn(_measure, world_size, (together, args.steps, args.warmup, args.batch), args.timeout)
         for name, extra in alone.items():
             measured["times"][name] = _measure_solo(world_size, name, ["--config", str(ROOT / "configs" / "tiny.toml"),

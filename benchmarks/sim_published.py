@@ -30,6 +30,7 @@ RESULT name=sim_published rows=N within_10pct=K median_abs_error=... worst_abs_e
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -54,19 +55,25 @@ def sc21_rate(run: PublishedRun, seconds: float) -> float:
     return paper_flops(run) / (seconds * run.gpus) / 1e12
 
 
-def solve(rate_of: Callable[[float], float], target: float, start: float) -> float:
-    """The share x in (0, 1] with rate_of(x) = target. The step is nearly affine in 1/x, so the secant
-    method on 1/x converges in a few evaluations (each a simulation)."""
-    x0, x1 = 1 / start, 1 / start * 1.1
-    f0, f1 = 1 / rate_of(1 / x0) - 1 / target, 1 / rate_of(1 / x1) - 1 / target
+def secant(residual: Callable[[float], float], start: float, low: float, high: float, tolerance: float) -> float:
+    """The root of `residual` by the secant method from `start`, each step kept within [low, high], until the
+    residual is under `tolerance`."""
+    x0, x1 = start, start * 1.1
+    f0, f1 = residual(x0), residual(x1)
     for _ in range(20):
         if f1 == f0:
             break
-        x0, x1, f0 = x1, max(x1 - f1 * (x1 - x0) / (f1 - f0), 1.0), f1
-        f1 = 1 / rate_of(1 / x1) - 1 / target
-        if abs(f1) * target < 1e-6:
+        x0, x1, f0 = x1, min(max(x1 - f1 * (x1 - x0) / (f1 - f0), low), high), f1
+        f1 = residual(x1)
+        if abs(f1) < tolerance:
             break
-    return 1 / x1
+    return x1
+
+
+def solve(rate_of: Callable[[float], float], target: float, start: float) -> float:
+    """The share x in (0, 1] with rate_of(x) = target. The step is nearly affine in 1/x, so the secant
+    method on 1/x converges in a few evaluations (each a simulation)."""
+    return 1 / secant(lambda y: 1 / rate_of(1 / y) - 1 / target, 1 / start, 1.0, math.inf, 1e-6 / target)
 
 
 def fit(attention_row: PublishedRun, matmul_row: PublishedRun, fidelity: str, width_law: bool = True) -> Efficiency:
@@ -95,16 +102,7 @@ def half_width(rate_of: Callable[[float], float], target: float, start: float) -
     """The half width w with rate_of(w) = target (the rate falls as w grows). A GEMM of narrowest width n runs
     at matmul * n / (n + w): its time, and so the step's, is affine in w, and the secant method on 1 / rate
     lands in two or three simulations."""
-    x0, x1 = start, start * 1.1
-    f0, f1 = 1 / rate_of(x0) - 1 / target, 1 / rate_of(x1) - 1 / target
-    for _ in range(20):
-        if f1 == f0:
-            break
-        x0, x1, f0 = x1, min(max(x1 - f1 * (x1 - x0) / (f1 - f0), 1.0), 1e5), f1
-        f1 = 1 / rate_of(x1) - 1 / target
-        if abs(f1) * target < 1e-6:
-            break
-    return x1
+    return secant(lambda w: 1 / rate_of(w) - 1 / target, start, 1.0, 1e5, 1e-6 / target)
 
 
 def main() -> int:

@@ -35,7 +35,8 @@ def test_count_equals_instantiated_model_on_meta(name):
     config = get_preset(name)
     config.vocab_size = config.vocab_size or 257
     # every kind of block the preset has, twice: the count is a sum over blocks, and DeepSeek-V3's 58 MoE layers
-    # of 256 experts take seconds to build even on the meta device (the published counts check all the layers)
+    # of 256 experts take seconds to build even on the meta device (the published counts here and
+    # test_mla.py's 671B check all the layers)
     config.n_layers = min(config.n_layers, config.moe_first_dense + 2 * config.moe_layer_freq)
     model = build_model(config)  # meta device: the 405B model costs no memory
     assert sum(p.numel() for p in model.parameters()) == count_parameters(config).total

@@ -71,7 +71,7 @@ def _context():
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
-        # torch._dynamo: the first factory call under a `torch.device` context (every model build) imports it
+        # torch._dynamo: the first parameter initialised on the meta device (every model build) imports it
         # lazily, 1.7 s of CPU per rank on the CI machine; imported once here, every forked rank has it
         _CONTEXT.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "fivefold.train.roles",
                                          "distributed.spawn"])
