@@ -143,7 +143,9 @@ def test_a_profile_of_another_model_or_a_bad_file_is_refused(tmp_path, measured)
                             ({**good, "model": {"dim": 256}}, "model must name"),
                             ({**good, "block": float("nan")}, "block = nan"), ({**good, "head": float("inf")}, "head = inf"),
                             ({**good, "extra": 1}, "expected the keys"), ({**good, "dtype": "fp8"}, "dtype = 'fp8'"),
-                            ({**good, "threads": -1}, "threads = -1"), ({**good, "device": 3}, "device = 3")):
+                            ({**good, "threads": -1}, "threads = -1"), ({**good, "device": 3}, "device = 3"),
+                            ({**good, "compiled": "yes"}, "compiled = 'yes'"),
+                            ({**good, "loss_chunk_tokens": -1}, "loss_chunk_tokens = -1")):
         if broken is None:
             target = str(tmp_path / "missing.json")
         else:
@@ -152,5 +154,30 @@ def test_a_profile_of_another_model_or_a_bad_file_is_refused(tmp_path, measured)
         with pytest.raises(ConfigError, match=message):
             load_profile(target)
     assert dataclasses.replace(measured, threads=3).threads == 3
-    path.write_text(json.dumps({k: v for k, v in good.items() if k not in ("threads", "device")}))
-    assert load_profile(str(path)).threads == 0  # the optional keys may be absent
+    path.write_text(json.dumps({k: v for k, v in good.items()
+                               if k not in ("threads", "device", "compiled", "loss_chunk_tokens")}))
+    assert load_profile(str(path)).threads == 0  # the optional keys may be absent (files of earlier versions)
+
+
+def test_a_profile_measures_the_passes_as_the_job_runs_them(measured):
+    """Under train.compile the blocks and the loss are compiled while measured, and with train.loss_chunk_tokens
+    the head is the chunked one; the profile says which, prices such a job's head as measured, and is refused
+    for a job that runs its passes otherwise (eager passes priced a compiled 1B step 43% long on an H200)."""
+    from fivefold.parallel.compile import compiled_graphs
+
+    h100 = load_cluster("h100-sxm")
+    before = compiled_graphs()
+    compiled = measure_profile(_config("--train.compile", "true"), repeats=1)
+    assert compiled.compiled and compiled_graphs() > before
+    chunked_job = _config("--train.loss_chunk_tokens", "16")
+    chunked = measure_profile(chunked_job, repeats=1)
+    assert chunked.loss_chunk_tokens == 16 and not chunked.compiled
+    costs = pass_costs(chunked_job, model_for(chunked_job), degrees_of(chunked_job, 1), h100,
+                       Efficiency(0.5, 0.0, chunked))
+    assert costs.head == pytest.approx(chunked.head)
+    for job, profile, message in ((_config("--train.compile", "true"), measured, "train.compile false .profile. vs true"),
+                                  (_config(), compiled, "train.compile true .profile. vs false"),
+                                  (chunked_job, measured, "train.loss_chunk_tokens 0 .profile. vs 16"),
+                                  (_config(), chunked, "train.loss_chunk_tokens 16 .profile. vs 0")):
+        with pytest.raises(ConfigError, match=message):
+            estimate(job, 1, h100, Efficiency(0.5, 0.0, profile))

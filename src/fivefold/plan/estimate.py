@@ -748,7 +748,7 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
     if eff.profile is None:
         return costs
     profile = eff.profile  # measured passes (plan/profile.py), carried to this layout by the model's ratio
-    profile.check_model(model, compute_dtype(config))
+    profile.check_model(model, compute_dtype(config), t.compile, t.loss_chunk_tokens)
     measured = dataclasses.replace(config, train=dataclasses.replace(t, micro_batch_size=profile.micro_batch_size,
                                                                        seq_len=profile.seq_len),
                                    tensor_parallel=dataclasses.replace(config.tensor_parallel, sequence_parallel=False))

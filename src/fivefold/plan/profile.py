@@ -13,8 +13,9 @@ rank's block costs its measured block times the share of the work the model give
 profiled shape on one rank the priced passes are the measured ones exactly; elsewhere the model
 carries them.
 
-A profile is JSON (no code runs on load) naming the model's dimensions, the dtype and the shape it
-was measured at; one for another model or dtype is refused with the mismatch named.
+A profile is JSON (no code runs on load) naming the model's dimensions, the dtype, whether the passes were
+compiled (train.compile), the head's chunk (train.loss_chunk_tokens) and the shape it was measured at; one
+for another model, dtype, compilation or head is refused with the mismatch named.
 """
 
 from __future__ import annotations
@@ -49,16 +50,23 @@ class ComputeProfile:
     head: float
     threads: int = 0
     device: str = ""
+    compiled: bool = False  # measured under train.compile (compiled blocks and loss)
+    loss_chunk_tokens: int = 0  # the head measured as train.loss_chunk_tokens runs it (0: the plain head)
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **dataclasses.asdict(self)}, indent=2) + "\n"
 
-    def check_model(self, model, dtype: str) -> None:
-        """ConfigError naming what differs when this profile was measured on another model or dtype."""
+    def check_model(self, model, dtype: str, compiled: bool = False, loss_chunk_tokens: int = 0) -> None:
+        """ConfigError naming what differs when this profile was measured on another model, dtype, compilation
+        or head (eager passes priced a compiled 1B step 43% long on an H200, docs/planner.md)."""
         wrong = [f"model.{k} {self.model.get(k)!r} (profile) vs {getattr(model, k)!r}" for k in MODEL_KEYS
                  if self.model.get(k) != getattr(model, k)]
         if dtype != self.dtype:
             wrong.append(f"compute dtype {self.dtype} (profile) vs {dtype}")
+        if compiled != self.compiled:
+            wrong.append(f"train.compile {str(self.compiled).lower()} (profile) vs {str(compiled).lower()}")
+        if loss_chunk_tokens != self.loss_chunk_tokens:
+            wrong.append(f"train.loss_chunk_tokens {self.loss_chunk_tokens} (profile) vs {loss_chunk_tokens}")
         if wrong:
             raise ConfigError("--profile was measured for another model: " + "; ".join(wrong)
                               + " (measure this one: fivefold bench compute with the job's config)")
@@ -76,13 +84,16 @@ def load_profile(path: str) -> ComputeProfile:
     if not isinstance(data, dict) or data.pop("format", None) != FORMAT:
         raise ConfigError(f"--profile {path}: not a {FORMAT} file")
     known = {f.name for f in dataclasses.fields(ComputeProfile)}
-    if not known - {"threads", "device"} <= set(data) <= known:  # threads and device are optional
+    if not known - {"threads", "device", "compiled", "loss_chunk_tokens"} <= set(data) <= known:  # optional keys
         raise ConfigError(f"--profile {path}: expected the keys {', '.join(sorted(known))}; found {', '.join(sorted(data))}")
     if data["dtype"] not in ("fp32", "bf16"):
         raise ConfigError(f"--profile {path}: dtype = {data['dtype']!r} must be fp32 or bf16")
-    threads = data.get("threads", 0)
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
-        raise ConfigError(f"--profile {path}: threads = {threads!r} must be a non-negative integer")
+    for key in ("threads", "loss_chunk_tokens"):
+        value = data.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"--profile {path}: {key} = {value!r} must be a non-negative integer")
+    if not isinstance(data.get("compiled", False), bool):
+        raise ConfigError(f"--profile {path}: compiled = {data['compiled']!r} must be true or false")
     if not isinstance(data.get("device", ""), str):
         raise ConfigError(f"--profile {path}: device = {data['device']!r} must be a string")
     for key in ("block", "moe_block", "core", "head"):

@@ -54,13 +54,16 @@ def _measure_rank(config, threads: int, vocab_size: int, repeats: int, barrier=N
 def measure_profile(config, vocab_size: int = 0, repeats: int = 10, device: str = "cpu") -> ComputeProfile:
     """Time the passes of `config`'s model on one accelerator (`device`): a dense and a MoE block (the first of
     each kind), the attention core and the head with the loss, for one micro-batch of the job's shape in its
-    compute dtype, each forward and backward together (the median of `repeats` after two warm-ups); a part's
+    compute dtype (compiled under train.compile and the chunked head under train.loss_chunk_tokens, as the trainer runs them), each forward and backward together
+    (the median of `repeats` after two warm-ups, which compile); a part's
     profile is a third of it, the forward the planner prices backward at twice (on this project's CPU a
     block's backward took 2.4-2.6 times its forward, so the forward alone priced steps 15-25% short)."""
     import torch
-    import torch.nn.functional as F
 
     from fivefold.model.llama import attention_core, build_model, materialize
+    from fivefold.parallel.compile import apply_compile, compiled_loss
+    from fivefold.parallel.output_loss import OutputLoss, cross_entropy_sum
+    from fivefold.parallel.parallelize import DTYPES
     from fivefold.plan.estimate import compute_dtype, model_for
     from fivefold.plan.parameters import first_block
 
@@ -92,6 +95,13 @@ def measure_profile(config, vocab_size: int = 0, repeats: int = 10, device: str 
                 times.append(time.perf_counter() - start)
         return statistics.median(times) / 3
 
+    # the job's passes as its trainer runs them (parallel/parallelize.py build_step): under train.compile the
+    # blocks and the plain loss compiled; with train.loss_chunk_tokens the chunked head applying the projection
+    t = config.train
+    if t.compile:
+        apply_compile(model)
+    plain = compiled_loss() if t.compile and not t.loss_chunk_tokens else cross_entropy_sum
+    loss = OutputLoss(plain, model, model_config.vocab_size, None, t.loss_chunk_tokens, DTYPES[t.dtype])
     x.requires_grad_(True)
     blocks = {}
     for moe in (False, True):
@@ -100,7 +110,7 @@ def measure_profile(config, vocab_size: int = 0, repeats: int = 10, device: str 
     # the whole model's pass (weights and activations no longer fit a cache as one block's do): the blocks take
     # what the head and embedding leave, shared between the two kinds as measured alone
     tokens = torch.randint(0, model_config.vocab_size, (b, s), device=target, generator=generator)
-    whole = timed(lambda: F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten()), ())
+    whole = timed(lambda: loss(model(tokens, project=loss.project), tokens), ())
     heads, kv_heads, head_dim = model_config.n_heads, model_config.kv_heads, model_config.head_size
     if model_config.attention == "mla":  # the core pads q, k and v to one width (model/mla.py)
         kv_heads = heads
@@ -110,10 +120,11 @@ def measure_profile(config, vocab_size: int = 0, repeats: int = 10, device: str 
     v = torch.randn(b, kv_heads, s, head_dim, device=target, generator=generator, requires_grad=True)
     core = timed(lambda: attention_core(q, k, v), (q, k, v))
     labels = torch.randint(0, model_config.vocab_size, (b, s), device=target, generator=generator)
-    head = timed(lambda: F.cross_entropy(model.head(x).flatten(0, 1).float(), labels.flatten()), (x,))
+    head = timed(lambda: loss(model.head(x) if loss.project else model.norm(x), labels), (x,))
     alone = sum(blocks[model_config.is_moe_layer(layer)] for layer in range(model_config.n_layers))
     if alone > 0 and whole > head:
         blocks = {moe: seconds * (whole - head) / alone for moe, seconds in blocks.items()}
     return ComputeProfile({key: getattr(model_config, key) for key in MODEL_KEYS}, dtype, b, s, blocks[False],
                           blocks[True], core, head, torch.get_num_threads() if target.type == "cpu" else 0,
-                          torch.cuda.get_device_name(target) if target.type == "cuda" else "cpu")
+                          torch.cuda.get_device_name(target) if target.type == "cuda" else "cpu", t.compile,
+                          t.loss_chunk_tokens)
