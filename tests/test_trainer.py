@@ -104,6 +104,27 @@ def test_bf16_autocast_is_close_but_not_identical(job):
     assert bf16 == pytest.approx(fp32, abs=0.05)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_logits_are_freed_before_backward(job, monkeypatch, dtype):
+    """The step drops its reference to the model's output once the loss is taken: the loss keeps what its backward
+    needs (the log-probabilities), so the logits themselves (e x tokens x vocab bytes; 2 GiB of a 1B model's
+    bf16 step on an H200, docs/planner.md) are gone before backward starts."""
+    import weakref
+
+    trainer = Trainer(with_train(job, dtype=dtype, grad_accum_steps=2))
+    outputs, alive = [], []
+    trainer.model.register_forward_hook(lambda module, args, out: outputs.append(weakref.ref(out)))
+    backward = torch.Tensor.backward
+
+    def checked(self, *args, **kwargs):
+        alive.append(outputs[-1]() is not None)
+        return backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", checked)
+    trainer.train_step()
+    assert alive == [False, False]  # each micro-batch's
+
+
 def test_eval_is_deterministic_and_token_weighted(job):
     trainer = Trainer(job)
     assert trainer.evaluate() == trainer.evaluate()
