@@ -140,3 +140,37 @@ def test_sim_published_fits_its_shares_by_the_secant_method():
         return flops / (0.3 + 1.2 / x)
 
     assert module.solve(rate_at_share, rate_at_share(0.71), start=0.3) == pytest.approx(0.71, rel=1e-5)
+
+
+def test_plan_vs_gpu_runs_its_jobs_on_the_cpu_and_fits_one_efficiency(tmp_path):
+    """benchmarks/plan_vs_gpu.py's code path on this host (its table is measured on a lent GPU): each job is
+    measured and predicted; the efficiency fitted on the first job predicts that job's step exactly (the step is
+    a + b / efficiency), and on one rank the simulator runs the profiled passes as the planner prices them."""
+    import json
+
+    report = tmp_path / "rows.json"
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_vs_gpu.py"), "--device", "cpu",
+                          "--cluster", "h100-sxm", "--jobs", "tiny,tiny-full", "--warmup", "1", "--steps", "1",
+                          "--repeats", "1", "--json", str(report)], capture_output=True, text=True, timeout=300,
+                         check=True).stdout
+    assert any(line.startswith("RESULT name=plan_vs_gpu jobs=2 failed=0 device=cpu") for line in out.splitlines())
+    rows = json.loads(report.read_text())["rows"]
+    assert [row["job"] for row in rows] == ["tiny", "tiny-full"]
+    assert 0 < rows[0]["fitted_efficiency"] <= 1
+    assert rows[0]["one_fit_s"] == pytest.approx(rows[0]["step_s"], rel=1e-6)
+    for row in rows:
+        assert row["step_s"] > 0 and row["planned_bytes"] > 0 and row["peak_bytes"] is None  # no CPU allocator peak
+        assert row["simulated_s"] == pytest.approx(row["profiled_s"], rel=1e-9)
+    assert rows[1]["modelled_s"] > rows[0]["modelled_s"]  # full recomputation's extra forward
+
+
+@pytest.mark.parametrize("args,message", [(["--jobs", "tiny,huge"], "unknown job(s) ['huge']"),
+                                          (["--device", "cuda"], "no CUDA GPU is visible here")])
+def test_plan_vs_gpu_refuses_bad_arguments(args, message):
+    import torch
+
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_vs_gpu.py"), *args], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr

@@ -270,14 +270,15 @@ def test_refusing_a_family_at_once_gives_the_one_by_one_result(monkeypatch):
 
 
 def test_pipeline_stages_are_moved_to_fit_memory():
-    """1F1B's first rank keeps the most micro-batches in flight: under a 64 GiB cap the balanced 8/8/8/8 split of
-    Llama-3 8B does not fit, and moving blocks off the fullest ranks gives an uneven split that does, which the
-    runtime's own checks accept as written."""
+    """1F1B's first rank keeps the most micro-batches in flight (their activations and, under bf16 autocast, their
+    weight copies): under an 84 GiB cap the balanced 8/8/8/8 split of Llama-3 8B does not fit (106 GiB on rank 0),
+    and moving blocks off the fullest ranks gives an uneven split that does, which the runtime's own checks accept
+    as written."""
     from fivefold.plan.search import fit_stages
 
     config = _config("--train.seq_len", "4096", "--train.micro_batch_size", "2", "--pipeline_parallel.degree", "4",
                      "--pipeline_parallel.layers_per_stage", "8,8,8,8", "--train.grad_accum_steps", "8")
-    split = _moved_to_fit(config, 64)
+    split = _moved_to_fit(config, 84)
     assert split[0] < 8 and split != [8, 8, 8, 8]
     tight = _capped(55)
     assert fit_stages(config, estimate(config, 4, tight), 4, tight) is None  # the ranks' total is over their caps
@@ -307,12 +308,13 @@ def _moved_to_fit(config, gib: float) -> list[int]:
 
 def test_interleaved_stages_are_moved_to_fit_memory():
     """Interleaved (v = 2, stage s on rank s mod 4): a rank's activations are bounded by its largest stage, so
-    blocks leave the over-full rank's largest stage for the neighbouring stage of another rank; under an 88 GiB
-    cap the balanced 4 x 8 split of Llama-3 8B does not fit and the moved one does, as the runtime accepts it."""
+    blocks leave the over-full rank's largest stage for the neighbouring stage of another rank; under a 112 GiB
+    cap the balanced 4 x 8 split of Llama-3 8B does not fit (133 GiB on rank 0: 11 micro-batch x stage pairs in
+    flight, each with its activations and bf16 weight copies) and the moved one does, as the runtime accepts it."""
     config = _config("--train.seq_len", "4096", "--train.micro_batch_size", "2", "--pipeline_parallel.degree", "4",
                      "--pipeline_parallel.schedule", "interleaved", "--pipeline_parallel.virtual", "2",
                      "--pipeline_parallel.layers_per_stage", "4,4,4,4,4,4,4,4", "--train.grad_accum_steps", "8")
-    split = _moved_to_fit(config, 88)
+    split = _moved_to_fit(config, 112)
     assert len(split) == 8 and max(split[0], split[4]) < 4
 
 
@@ -904,3 +906,119 @@ def test_a_posts_line_is_fitted_through_its_times():
                                       p2p_post_gbs=line["p2p_post_gbs"])
     assert accelerator.post_seconds(3e6) == pytest.approx(500e-6)
     assert CLUSTERS["h100-sxm"].accelerator.post_seconds(1e9) == 0.0  # NCCL's kernels post: nothing on the host
+
+
+def _autocast_saved(model, forward, exclude, region: bool = True) -> tuple[int, int]:
+    """(bytes autograd keeps while `forward()` runs, under one CPU bf16 autocast region unless `region` is False, of
+    which bf16 casts of parameters)."""
+    import contextlib
+
+    import torch
+
+    params = {p.untyped_storage().data_ptr(): p for p in exclude}
+    casts = {(p.numel(), p.to(torch.bfloat16).float().sum().item()) for p in exclude if p.dim() >= 2}
+    kept, copies = {}, {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+            if tensor.dtype == torch.bfloat16 and (tensor.numel(), tensor.float().sum().item()) in casts:  # maybe .t()
+                copies[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if region else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        forward()
+    return sum(kept.values()), sum(copies.values())
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_a_plain_block_under_bf16_autocast_keeps_what_the_planner_counts(recompute):
+    """Under bf16 autocast over fp32 weights a block keeps its RMSNorm tensors, the log-sum-exp and the RoPE tables
+    in fp32, a bf16 cast of its input per matmul (q, k, v; w1, w3) and a bf16 copy of each weight it multiplies
+    by: measured (CPU autocast, each storage once) equal to 2 bytes per counted element + 2 x
+    `autocast_extra_elements` + the planner's weight copies for one block and one micro-batch (none under full
+    recomputation, whose forward keeps only the fp32 block input)."""
+    import torch
+
+    from fivefold.config import TensorParallelConfig
+    from fivefold.model import build_model, materialize
+    from fivefold.parallel.mesh import Mesh
+    from fivefold.parallel.parallelize import apply_model_parallel
+    from fivefold.plan.activations import ActivationShape, autocast_extra_elements, block_activation_elements
+    from fivefold.plan.estimate import degrees_of, model_for, weight_copy_bytes
+
+    config = load_config(None, ["--model.preset", "tiny", "--model.n_layers", "1", "--model.vocab_size", "257",
+                                "--train.dtype", "bf16", "--train.recompute", recompute])
+    model_config = model_for(config)
+    model = materialize(build_model(model_config), "cpu", seed=0)
+    apply_model_parallel(model, Mesh.single(), TensorParallelConfig(1, False), recompute=recompute)
+    batch, seq = 2, 48
+    x = torch.randn(batch, seq, model_config.dim).requires_grad_()
+    positions = torch.arange(seq)
+    cos, sin = model.rope_cos[positions], model.rope_sin[positions]
+    kept, copies = _autocast_saved(model, lambda: model.layers["0"](x, cos, sin), list(model.parameters()))
+    shape = ActivationShape(batch, seq, 1, False, recompute)
+    planned_copies = weight_copy_bytes(config, model_config, degrees_of(config, 1), {False: 1}, 1, False, 0)
+    assert copies == planned_copies and (copies > 0) == (recompute != "full")
+    assert kept == 2 * block_activation_elements(model_config, shape) + 2 * autocast_extra_elements(model_config, shape) \
+        + planned_copies
+
+
+def test_each_micro_batch_in_flight_keeps_its_own_bf16_weight_copies():
+    """autocast's cache lasts one autocast region, and the runtime enters one per micro-batch's forward: k
+    micro-batches whose backward has not run keep k bf16 copies of the blocks' and the head's weights, as the
+    planner counts for k in flight (a pipeline's first rank). Within one region they would share one copy; ZeRO's
+    bf16 compute weights need none."""
+    import torch
+
+    from fivefold.model import build_model, materialize
+    from fivefold.plan.estimate import degrees_of, model_for, weight_copy_bytes
+
+    config = load_config(None, ["--model.preset", "tiny", "--model.n_layers", "2", "--model.vocab_size", "257",
+                                "--train.dtype", "bf16"])
+    model_config = model_for(config)
+    model = materialize(build_model(model_config), "cpu", seed=0)
+    tokens = torch.randint(0, 257, (2, 32))
+    d = degrees_of(config, 1)
+
+    def forwards(k: int):
+        def run():
+            for _ in range(k):
+                with torch.autocast("cpu", dtype=torch.bfloat16):  # as parallel/step.py and the pipeline executor
+                    model(tokens)
+        return run
+
+    for k in (1, 3):
+        _, copies = _autocast_saved(model, forwards(k), list(model.parameters()), region=False)
+        assert copies == weight_copy_bytes(config, model_config, d, {False: 2}, k, True, k)
+    _, shared = _autocast_saved(model, forwards(3), list(model.parameters()))  # the three inside one region
+    assert shared == weight_copy_bytes(config, model_config, d, {False: 2}, 1, True, 1)
+    zero_bf16 = load_config(None, ["--model.preset", "tiny", "--train.dtype", "bf16", "--data_parallel.zero_stage", "1",
+                                   "--data_parallel.shard", "2", "--data_parallel.param_dtype", "bf16"])
+    assert weight_copy_bytes(zero_bf16, model_config, d, {False: 2}, 3, True, 3) == 0
+
+
+def test_gradients_count_in_the_peak_only_where_they_can_reach_it():
+    """One micro-batch on one stage: the peak is the loss's backward, before any gradient exists (measured on an
+    H200: 1B and 3B steps within 0.1 GiB of the total without them, docs/planner.md); with gradient
+    accumulation the first micro-batch's gradients are there (+ their size, measured), and pipelines and ZeRO
+    keep them in the total (an upper bound)."""
+    base = ["--model.preset", "llama3.2-1b", "--train.seq_len", "2048", "--train.micro_batch_size", "4",
+            "--train.dtype", "bf16"]
+    h200 = CLUSTERS["h200"]
+    one = estimate(load_config(None, base), 1, h200).memory
+    assert one.gradients_after_peak and one.gradients > 0
+    assert one.total == (one.parameters + one.optimizer + one.activations + one.logits + one.buffers + one.buckets
+                         + one.weight_copies)
+    for extra in (["--train.compile", "true"], ["--train.loss_chunk_tokens", "4096"]):
+        assert estimate(load_config(None, [*base, *extra]), 1, h200).memory.gradients_after_peak, extra
+    for extra in (["--train.grad_accum_steps", "2"], ["--data_parallel.zero_stage", "1", "--data_parallel.shard", "2"],
+                  ["--pipeline_parallel.degree", "2", "--train.grad_accum_steps", "2"]):
+        memory = estimate(load_config(None, [*base, *extra]), 2 if "2" in extra[-1:] else 1, h200).memory
+        assert not memory.gradients_after_peak, extra
+        assert memory.total == memory.model_states + memory.activations + memory.logits + memory.buffers \
+            + memory.buckets + memory.weight_copies
+    accumulated = estimate(load_config(None, [*base, "--train.grad_accum_steps", "2"]), 1, h200).memory
+    assert accumulated.total - one.total == one.gradients

@@ -109,6 +109,24 @@ def block_activation_elements(model: ModelConfig, shape: ActivationShape) -> int
     return total
 
 
+def autocast_extra_elements(model: ModelConfig, shape: ActivationShape) -> int:
+    """What a dense block keeps under bf16 autocast over fp32 weights (train.dtype = bf16) beyond 2 bytes per
+    element of `block_activation_elements`, in 2-byte units. Tensors kept in fp32 count twice: RMSNorm's input,
+    normalised output and 1/rms (4sbh + 2sb), the attention's log-sum-exp (asb, not under selective
+    recomputation), the RoPE tables (2sd), and under full recomputation everything (the block's input is the
+    fp32 residual stream). And each matmul casts its fp32 input to bf16 itself: q, k, v and w1, w3 keep 5 casts
+    where the fp32 count keeps 2 norm outputs (3sbh). Derived and measured (CPU autocast,
+    tests/test_planner.py) for the plain block on one rank; 0 for MLA, q/k norms and tensor parallelism, whose
+    bf16 count stays 2 bytes per element (an estimate)."""
+    if shape.recompute == "full":
+        return block_activation_elements(model, shape)
+    if shape.tp > 1 or model.attention == "mla" or model.qk_norm != "none":
+        return 0
+    s, b = shape.seq_len, shape.micro_batch
+    lse = model.n_heads * s * b if shape.recompute == "none" else 0
+    return 7 * s * b * model.dim + 2 * s * b + lse + 2 * s * model.rope_dim
+
+
 def _mla_elements(model: ModelConfig, sb: int, t: int, recompute: str) -> int:
     """Multi-latent attention's own tensors (model/mla.py), for the a / t heads of the rank (see the module
     docstring); the down-projections and their norms are whole on every tensor-parallel rank."""

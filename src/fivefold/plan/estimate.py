@@ -15,7 +15,15 @@ Memory per rank (bytes), for every pipeline rank; the report takes the largest:
                                        times the blocks of one stage, times the micro-batches the
                                        schedule keeps in flight (the schedule simulator's peak on
                                        this rank's real instruction stream); 4 bytes per element
-                                       (fp32), 2 under bf16 autocast (an estimate)
+                                       (fp32), 2 under bf16, plus under autocast over fp32 weights a
+                                       plain block's fp32 tensors and per-matmul casts (measured exact;
+                                       an estimate for other blocks)
+    weight copies                      bf16 autocast over fp32 weights: each in-flight micro-batch's bf16
+                                       copy of the weights it multiplies by (blocks of the largest
+                                       stage; the head's on the last)
+    gradients at the peak              left out of the total when one micro-batch on one stage peaks in
+                                       the loss's backward, before any gradient exists
+                                       (`gradients_after_peak`)
     logits                             the last stage's fp32 logits and their gradient,
                                        2 x 4 x b x s/cp x V_t/t; with the chunked head (chunk c)
                                        4 x b x s/cp + 2 x 4 x c x V_t/t (`logits_bytes`)
@@ -73,8 +81,8 @@ from fivefold.plan.ring_schedule import ring_pass_seconds
 from fivefold.config.schema import JobConfig
 from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
-from fivefold.plan.activations import (ActivationShape, ExpertRows, block_activation_elements,
-                                      moe_block_activation_elements)
+from fivefold.plan.activations import (ActivationShape, ExpertRows, autocast_extra_elements,
+                                      block_activation_elements, moe_block_activation_elements)
 from fivefold.plan.cluster import Accelerator, ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.gemms import block_gemms, core_narrowest, head_gemm
@@ -128,6 +136,9 @@ class RankMemory:
     parameter_count: int = 0  # Ψ on this rank (its tensor / pipeline / expert part, before ZeRO)
     buckets: int = 0  # DDP's flat gradient buckets (a second copy of the gradients, in gradient_comm.reduce_dtype)
     nvme: int = 0  # NVMe offload: the optimizer states in this rank's swap file (host keeps the slot ring)
+    weight_copies: int = 0  # bf16 autocast over fp32 weights: each in-flight micro-batch's bf16 copy of its weights
+    # the gradients appear only after the peak (`gradients_after_peak`): counted in the states, not in the total
+    gradients_after_peak: bool = False
 
     @property
     def model_states(self) -> int:
@@ -135,7 +146,8 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        return self.model_states + self.activations + self.logits + self.buffers + self.buckets
+        return (self.model_states - (self.gradients if self.gradients_after_peak else 0) + self.activations
+                + self.logits + self.buffers + self.buckets + self.weight_copies)
 
 
 @dataclass(frozen=True)
@@ -274,6 +286,60 @@ def _model_states(params: RankParameters, config: JobConfig, d: Degrees) -> tupl
     routed = zero_model_states(params.experts, z.zero_stage, _expert_dp(config, d) if z.zero_stage else 1, mixed,
                                z.offload)
     return (dense.parameters + routed.parameters, dense.gradients + routed.gradients, dense.optimizer + routed.optimizer)
+
+
+def autocast_copies(config: JobConfig) -> bool:
+    """Whether the matmuls run under bf16 autocast over fp32 weights: then each micro-batch's forward casts the
+    weights it multiplies by to bf16 and autograd keeps those copies until its backward (one per micro-batch in
+    flight: autocast's cache lasts one forward), and RMSNorm and the residual stream keep fp32 tensors."""
+    z = config.data_parallel
+    return config.train.dtype == "bf16" and not (z.zero_stage and z.param_dtype == "bf16")
+
+
+def weight_copy_bytes(config: JobConfig, model: ModelConfig, d: Degrees, blocks: dict[bool, int], in_flight: int,
+                      last: bool, held: int) -> int:
+    """Bytes of bf16 weight copies a rank's autograd graphs keep under autocast (`autocast_copies`): the matmul
+    weights of `blocks` (dense and MoE blocks of its largest stage: attention, dense and shared MLPs, router;
+    the routed experts' are not counted) for each of `in_flight` micro-batches, unless full recomputation
+    runs the forward without keeping anything or train.compile's graphs cast the weights again in backward
+    (measured on an H200: a compiled 1B step's peak within 0.2% without them), and on the last stage the head's for each of `held`
+    micro-batches (not with the chunked head, which casts a chunk at a time)."""
+    if not autocast_copies(config):
+        return 0
+    t = config.train
+    weights = 0
+    if t.recompute != "full" and not t.compile:  # inductor recasts a weight in backward rather than keep it
+        for moe, count in blocks.items():
+            if count:
+                block = block_parameters(model, first_block(model, moe), d.tp, d.ep, d.etp, d.replicas)
+                weights += count * (block.dense - 2 * model.dim) * in_flight  # less the two RMSNorm weights
+    if last and not t.loss_chunk_tokens:
+        weights += held * padded_vocab(model.vocab_size, d.tp) // d.tp * model.dim
+    return 2 * weights
+
+
+def gradients_after_peak(config: JobConfig, model: ModelConfig, d: Degrees, kinds: dict[bool, int],
+                         copies: dict[bool, int], logits: int) -> bool:
+    """Whether a rank's peak comes before any gradient exists: one micro-batch, one stage, plain DDP (or none).
+    Gradients are set to None after each step, so the peak is the loss's backward (the kept
+    activations, the weight copies and the logits term, `logits` bytes) unless what backward creates later
+    outgrows what it frees: after the loss's backward the logits term is gone and the head's gradient (fp32 and
+    its bf16 copy: 6 V h bytes; an untied embedding's 4 V h more) has come; each block's backward then creates
+    its fp32 gradients and frees its activations and weight copies (`kinds`, `copies` per block). The gradients
+    are left out of the peak when the sum of those changes never climbs back above zero. Measured on an H200: a
+    1B and a 3B step (recomputation none, selective, full; compiled; the chunked head) peak at the states
+    without gradients, within 0.11 GiB (docs/planner.md). Otherwise they count (an upper bound)."""
+    t, z = config.train, config.data_parallel
+    if d.pp > 1 or t.grad_accum_steps > 1 or z.mode != "ddp" or z.zero_stage:
+        return False
+    vocab_rows = padded_vocab(model.vocab_size, d.tp) // d.tp * model.dim
+    climb = (6 + (0 if model.tie_embeddings else 4)) * vocab_rows - logits
+    for moe, kept in kinds.items():
+        layer = first_block(model, moe)
+        count = sum(model.is_moe_layer(i) == moe for i in range(model.n_layers)) if model.n_experts else model.n_layers
+        block = block_parameters(model, layer, d.tp, d.ep, d.etp, d.replicas)
+        climb += max(0, count * (4 * block.total - kept - copies.get(moe, 0)))
+    return climb <= 0
 
 
 def _block_activations(model: ModelConfig, layer: int, shape: ActivationShape, rows: ExpertRows) -> int:
@@ -451,8 +517,15 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     # of them), and two logits-sized gradients are live while a loss's backward runs
     held = t.grad_accum_steps if d.pp > 1 and config.pipeline_parallel.schedule == "gpipe" else 1
     rows = expert_rows(config, model, d)
-    kinds = {moe: _block_activations(model, layer, shape, rows) for moe in (False, True)
-             if (layer := first_block(model, moe)) >= 0}
+    # bytes per block; under bf16 autocast an eager dense block's fp32 tensors and per-matmul casts on top (one
+    # rank of a plain block; `autocast_extra_elements`), not under context parallelism, whose ring keeps its own,
+    # nor under train.compile, whose fused kernels keep what inductor's partitioner picks (on an H200 a compiled
+    # 1B block's peak came within 0.2% of 2 bytes per element)
+    autocast = autocast_copies(config)
+    eager = autocast and d.cp == 1 and not t.compile
+    kinds = {moe: element * _block_activations(model, layer, shape, rows)
+             + (2 * autocast_extra_elements(model, shape) if eager and not moe else 0)
+             for moe in (False, True) if (layer := first_block(model, moe)) >= 0}
     states: dict[tuple, tuple[int, int, int, int]] = {}  # pipeline ranks holding alike blocks hold alike states
     out = []
     z = config.data_parallel
@@ -461,14 +534,19 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     last_logits = (logits_bytes(tokens, padded_vocab(model.vocab_size, d.tp) // d.tp, held, t.loss_chunk_tokens,
                                 compiled_loss)
                    + final_norm_bytes(tokens, model.dim, held, d.tp if sp else 1))
-    alike: dict[tuple, RankMemory] = {}  # (states key, activation bytes) -> the rank's memory (without NVMe)
+    alike: dict[tuple, RankMemory] = {}  # (states key, activation and copy bytes) -> the rank's memory (no NVMe)
+    block_copies = {moe: weight_copy_bytes(config, model, d, {moe: 1}, 1, False, 0) for moe in kinds}
+    after_peak = gradients_after_peak(config, model, d, kinds, block_copies, last_logits)
     for rank in range(d.pp):
         stages, first, last = _rank_stages(split, d.pp, rank)
         if model.n_experts:
             layers = [layer for s in stages for layer in split[s]]
             moe = [layer for layer in layers if model.is_moe_layer(layer)]
             key = (len(layers), len(moe), first, last)
-            per_stage = max(sum(kinds[model.is_moe_layer(layer)] for layer in split[s]) for s in stages)
+            largest = max(stages, key=lambda s: sum(kinds[model.is_moe_layer(layer)] for layer in split[s]))
+            per_stage = sum(kinds[model.is_moe_layer(layer)] for layer in split[largest])
+            moe_blocks = sum(model.is_moe_layer(layer) for layer in split[largest])
+            stage_blocks = {False: len(split[largest]) - moe_blocks, True: moe_blocks}
         else:  # a dense rank's states depend only on how many blocks it holds (built only when first seen)
             layers, moe = None, []
             if len(split) == d.pp:  # one stage per rank
@@ -477,6 +555,7 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
                 blocks, most = sum(len(split[s]) for s in stages), max(len(split[s]) for s in stages)
             key = (blocks, 0, first, last)
             per_stage = most * kinds[False]
+            stage_blocks = {False: most}
         if key not in states or z.nvme_path:
             layers = layers if layers is not None else [layer for s in stages for layer in split[s]]
         if key not in states:
@@ -485,9 +564,10 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
                            params.total,
                            ddp_bucket_bytes(config, model, params, d))
         # with interleaving a rank's peak (micro-batch, stage) pairs spread over its stages: the largest bounds each
-        activations = element * per_stage * in_flight[rank]
-        if not z.nvme_path and (key, activations) in alike:
-            out.append(alike[(key, activations)])
+        activations = per_stage * in_flight[rank]
+        copies = weight_copy_bytes(config, model, d, stage_blocks, in_flight[rank], last, held) if autocast else 0
+        if not z.nvme_path and (key, activations, copies) in alike:
+            out.append(alike[(key, activations, copies)])
             continue
         p, g, o, buffers, count, buckets = states[key]
         host = o if z.offload else 0
@@ -496,8 +576,9 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
             nvme, host = o, nvme_host_bytes([-(-_largest_group(model, layers, count, d) // (d.dp_shard * d.cp))],
                                             z.nvme_sub_group)
         logits = last_logits if last else 0
-        memory = RankMemory(p, g, 0 if z.offload else o, activations, logits, buffers, host, count, buckets, nvme)
-        alike[(key, activations)] = memory
+        memory = RankMemory(p, g, 0 if z.offload else o, activations, logits, buffers, host, count, buckets, nvme,
+                            copies, after_peak)
+        alike[(key, activations, copies)] = memory
         out.append(memory)
     return out
 

@@ -60,7 +60,8 @@ def format_estimate(found: Estimate, cluster: ClusterSpec, title: str) -> str:
         ("memory per rank", f"{m.total / GIB:,.2f} GiB of {found.capacity / GIB:,.0f} GiB "
                             f"({'fits' if found.fits else 'does NOT fit'}; pipeline rank {found.memory_rank})"),
         ("  parameters", f"{m.parameters / GIB:,.2f} GiB"),
-        ("  gradients", f"{m.gradients / GIB:,.2f} GiB"),
+        ("  gradients", f"{m.gradients / GIB:,.2f} GiB"
+                        + (" (made after the peak, in backward: not in the total)" if m.gradients_after_peak else "")),
         ("  optimizer", f"{m.optimizer / GIB:,.2f} GiB" + (f" (+ {m.host / GIB:,.2f} GiB on the host)" if m.host else "")
                         + (f" (+ {m.nvme / GIB:,.2f} GiB in the NVMe swap file)" if m.nvme else "")),
         ("  activations", f"{m.activations / GIB:,.2f} GiB"),
@@ -68,6 +69,8 @@ def format_estimate(found: Estimate, cluster: ClusterSpec, title: str) -> str:
         ("  buffers", f"{m.buffers / GIB:,.2f} GiB"),
         ("  DDP buckets", f"{m.buckets / GIB:,.2f} GiB"),
     ]
+    if m.weight_copies:
+        rows.append(("  bf16 weight copies", f"{m.weight_copies / GIB:,.2f} GiB (autocast's, kept for backward)"))
     if found.server is not None:
         server = found.server
         rows.append(("parameter server", f"{server.total / GIB:,.2f} GiB (the largest: {server.parameter_count:,} "
@@ -102,7 +105,7 @@ def plot_memory(entries: list[tuple[str, Estimate]], output: str) -> Path:
     from fivefold.plotting import pyplot, save_figure
 
     plt = pyplot()
-    parts = ("parameters", "gradients", "optimizer", "activations", "logits", "buffers", "buckets")
+    parts = ("parameters", "gradients", "optimizer", "activations", "logits", "buffers", "buckets", "weight_copies")
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(entries) + 2), 4.5))
     bottoms = [0.0] * len(entries)
     for part in parts:
