@@ -933,13 +933,16 @@ def _autocast_saved(model, forward, exclude, region: bool = True) -> tuple[int, 
     return sum(kept.values()), sum(copies.values())
 
 
+@pytest.mark.parametrize("variant", [[], ["--model.head_dim", "48"], ["--model.qk_norm", "head"],
+                                     ["--model.qk_norm", "projection"]], ids=["plain", "head_dim", "qk_head", "qk_proj"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-def test_a_plain_block_under_bf16_autocast_keeps_what_the_planner_counts(recompute):
+def test_a_block_under_bf16_autocast_keeps_what_the_planner_counts(recompute, variant):
     """Under bf16 autocast over fp32 weights a block keeps its RMSNorm tensors, the log-sum-exp and the RoPE tables
     in fp32, a bf16 cast of its input per matmul (q, k, v; w1, w3) and a bf16 copy of each weight it multiplies
     by: measured (CPU autocast, each storage once) equal to 2 bytes per counted element + 2 x
     `autocast_extra_elements` + the planner's weight copies for one block and one micro-batch (none under full
-    recomputation, whose forward keeps only the fp32 block input)."""
+    recomputation, whose forward keeps only the fp32 block input), for an explicit head width and both q/k
+    norms too (tensor and sequence parallelism: tests/distributed/test_activation_memory.py)."""
     import torch
 
     from fivefold.config import TensorParallelConfig
@@ -950,7 +953,7 @@ def test_a_plain_block_under_bf16_autocast_keeps_what_the_planner_counts(recompu
     from fivefold.plan.estimate import degrees_of, model_for, weight_copy_bytes
 
     config = load_config(None, ["--model.preset", "tiny", "--model.n_layers", "1", "--model.vocab_size", "257",
-                                "--train.dtype", "bf16", "--train.recompute", recompute])
+                                "--train.dtype", "bf16", "--train.recompute", recompute, *variant])
     model_config = model_for(config)
     model = materialize(build_model(model_config), "cpu", seed=0)
     apply_model_parallel(model, Mesh.single(), TensorParallelConfig(1, False), recompute=recompute)

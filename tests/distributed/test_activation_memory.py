@@ -212,3 +212,55 @@ def test_moe_block_under_expert_parallelism(ep, etp, kernel):
         expected = moe_block_activation_elements(MOE, ActivationShape(BATCH, SEQ), ExpertRows(kept, rows, ep, etp, kernel))
         assert measured == 4 * expected
     assert len({rows for _, _, rows in results}) > 1  # the ranks' experts computed different numbers of rows
+
+
+def _bf16_rank(rank, world_size, sp, configs):
+    """Per config and mode: bytes the block keeps under CPU bf16 autocast, less its weights' bf16 copies."""
+    import torch
+
+    from fivefold.config import TensorParallelConfig
+    from fivefold.parallel.mesh import ParallelDims, build_mesh
+    from fivefold.parallel.parallelize import apply_model_parallel
+
+    mesh = build_mesh(ParallelDims(tp=world_size, world_size=world_size), "cpu")
+    out = {}
+    for name, config in configs.items():
+        for mode in MODES:
+            model = materialize(build_model(config), "cpu", seed=0)
+            apply_model_parallel(model, mesh, TensorParallelConfig(world_size, sp), recompute=mode)
+            params = list(model.parameters())
+            stored = {p.untyped_storage().data_ptr() for p in params}
+            casts = {(p.numel(), p.to(torch.bfloat16).float().sum().item()) for p in params if p.dim() >= 2}
+            kept, copies = {}, {}
+
+            def pack(tensor):
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in stored:
+                    kept[storage.data_ptr()] = storage.nbytes()
+                    if tensor.dtype == torch.bfloat16 and (tensor.numel(), tensor.float().sum().item()) in casts:
+                        copies[storage.data_ptr()] = storage.nbytes()
+                return tensor
+
+            x = torch.randn(BATCH, SEQ // world_size if sp else SEQ, config.dim).requires_grad_()
+            positions = torch.arange(SEQ)
+            cos, sin = model.rope_cos[positions], model.rope_sin[positions]
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                    torch.autocast("cpu", dtype=torch.bfloat16):
+                model.layers["0"](x, cos, sin)
+            out[(name, mode)] = sum(kept.values()) - sum(copies.values())
+    return out
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_bf16_autocast_under_tensor_parallelism(sp):
+    """Under bf16 autocast over fp32 weights a tensor-parallel rank's block keeps 2 bytes per counted element plus
+    2 x `autocast_extra_elements`: fp32 norms (on s/t tokens under SP) and log-sum-exp of its heads, and whole
+    per-matmul bf16 casts (of the gathered input under SP); for an explicit head width and per-head q/k norms too."""
+    from fivefold.plan.activations import autocast_extra_elements
+
+    configs = {"plain": MODEL, "head_dim": WIDE_HEADS, "qk_head": QK_HEAD}
+    for measured in run_distributed(_bf16_rank, 2, sp, configs):
+        for (name, mode), kept in measured.items():
+            shape = ActivationShape(BATCH, SEQ, 2, sp, mode)
+            assert kept == 2 * block_activation_elements(configs[name], shape) \
+                + 2 * autocast_extra_elements(configs[name], shape), (name, mode)

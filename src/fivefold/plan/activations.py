@@ -111,20 +111,40 @@ def block_activation_elements(model: ModelConfig, shape: ActivationShape) -> int
 
 def autocast_extra_elements(model: ModelConfig, shape: ActivationShape) -> int:
     """What a dense block keeps under bf16 autocast over fp32 weights (train.dtype = bf16) beyond 2 bytes per
-    element of `block_activation_elements`, in 2-byte units. Tensors kept in fp32 count twice: RMSNorm's input,
-    normalised output and 1/rms (4sbh + 2sb), the attention's log-sum-exp (asb, not under selective
-    recomputation), the RoPE tables (2sd), and under full recomputation everything (the block's input is the
-    fp32 residual stream). And each matmul casts its fp32 input to bf16 itself: q, k, v and w1, w3 keep 5 casts
-    where the fp32 count keeps 2 norm outputs (3sbh). Derived and measured (CPU autocast,
-    tests/test_planner.py) for the plain block on one rank; 0 for MLA, q/k norms and tensor parallelism, whose
-    bf16 count stays 2 bytes per element (an estimate)."""
+    element of `block_activation_elements`, in 2-byte units (each storage once, measured on the CPU under
+    autocast: tests/test_planner.py, tests/distributed/test_activation_memory.py).
+
+    Tensors kept in fp32 count twice: RMSNorm's input, normalised output and 1/rms (4sbh + 2sb; on s/t tokens
+    under sequence parallelism), the log-sum-exp (a/t sb, not under selective recomputation), the RoPE tables
+    (2sd), and under full recomputation everything (the block's input is the fp32 residual stream). Each matmul
+    casts its fp32 input to bf16 itself: q, k, v and w1, w3 keep 5 casts of sbh (whole, also the all-gathered ones
+    under SP) where the fp32 count keeps 2 norm outputs (or 2 gathered inputs):
+
+        none        7sbh + 2sb + a sb / t + 2sd
+        SP          3sbh + (4sbh + 2sb + a sb) / t + 2sd
+        selective   the same without the a sb term
+
+    q/k norms add an fp32 copy of their inputs, sb (q/t + kv_t d), kept twice under selective recomputation
+    (the recomputed core's inputs, q and k after the norm, are fp32), and their 1/rms in fp32: sb (a/t + kv_t)
+    per head, 2sb per projection. Multi-latent attention takes the same count, not derived for its own
+    tensors (measured 110 sb above them on the test's MLA block, under 1% of it); MoE MLPs are not counted
+    (the CPU runs the routed experts in fp32 under autocast)."""
     if shape.recompute == "full":
         return block_activation_elements(model, shape)
-    if shape.tp > 1 or model.attention == "mla" or model.qk_norm != "none":
-        return 0
-    s, b = shape.seq_len, shape.micro_batch
-    lse = model.n_heads * s * b if shape.recompute == "none" else 0
-    return 7 * s * b * model.dim + 2 * s * b + lse + 2 * s * model.rope_dim
+    s, b, t = shape.seq_len, shape.micro_batch, shape.tp
+    sbh, sb, a = s * b * model.dim, s * b, model.n_heads
+    lse = a * sb if shape.recompute == "none" else 0
+    if shape.sequence_parallel:
+        extra = 3 * sbh + (4 * sbh + 2 * sb + lse) // t
+    else:
+        extra = 7 * sbh + 2 * sb + lse // t
+    extra += 2 * s * model.rope_dim
+    if model.qk_norm != "none" and model.attention != "mla":
+        kv = max(model.kv_heads // t, 1)
+        inputs = sb * (model.q_dim // t + kv * model.head_size)
+        rms = sb * (a // t + kv) if model.qk_norm == "head" else 2 * sb
+        extra += (2 if shape.recompute == "selective" else 1) * inputs + rms
+    return extra
 
 
 def _mla_elements(model: ModelConfig, sb: int, t: int, recompute: str) -> int:

@@ -298,12 +298,14 @@ def autocast_copies(config: JobConfig) -> bool:
 
 def weight_copy_bytes(config: JobConfig, model: ModelConfig, d: Degrees, blocks: dict[bool, int], in_flight: int,
                       last: bool, held: int) -> int:
-    """Bytes of bf16 weight copies a rank's autograd graphs keep under autocast (`autocast_copies`): the matmul
-    weights of `blocks` (dense and MoE blocks of its largest stage: attention, dense and shared MLPs, router;
-    the routed experts' are not counted) for each of `in_flight` micro-batches, unless full recomputation
-    runs the forward without keeping anything or train.compile's graphs cast the weights again in backward
-    (measured on an H200: a compiled 1B step's peak within 0.2% without them), and on the last stage the head's for each of `held`
-    micro-batches (not with the chunked head, which casts a chunk at a time)."""
+    """Bytes of bf16 weight copies a rank's autograd graphs keep under autocast (`autocast_copies`).
+
+    The matmul weights of `blocks` (the dense and MoE blocks of its largest stage: attention, dense and shared
+    MLPs, router; not the norms' nor the routed experts') count once for each of `in_flight` micro-batches.
+    They do not count under full recomputation, whose forward keeps nothing, nor under train.compile, whose
+    graphs cast the weights again in backward (on an H200 a compiled 1B step's peak came within 0.2% without
+    them). On the last stage the head's weight counts once for each of `held` micro-batches, except with the
+    chunked head, which casts one chunk at a time."""
     if not autocast_copies(config):
         return 0
     t = config.train
@@ -312,10 +314,20 @@ def weight_copy_bytes(config: JobConfig, model: ModelConfig, d: Degrees, blocks:
         for moe, count in blocks.items():
             if count:
                 block = block_parameters(model, first_block(model, moe), d.tp, d.ep, d.etp, d.replicas)
-                weights += count * (block.dense - 2 * model.dim) * in_flight  # less the two RMSNorm weights
+                weights += count * (block.dense - _norm_weights(model, d.tp)) * in_flight
     if last and not t.loss_chunk_tokens:
         weights += held * padded_vocab(model.vocab_size, d.tp) // d.tp * model.dim
     return 2 * weights
+
+
+def _norm_weights(model: ModelConfig, tp: int) -> int:
+    """A block's RMSNorm weights on a rank (RMSNorm multiplies in fp32: autocast casts none of them): the two
+    block norms, the q/k norms (plan/parameters.py's count) and MLA's query and latent norms."""
+    norms = 2 * model.dim
+    if model.attention == "mla":
+        return norms + model.q_lora_rank + model.kv_lora_rank
+    kv = max(model.kv_heads // tp, 1) * model.head_size
+    return norms + {"none": 0, "head": 2 * model.head_size, "projection": model.q_dim // tp + kv}[model.qk_norm]
 
 
 def gradients_after_peak(config: JobConfig, model: ModelConfig, d: Degrees, kinds: dict[bool, int],
@@ -517,10 +529,10 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     # of them), and two logits-sized gradients are live while a loss's backward runs
     held = t.grad_accum_steps if d.pp > 1 and config.pipeline_parallel.schedule == "gpipe" else 1
     rows = expert_rows(config, model, d)
-    # bytes per block; under bf16 autocast an eager dense block's fp32 tensors and per-matmul casts on top (one
-    # rank of a plain block; `autocast_extra_elements`), not under context parallelism, whose ring keeps its own,
-    # nor under train.compile, whose fused kernels keep what inductor's partitioner picks (on an H200 a compiled
-    # 1B block's peak came within 0.2% of 2 bytes per element)
+    # bytes per block; under bf16 autocast an eager dense block's fp32 tensors and per-matmul casts on top
+    # (`autocast_extra_elements`), not under context parallelism, whose ring keeps its own, nor under
+    # train.compile, whose fused kernels keep what inductor's partitioner picks (on an H200 a compiled 1B step's
+    # peak came within 0.2% of 2 bytes per element)
     autocast = autocast_copies(config)
     eager = autocast and d.cp == 1 and not t.compile
     kinds = {moe: element * _block_activations(model, layer, shape, rows)
