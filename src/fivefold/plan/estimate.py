@@ -16,8 +16,9 @@ Memory per rank (bytes), for every pipeline rank; the report takes the largest:
                                        schedule keeps in flight (the schedule simulator's peak on
                                        this rank's real instruction stream); 4 bytes per element
                                        (fp32), 2 under bf16, plus under autocast over fp32 weights a
-                                       plain block's fp32 tensors and per-matmul casts (measured exact;
-                                       an estimate for other blocks)
+                                       dense block's fp32 tensors and per-matmul casts (measured exact
+                                       under tp and SP, q/k norms included; estimated for MLA, MoE
+                                       MLPs, context parallelism and compiled blocks)
     weight copies                      bf16 autocast over fp32 weights: each in-flight micro-batch's bf16
                                        copy of the weights it multiplies by (blocks of the largest
                                        stage; the head's on the last)
@@ -291,7 +292,8 @@ def _model_states(params: RankParameters, config: JobConfig, d: Degrees) -> tupl
 def autocast_copies(config: JobConfig) -> bool:
     """Whether the matmuls run under bf16 autocast over fp32 weights: then each micro-batch's forward casts the
     weights it multiplies by to bf16 and autograd keeps those copies until its backward (one per micro-batch in
-    flight: autocast's cache lasts one forward), and RMSNorm and the residual stream keep fp32 tensors."""
+    flight: autocast's cache lasts one autocast region, and the runtime enters one per micro-batch's forward),
+    and RMSNorm and the residual stream keep fp32 tensors."""
     z = config.data_parallel
     return config.train.dtype == "bf16" and not (z.zero_stage and z.param_dtype == "bf16")
 
