@@ -85,6 +85,44 @@ def test_grouped_and_loop_kernels_give_the_same_gradients():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_the_grouped_kernel_runs_in_bf16_under_autocast_as_the_loop_kernel_does():
+    """autocast casts neither torch._grouped_mm nor an autograd.Function: the grouped kernel casts its rows and
+    stacked weights itself, so under bf16 autocast its GEMMs run in bf16 (and keep bf16 stacks for backward)
+    like the loop kernel's Linear layers; both give the same output and fp32 gradients to bf16 rounding."""
+    config = moe_config(dim=64, moe_ffn_dim=64)
+    results = {}
+    for kernel in ("loop", "grouped"):
+        moe = block(config)
+        moe.kernel.kind = kernel
+        x = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = moe(x)
+        (out.float() ** 2).sum().backward()
+        results[kernel] = (out.float(), [x.grad, *(p.grad for p in moe.parameters())])
+    torch.testing.assert_close(results["grouped"][0], results["loop"][0], rtol=0, atol=0)  # the same bf16 GEMMs
+    for a, b in zip(results["grouped"][1], results["loop"][1]):  # gradients of ~5e3: bf16 rounding apart
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=0, atol=0.02 * b.abs().max().item())
+
+
+def test_the_grouped_kernel_keeps_bf16_stacks_under_autocast():
+    """What autograd keeps for the grouped kernel under bf16 autocast: the stacked expert weights in bf16 (half the
+    bytes of the fp32 stacks it kept before it cast them), as the planner counts them at 2 bytes per element."""
+    moe = block(moe_config(dim=64, moe_ffn_dim=64))
+    moe.kernel.kind = "grouped"
+    x = torch.randn(2, 5, 64)
+    stacks = []
+
+    def pack(tensor):
+        if tensor.dim() == 3 and tensor.shape[0] == moe.config.n_experts:
+            stacks.append(tensor.dtype)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        moe(x)
+    assert stacks == [torch.bfloat16] * 3  # w1, w3, w2
+
+
 def test_an_expert_without_tokens_gets_a_zero_gradient():
     """Every rank must produce every expert's gradient (ZeRO reduce-scatters and DDP buckets wait for it)."""
     moe = block(moe_config())

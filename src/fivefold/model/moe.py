@@ -183,7 +183,8 @@ class ExpertKernel:
             return self.kind
         if not hasattr(torch, "_grouped_mm") or not experts:
             return "loop"
-        return auto_expert_kernel(experts[0].w1.in_features, experts[0].w1.out_features, x.element_size())
+        element = torch.finfo(_compute_dtype(x)).bits // 8
+        return auto_expert_kernel(experts[0].w1.in_features, experts[0].w1.out_features, element)
 
     def __call__(self, x: torch.Tensor, counts: list[int], experts: list[FeedForward]) -> torch.Tensor:
         if x.shape[0] == 0:
@@ -201,13 +202,23 @@ class ExpertKernel:
     @staticmethod
     def _grouped(x: torch.Tensor, counts: list[int], experts: list[FeedForward]) -> torch.Tensor:
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        # autocast casts neither torch._grouped_mm nor an autograd.Function: cast as it casts the loop kernel's
+        # Linear layers, or the experts' GEMMs run (and keep their stacked weights) in fp32 under bf16 autocast
+        dtype = _compute_dtype(x)
+        x = x.to(dtype)
 
         def stacked(name: str) -> torch.Tensor:
-            return torch.stack([getattr(e, name).weight for e in experts])
+            return torch.stack([getattr(e, name).weight for e in experts]).to(dtype)
 
         gate = _GroupedMM.apply(x, stacked("w1"), offsets)
         up = _GroupedMM.apply(x, stacked("w3"), offsets)
         return _GroupedMM.apply(F.silu(gate) * up, stacked("w2"), offsets)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul of x runs in: autocast's where it is on for x's device, else x's own."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 class _GroupedMM(torch.autograd.Function):
