@@ -127,8 +127,7 @@ def autocast_extra_elements(model: ModelConfig, shape: ActivationShape) -> int:
     q/k norms add an fp32 copy of their inputs, sb (q/t + kv_t d), kept twice under selective recomputation
     (the recomputed core's inputs, q and k after the norm, are fp32), and their 1/rms in fp32: sb (a/t + kv_t)
     per head, 2sb per projection. Multi-latent attention takes the same count, not derived for its own
-    tensors (measured 110 sb above them on the test's MLA block, under 1% of it); MoE MLPs are not counted
-    (the CPU runs the routed experts in fp32 under autocast)."""
+    tensors (measured 110 sb above them on the test's MLA block, under 1% of it); MoE MLPs are not derived."""
     if shape.recompute == "full":
         return block_activation_elements(model, shape)
     s, b, t = shape.seq_len, shape.micro_batch, shape.tp
