@@ -270,15 +270,14 @@ def test_refusing_a_family_at_once_gives_the_one_by_one_result(monkeypatch):
 
 
 def test_pipeline_stages_are_moved_to_fit_memory():
-    """1F1B's first rank keeps the most micro-batches in flight (their activations and, under bf16 autocast, their
-    weight copies): under an 84 GiB cap the balanced 8/8/8/8 split of Llama-3 8B does not fit (106 GiB on rank 0),
-    and moving blocks off the fullest ranks gives an uneven split that does, which the runtime's own checks accept
-    as written."""
+    """1F1B's first rank keeps the most micro-batches in flight: under an 80 GiB cap the balanced 8/8/8/8 split of
+    Llama-3 8B does not fit (96.2 GiB on rank 0), and moving blocks off the fullest ranks gives an uneven split
+    that does, which the runtime's own checks accept as written."""
     from fivefold.plan.search import fit_stages
 
     config = _config("--train.seq_len", "4096", "--train.micro_batch_size", "2", "--pipeline_parallel.degree", "4",
                      "--pipeline_parallel.layers_per_stage", "8,8,8,8", "--train.grad_accum_steps", "8")
-    split = _moved_to_fit(config, 84)
+    split = _moved_to_fit(config, 80)
     assert split[0] < 8 and split != [8, 8, 8, 8]
     tight = _capped(55)
     assert fit_stages(config, estimate(config, 4, tight), 4, tight) is None  # the ranks' total is over their caps
@@ -308,13 +307,13 @@ def _moved_to_fit(config, gib: float) -> list[int]:
 
 def test_interleaved_stages_are_moved_to_fit_memory():
     """Interleaved (v = 2, stage s on rank s mod 4): a rank's activations are bounded by its largest stage, so
-    blocks leave the over-full rank's largest stage for the neighbouring stage of another rank; under a 112 GiB
-    cap the balanced 4 x 8 split of Llama-3 8B does not fit (133 GiB on rank 0: 11 micro-batch x stage pairs in
-    flight, each with its activations and bf16 weight copies) and the moved one does, as the runtime accepts it."""
+    blocks leave the over-full rank's largest stage for the neighbouring stage of another rank; under a 104 GiB
+    cap the balanced 4 x 8 split of Llama-3 8B does not fit (118.4 GiB on rank 0: 11 micro-batch x stage pairs in
+    flight) and the moved one does, as the runtime accepts it."""
     config = _config("--train.seq_len", "4096", "--train.micro_batch_size", "2", "--pipeline_parallel.degree", "4",
                      "--pipeline_parallel.schedule", "interleaved", "--pipeline_parallel.virtual", "2",
                      "--pipeline_parallel.layers_per_stage", "4,4,4,4,4,4,4,4", "--train.grad_accum_steps", "8")
-    split = _moved_to_fit(config, 112)
+    split = _moved_to_fit(config, 104)
     assert len(split) == 8 and max(split[0], split[4]) < 4
 
 
@@ -969,11 +968,11 @@ def test_a_block_under_bf16_autocast_keeps_what_the_planner_counts(recompute, va
         + planned_copies
 
 
-def test_each_micro_batch_in_flight_keeps_its_own_bf16_weight_copies():
-    """autocast's cache lasts one autocast region, and the runtime enters one per micro-batch's forward: k
-    micro-batches whose backward has not run keep k bf16 copies of the blocks' and the head's weights, as the
-    planner counts for k in flight (a pipeline's first rank). Within one region they would share one copy; ZeRO's
-    bf16 compute weights need none."""
+def test_autocast_keeps_one_bf16_weight_copy_per_region():
+    """autocast's cache lasts one autocast region: k forwards in k regions whose backward has not run keep k bf16
+    copies of the blocks' and the head's weights (`weight_copy_bytes` with k in flight), k forwards inside one
+    region share one copy, which is why the pipeline executor runs a step's compute in one region
+    (tests/distributed/test_pipeline_executor.py measures it there); ZeRO's bf16 compute weights need none."""
     import torch
 
     from fivefold.model import build_model, materialize

@@ -100,3 +100,41 @@ def test_pipeline_evaluation_matches_one_process(job, pp, virtual, tied):
                              pipeline_parallel={"degree": pp, "virtual": virtual, "schedule": "interleaved" if virtual > 1 else "1f1b"})
     losses = run_distributed(_evaluate, pp, pipelined, timeout=120)
     assert all(loss == pytest.approx(expected, rel=1e-6) for loss in losses)
+
+
+def _weight_copies_rank(rank, world_size, config):
+    """Bytes of bf16 casts of this rank's weights that autograd keeps over one step, and the planner's count."""
+    from fivefold.plan.cluster import PRESETS
+    from fivefold.plan.estimate import estimate
+    from fivefold.train.trainer import Trainer
+
+    trainer = Trainer(config)
+    casts = {(p.numel(), p.to(torch.bfloat16).float().sum().item()) for p in trainer.model.parameters() if p.dim() >= 2}
+    copies = {}
+
+    def pack(tensor):
+        if tensor.dtype == torch.bfloat16 and (tensor.numel(), tensor.float().sum().item()) in casts:
+            copies[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        trainer.train_step()
+    planned = estimate(config, world_size, PRESETS["h100-sxm"], vocab_size=trainer.model_config.vocab_size)
+    planned = planned.per_pp_rank[rank]
+    trainer.close()
+    return sum(copies.values()), planned.weight_copies, trainer.step_fn.executor.peak_in_flight
+
+
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved", 2)])
+def test_micro_batches_in_flight_share_one_bf16_copy_of_each_weight(job, schedule, virtual):
+    """The executor runs a step's compute in one autocast region, so the micro-batches a rank holds in flight
+    (2 on 1F1B's first rank here) share autocast's bf16 copy of each weight instead of keeping one each; the
+    planner counts exactly those bytes per rank (blocks, and the head on the last stage)."""
+    config = with_changes(job, model={"n_layers": 4}, train={"steps": 1, "micro_batch_size": 2, "grad_accum_steps": 4,
+                                                             "eval_every": 0, "dtype": "bf16"},
+                          pipeline_parallel={"degree": 2, "schedule": schedule, "virtual": virtual},
+                          checkpoint={"enabled": False})
+    results = run_distributed(_weight_copies_rank, 2, config, timeout=120)
+    assert results[0][2] >= 2  # more than one micro-batch in flight on the first rank
+    for kept, planned, _ in results:
+        assert kept == planned > 0

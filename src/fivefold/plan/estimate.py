@@ -19,9 +19,9 @@ Memory per rank (bytes), for every pipeline rank; the report takes the largest:
                                        dense block's fp32 tensors and per-matmul casts (measured exact
                                        under tp and SP, q/k norms included; estimated for MLA, MoE
                                        MLPs, context parallelism and compiled blocks)
-    weight copies                      bf16 autocast over fp32 weights: each in-flight micro-batch's bf16
-                                       copy of the weights it multiplies by (blocks of the largest
-                                       stage; the head's on the last)
+    weight copies                      bf16 autocast over fp32 weights: one bf16 copy of the weights the
+                                       rank's blocks and head multiply by (the pipeline executor's
+                                       micro-batches share it: one autocast region per step)
     gradients at the peak              left out of the total when one micro-batch on one stage peaks in
                                        the loss's backward, before any gradient exists
                                        (`gradients_after_peak`)
@@ -137,7 +137,7 @@ class RankMemory:
     parameter_count: int = 0  # Ψ on this rank (its tensor / pipeline / expert part, before ZeRO)
     buckets: int = 0  # DDP's flat gradient buckets (a second copy of the gradients, in gradient_comm.reduce_dtype)
     nvme: int = 0  # NVMe offload: the optimizer states in this rank's swap file (host keeps the slot ring)
-    weight_copies: int = 0  # bf16 autocast over fp32 weights: each in-flight micro-batch's bf16 copy of its weights
+    weight_copies: int = 0  # bf16 autocast over fp32 weights: the bf16 copy of the weights its forward multiplies by
     # the gradients appear only after the peak (`gradients_after_peak`): counted in the states, not in the total
     gradients_after_peak: bool = False
 
@@ -290,10 +290,10 @@ def _model_states(params: RankParameters, config: JobConfig, d: Degrees) -> tupl
 
 
 def autocast_copies(config: JobConfig) -> bool:
-    """Whether the matmuls run under bf16 autocast over fp32 weights: then each micro-batch's forward casts the
-    weights it multiplies by to bf16 and autograd keeps those copies until its backward (one per micro-batch in
-    flight: autocast's cache lasts one autocast region, and the runtime enters one per micro-batch's forward),
-    and RMSNorm and the residual stream keep fp32 tensors."""
+    """Whether the matmuls run under bf16 autocast over fp32 weights: then the forward casts the weights it
+    multiplies by to bf16 and autograd keeps those copies until backward (autocast caches a cast for one
+    autocast region: the pipeline executor keeps one region over a step's compute, so its micro-batches in
+    flight share one copy), and RMSNorm and the residual stream keep fp32 tensors."""
     z = config.data_parallel
     return config.train.dtype == "bf16" and not (z.zero_stage and z.param_dtype == "bf16")
 
@@ -302,8 +302,8 @@ def weight_copy_bytes(config: JobConfig, model: ModelConfig, d: Degrees, blocks:
                       last: bool, held: int) -> int:
     """Bytes of bf16 weight copies a rank's autograd graphs keep under autocast (`autocast_copies`).
 
-    The matmul weights of `blocks` (the dense and MoE blocks of its largest stage: attention, dense and shared
-    MLPs, router; not the norms' nor the routed experts') count once for each of `in_flight` micro-batches.
+    The matmul weights of `blocks` (dense and MoE block counts: attention, dense and shared MLPs, router; not
+    the norms' nor the routed experts') count once for each of `in_flight` micro-batches keeping their own.
     They do not count under full recomputation, whose forward keeps nothing, nor under train.compile, whose
     graphs cast the weights again in backward (on an H200 a compiled 1B step's peak came within 0.2% without
     them). On the last stage the head's weight counts once for each of `held` micro-batches, except with the
@@ -557,10 +557,8 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
             layers = [layer for s in stages for layer in split[s]]
             moe = [layer for layer in layers if model.is_moe_layer(layer)]
             key = (len(layers), len(moe), first, last)
-            largest = max(stages, key=lambda s: sum(kinds[model.is_moe_layer(layer)] for layer in split[s]))
-            per_stage = sum(kinds[model.is_moe_layer(layer)] for layer in split[largest])
-            moe_blocks = sum(model.is_moe_layer(layer) for layer in split[largest])
-            stage_blocks = {False: len(split[largest]) - moe_blocks, True: moe_blocks}
+            per_stage = max(sum(kinds[model.is_moe_layer(layer)] for layer in split[s]) for s in stages)
+            rank_blocks = {False: len(layers) - len(moe), True: len(moe)}
         else:  # a dense rank's states depend only on how many blocks it holds (built only when first seen)
             layers, moe = None, []
             if len(split) == d.pp:  # one stage per rank
@@ -569,7 +567,7 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
                 blocks, most = sum(len(split[s]) for s in stages), max(len(split[s]) for s in stages)
             key = (blocks, 0, first, last)
             per_stage = most * kinds[False]
-            stage_blocks = {False: most}
+            rank_blocks = {False: blocks}
         if key not in states or z.nvme_path:
             layers = layers if layers is not None else [layer for s in stages for layer in split[s]]
         if key not in states:
@@ -579,7 +577,9 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
                            ddp_bucket_bytes(config, model, params, d))
         # with interleaving a rank's peak (micro-batch, stage) pairs spread over its stages: the largest bounds each
         activations = per_stage * in_flight[rank]
-        copies = weight_copy_bytes(config, model, d, stage_blocks, in_flight[rank], last, held) if autocast else 0
+        # the pipeline executor runs a step's compute in one autocast region: its micro-batches share one copy of
+        # each weight of the rank's stages; a single stage's micro-batches run one after another
+        copies = weight_copy_bytes(config, model, d, rank_blocks, 1, last, 1) if autocast else 0
         if not z.nvme_path and (key, activations, copies) in alike:
             out.append(alike[(key, activations, copies)])
             continue

@@ -238,6 +238,23 @@ class PipelineExecutor:
         self._send_works: list[tuple[dist.Work, torch.Tensor]] = []
         loss = torch.zeros((), device=self.device, dtype=torch.float32)
         pending = _Pending()
+        # One autocast region around the step's compute: autocast's cache of bf16 weight copies lasts one region,
+        # so the micro-batches in flight share one copy of each weight instead of keeping one each (a 1F1B first
+        # rank held p). Backward and the loss run with autocast off inside it, as they would outside; the region
+        # closes before the gradients are reduced and the weights updated.
+        region = contextlib.ExitStack()
+        region.enter_context(self.autocast())
+        try:
+            loss = self._run_stream(batches, total_tokens, reduce_grads, optimizer_step, loss, pending, region)
+        finally:
+            region.close()
+        return loss
+
+    def _outside_autocast(self) -> contextlib.AbstractContextManager:
+        """autocast off inside the step's region (a nested region: leaving it keeps the region's cache)."""
+        return torch.autocast(self.device.type, enabled=False)
+
+    def _run_stream(self, batches, total_tokens, reduce_grads, optimizer_step, loss, pending, region) -> torch.Tensor:
         for ins in self.stream:
             if ins.op in (Op.RECV_ACT, Op.RECV_GRAD):
                 buffer = self._receive_buffer()
@@ -258,16 +275,20 @@ class PipelineExecutor:
                 loss += self._timed(str(ins), "compute", lambda: self._forward(ins, batches, total_tokens))
             elif ins.op in (Op.BACKWARD, Op.BACKWARD_INPUT):
                 pending = self._flush(pending)
-                self._timed(str(ins), "compute", lambda: self._backward(ins))
+                with self._outside_autocast():
+                    self._timed(str(ins), "compute", lambda: self._backward(ins))
             elif ins.op == Op.BACKWARD_WEIGHT:
                 pending = self._flush(pending)
-                self._timed(str(ins), "compute", lambda: self.store.compute((ins.stage, ins.microbatch)))
+                with self._outside_autocast():
+                    self._timed(str(ins), "compute", lambda: self.store.compute((ins.stage, ins.microbatch)))
             elif ins.op == Op.REDUCE_GRADS:
+                region.close()  # every forward is done: the copies go with the last backward's graph
                 pending = self._flush(pending)
                 self._timed("wait sends", "comm", self._wait_sends)
                 self._check_drained()
                 self._timed("reduce grads", "comm", reduce_grads)
             elif ins.op == Op.OPTIMIZER_STEP:
+                region.close()
                 self._timed("optimizer step", "compute", lambda: optimizer_step(loss))
         return loss
 
@@ -347,7 +368,8 @@ class PipelineExecutor:
             out = stage.forward(self.model, x, batch.positions, self.project)
         loss = torch.zeros((), device=self.device)
         if stage.is_last:
-            loss = self.loss_sum(out, batch.labels)
+            with self._outside_autocast():
+                loss = self.loss_sum(out, batch.labels)
             if self.loss_factor is not None:
                 loss = loss * self.loss_factor
             out = loss / total_tokens
