@@ -907,29 +907,18 @@ def test_a_posts_line_is_fitted_through_its_times():
     assert CLUSTERS["h100-sxm"].accelerator.post_seconds(1e9) == 0.0  # NCCL's kernels post: nothing on the host
 
 
-def _autocast_saved(model, forward, exclude, region: bool = True) -> tuple[int, int]:
+def _autocast_saved(model, forward, region: bool = True) -> tuple[int, int]:
     """(bytes autograd keeps while `forward()` runs, under one CPU bf16 autocast region unless `region` is False, of
-    which bf16 casts of parameters)."""
+    which bf16 casts of the model's parameters)."""
     import contextlib
 
     import torch
 
-    params = {p.untyped_storage().data_ptr(): p for p in exclude}
-    casts = {(p.numel(), p.to(torch.bfloat16).float().sum().item()) for p in exclude if p.dim() >= 2}
-    kept, copies = {}, {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = storage.nbytes()
-            if tensor.dtype == torch.bfloat16 and (tensor.numel(), tensor.float().sum().item()) in casts:  # maybe .t()
-                copies[storage.data_ptr()] = storage.nbytes()
-        return tensor
+    from fivefold.train.memory import saved_bytes_and_weight_casts
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if region else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        forward()
-    return sum(kept.values()), sum(copies.values())
+    with autocast:
+        return saved_bytes_and_weight_casts(forward, model.parameters())
 
 
 @pytest.mark.parametrize("variant", [[], ["--model.head_dim", "48"], ["--model.qk_norm", "head"],
@@ -960,7 +949,7 @@ def test_a_block_under_bf16_autocast_keeps_what_the_planner_counts(recompute, va
     x = torch.randn(batch, seq, model_config.dim).requires_grad_()
     positions = torch.arange(seq)
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]
-    kept, copies = _autocast_saved(model, lambda: model.layers["0"](x, cos, sin), list(model.parameters()))
+    kept, copies = _autocast_saved(model, lambda: model.layers["0"](x, cos, sin))
     shape = ActivationShape(batch, seq, 1, False, recompute)
     planned_copies = weight_copy_bytes(config, model_config, degrees_of(config, 1), {False: 1}, 1, False, 0)
     assert copies == planned_copies and (copies > 0) == (recompute != "full")
@@ -993,9 +982,9 @@ def test_autocast_keeps_one_bf16_weight_copy_per_region():
         return run
 
     for k in (1, 3):
-        _, copies = _autocast_saved(model, forwards(k), list(model.parameters()), region=False)
+        _, copies = _autocast_saved(model, forwards(k), region=False)
         assert copies == weight_copy_bytes(config, model_config, d, {False: 2}, k, True, k)
-    _, shared = _autocast_saved(model, forwards(3), list(model.parameters()))  # the three inside one region
+    _, shared = _autocast_saved(model, forwards(3))  # the three inside one region
     assert shared == weight_copy_bytes(config, model_config, d, {False: 2}, 1, True, 1)
     zero_bf16 = load_config(None, ["--model.preset", "tiny", "--train.dtype", "bf16", "--data_parallel.zero_stage", "1",
                                    "--data_parallel.shard", "2", "--data_parallel.param_dtype", "bf16"])

@@ -221,6 +221,7 @@ def _bf16_rank(rank, world_size, sp, configs):
     from fivefold.config import TensorParallelConfig
     from fivefold.parallel.mesh import ParallelDims, build_mesh
     from fivefold.parallel.parallelize import apply_model_parallel
+    from fivefold.train.memory import saved_bytes_and_weight_casts
 
     mesh = build_mesh(ParallelDims(tp=world_size, world_size=world_size), "cpu")
     out = {}
@@ -228,26 +229,12 @@ def _bf16_rank(rank, world_size, sp, configs):
         for mode in MODES:
             model = materialize(build_model(config), "cpu", seed=0)
             apply_model_parallel(model, mesh, TensorParallelConfig(world_size, sp), recompute=mode)
-            params = list(model.parameters())
-            stored = {p.untyped_storage().data_ptr() for p in params}
-            casts = {(p.numel(), p.to(torch.bfloat16).float().sum().item()) for p in params if p.dim() >= 2}
-            kept, copies = {}, {}
-
-            def pack(tensor):
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() not in stored:
-                    kept[storage.data_ptr()] = storage.nbytes()
-                    if tensor.dtype == torch.bfloat16 and (tensor.numel(), tensor.float().sum().item()) in casts:
-                        copies[storage.data_ptr()] = storage.nbytes()
-                return tensor
-
             x = torch.randn(BATCH, SEQ // world_size if sp else SEQ, config.dim).requires_grad_()
             positions = torch.arange(SEQ)
             cos, sin = model.rope_cos[positions], model.rope_sin[positions]
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                    torch.autocast("cpu", dtype=torch.bfloat16):
-                model.layers["0"](x, cos, sin)
-            out[(name, mode)] = sum(kept.values()) - sum(copies.values())
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                kept, copies = saved_bytes_and_weight_casts(lambda: model.layers["0"](x, cos, sin), model.parameters())
+            out[(name, mode)] = kept - copies
     return out
 
 

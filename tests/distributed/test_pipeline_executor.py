@@ -106,23 +106,15 @@ def _weight_copies_rank(rank, world_size, config):
     """Bytes of bf16 casts of this rank's weights that autograd keeps over one step, and the planner's count."""
     from fivefold.plan.cluster import PRESETS
     from fivefold.plan.estimate import estimate
+    from fivefold.train.memory import saved_bytes_and_weight_casts
     from fivefold.train.trainer import Trainer
 
     trainer = Trainer(config)
-    casts = {(p.numel(), p.to(torch.bfloat16).float().sum().item()) for p in trainer.model.parameters() if p.dim() >= 2}
-    copies = {}
-
-    def pack(tensor):
-        if tensor.dtype == torch.bfloat16 and (tensor.numel(), tensor.float().sum().item()) in casts:
-            copies[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        trainer.train_step()
+    _, copies = saved_bytes_and_weight_casts(trainer.train_step, trainer.model.parameters())
     planned = estimate(config, world_size, PRESETS["h100-sxm"], vocab_size=trainer.model_config.vocab_size)
     planned = planned.per_pp_rank[rank]
     trainer.close()
-    return sum(copies.values()), planned.weight_copies, trainer.step_fn.executor.peak_in_flight
+    return copies, planned.weight_copies, trainer.step_fn.executor.peak_in_flight
 
 
 @pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved", 2)])

@@ -11,6 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul of x runs in: autocast's where it is on for x's device, else x's own (for code that casts
+    by hand what autocast does not: custom autograd functions, torch._grouped_mm, torch._scaled_mm)."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) over the last dimension, computed in fp32, returned in x's dtype."""
     x32 = x.float()

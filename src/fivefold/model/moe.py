@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.model.config import ModelConfig
-from fivefold.model.layers import FeedForward
+from fivefold.model.layers import FeedForward, matmul_dtype
 
 EXPERT_KERNELS = ("auto", "grouped", "loop")
 
@@ -183,7 +183,7 @@ class ExpertKernel:
             return self.kind
         if not hasattr(torch, "_grouped_mm") or not experts:
             return "loop"
-        element = torch.finfo(_compute_dtype(x)).bits // 8
+        element = torch.finfo(matmul_dtype(x)).bits // 8
         return auto_expert_kernel(experts[0].w1.in_features, experts[0].w1.out_features, element)
 
     def __call__(self, x: torch.Tensor, counts: list[int], experts: list[FeedForward]) -> torch.Tensor:
@@ -204,7 +204,7 @@ class ExpertKernel:
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         # autocast casts neither torch._grouped_mm nor an autograd.Function: cast as it casts the loop kernel's
         # Linear layers, or the experts' GEMMs run (and keep their stacked weights) in fp32 under bf16 autocast
-        dtype = _compute_dtype(x)
+        dtype = matmul_dtype(x)
         x = x.to(dtype)
 
         def stacked(name: str) -> torch.Tensor:
@@ -213,12 +213,6 @@ class ExpertKernel:
         gate = _GroupedMM.apply(x, stacked("w1"), offsets)
         up = _GroupedMM.apply(x, stacked("w3"), offsets)
         return _GroupedMM.apply(F.silu(gate) * up, stacked("w2"), offsets)
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a matmul of x runs in: autocast's where it is on for x's device, else x's own."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 class _GroupedMM(torch.autograd.Function):

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fivefold.model.layers import matmul_dtype
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
@@ -76,9 +78,8 @@ class _Float8Matmul(torch.autograd.Function):
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear with its three matmuls in FP8; output in the autocast dtype when autocast is on."""
-    kind = x.device.type
-    out_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-    with torch.autocast(kind, enabled=False):
+    out_dtype = matmul_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
         y = _Float8Matmul.apply(x, weight, out_dtype)
         return y if bias is None else y + bias.to(out_dtype)
 

@@ -24,12 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
-    kind = tensor.device.type
-    if torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return tensor.dtype
+from fivefold.model.layers import matmul_dtype
 
 
 def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, start: int, vocab_size: int) -> torch.Tensor:
@@ -118,4 +113,4 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     start = 0 if group is None else dist.get_rank(group) * rows
     vocab = rows if vocab_size is None else vocab_size
     return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk, start,
-                                     vocab, group, ignore_index, dtype or _compute_dtype(hidden))
+                                     vocab, group, ignore_index, dtype or matmul_dtype(hidden))

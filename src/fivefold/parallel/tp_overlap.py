@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.comm.p2p import Ranks, post
+from fivefold.model.layers import matmul_dtype
 from fivefold.reliability.activity import phase
 
 SEQ_DIM = 1  # activations are (batch, seq, hidden)
@@ -96,12 +97,6 @@ def matmul_scatter(partial_of: Callable[[int], torch.Tensor], chunks: int, like:
     return partial
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the matmuls run in: autocast's when it is on (these functions then cast by hand)."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-
-
 def _cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if tensor is None else tensor.to(dtype)
 
@@ -111,7 +106,7 @@ class _GatherMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_local, ranks, n, *params):
-        dtype = _compute_dtype(x_local)
+        dtype = matmul_dtype(x_local)
         ctx.dtypes = [p.dtype if p is not None else None for p in params]
         weights, biases = [_cast(w, dtype) for w in params[:n]], [_cast(b, dtype) for b in params[n:]]
         with torch.autocast(x_local.device.type, enabled=False):
@@ -147,7 +142,7 @@ class _MatmulScatter(torch.autograd.Function):
     def forward(ctx, x, weight, ranks):
         t = ranks.size
         chunk = x.shape[SEQ_DIM] // t
-        dtype = _compute_dtype(x)
+        dtype = matmul_dtype(x)
         ctx.dtypes = (x.dtype, weight.dtype)
         x, weight = x.to(dtype), weight.to(dtype)
 

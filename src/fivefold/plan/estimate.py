@@ -91,7 +91,7 @@ from fivefold.plan.expert_load import busiest_received, exchange_matrices, exper
 from fivefold.plan.flops import flops_per_token
 from fivefold.plan.memory import nvme_host_bytes, sharded_model_states, zero_model_states
 from fivefold.plan.operators import operator_ratio, ring_attention_operators
-from fivefold.plan.parameters import (RankParameters, first_block, block_parameters, expert_values, padded_vocab,
+from fivefold.plan.parameters import (RankParameters, first_block, block_norm_parameters, block_parameters, expert_values, padded_vocab,
                                       powersgd_shares, priority_slice_bytes, rank_parameters, rank_tensors)
 
 if TYPE_CHECKING:
@@ -316,20 +316,10 @@ def weight_copy_bytes(config: JobConfig, model: ModelConfig, d: Degrees, blocks:
         for moe, count in blocks.items():
             if count:
                 block = block_parameters(model, first_block(model, moe), d.tp, d.ep, d.etp, d.replicas)
-                weights += count * (block.dense - _norm_weights(model, d.tp)) * in_flight
+                weights += count * (block.dense - block_norm_parameters(model, d.tp)) * in_flight
     if last and not t.loss_chunk_tokens:
         weights += held * padded_vocab(model.vocab_size, d.tp) // d.tp * model.dim
     return 2 * weights
-
-
-def _norm_weights(model: ModelConfig, tp: int) -> int:
-    """A block's RMSNorm weights on a rank (RMSNorm multiplies in fp32: autocast casts none of them): the two
-    block norms, the q/k norms (plan/parameters.py's count) and MLA's query and latent norms."""
-    norms = 2 * model.dim
-    if model.attention == "mla":
-        return norms + model.q_lora_rank + model.kv_lora_rank
-    kv = max(model.kv_heads // tp, 1) * model.head_size
-    return norms + {"none": 0, "head": 2 * model.head_size, "projection": model.q_dim // tp + kv}[model.qk_norm]
 
 
 def gradients_after_peak(config: JobConfig, model: ModelConfig, d: Degrees, kinds: dict[bool, int],

@@ -154,8 +154,20 @@ def _attention(model: ModelConfig, tp: int) -> int:
     total = 2 * h * q + 2 * h * kv
     if model.attention_bias in ("qkv", "all"):
         total += q + 2 * kv + (h if model.attention_bias == "all" else 0)
-    total += {"none": 0, "head": 2 * d, "projection": q + kv}[model.qk_norm]
-    return total
+    return total + _qk_norm_parameters(model, tp)
+
+
+def _qk_norm_parameters(model: ModelConfig, tp: int) -> int:
+    kv = max(model.kv_heads // tp, 1) * model.head_size
+    return {"none": 0, "head": 2 * model.head_size, "projection": model.q_dim // tp + kv}[model.qk_norm]
+
+
+def block_norm_parameters(model: ModelConfig, tp: int = 1) -> int:
+    """A block's RMSNorm weights on a tensor-parallel rank: the two block norms, the q/k norms and MLA's query
+    and latent norms (counted in `block_parameters` with the rest)."""
+    if model.attention == "mla":
+        return 2 * model.dim + model.q_lora_rank + model.kv_lora_rank
+    return 2 * model.dim + _qk_norm_parameters(model, tp)
 
 
 def experts_per_rank(model: ModelConfig, ep: int, replicas: int = 0) -> int:

@@ -61,6 +61,32 @@ def saved_activation_bytes(fn: Callable[[], object], exclude: Iterable[torch.Ten
     return sum(kept.values())
 
 
+def saved_bytes_and_weight_casts(fn: Callable[[], object], weights: Iterable[torch.Tensor]) -> tuple[int, int]:
+    """(bytes autograd keeps while `fn()` runs, of which bf16 casts of `weights`), each storage counted once.
+
+    The weights' own storages are left out. A cast is recognised by its values, a bf16 tensor of the same size
+    and sum as one of the weights cast (autocast may save it transposed): what bf16 autocast keeps of fp32
+    weights (plan/estimate.py `weight_copy_bytes`).
+    """
+    weights = list(weights)
+    stored = {w.untyped_storage().data_ptr() for w in weights}
+    casts = {(w.numel(), w.to(torch.bfloat16).float().sum().item()) for w in weights if w.dim() >= 2}
+    kept: dict[int, int] = {}
+    copies: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in stored:
+            kept[storage.data_ptr()] = storage.nbytes()
+            if tensor.dtype == torch.bfloat16 and (tensor.numel(), tensor.float().sum().item()) in casts:
+                copies[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn()
+    return sum(kept.values()), sum(copies.values())
+
+
 class PeakSavedBytes:
     """Peak of the bytes autograd holds for backward at any moment while the context is open.
 
