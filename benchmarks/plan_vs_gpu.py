@@ -252,6 +252,13 @@ def main(argv: list[str] | None = None) -> int:
         args.cluster = next((preset for key, preset in DEVICE_PRESETS if key in device_name), "")
         if not args.cluster:
             parser.error(f"no preset for {device_name!r}: name one or a cluster file with --cluster")
+    from fivefold.errors import ConfigError
+    from fivefold.plan.cluster import load_cluster
+
+    try:
+        load_cluster(args.cluster)  # a bad name or file fails here, not in every job's process
+    except ConfigError as exc:
+        parser.error(str(exc))
     if args.row:
         with contextlib.redirect_stdout(sys.stderr):  # the trainer's lines; stdout is the row alone
             row = measure_job(args.row, args.device, args.cluster, args.warmup, args.steps, args.repeats)

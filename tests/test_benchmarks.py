@@ -165,7 +165,9 @@ def test_plan_vs_gpu_runs_its_jobs_on_the_cpu_and_fits_one_efficiency(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [(["--jobs", "tiny,huge"], "unknown job(s) ['huge']"),
-                                          (["--device", "cuda"], "no CUDA GPU is visible here")])
+                                          (["--device", "cuda"], "no CUDA GPU is visible here"),
+                                          (["--device", "cpu", "--cluster", "nowhere.toml"], "nowhere.toml"),
+                                          (["--steps", "0"], "must be at least 1")])
 def test_plan_vs_gpu_refuses_bad_arguments(args, message):
     import torch
 
