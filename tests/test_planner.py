@@ -976,9 +976,10 @@ def test_autocast_keeps_one_bf16_weight_copy_per_region():
 
     def forwards(k: int):
         def run():
-            for _ in range(k):
+            outputs = []  # kept until all k have run, as in-flight micro-batches are: a freed graph's bf16 copy
+            for _ in range(k):  # could hand its storage (and so its address) to the next forward's copy
                 with torch.autocast("cpu", dtype=torch.bfloat16):  # as parallel/step.py and the pipeline executor
-                    model(tokens)
+                    outputs.append(model(tokens))
         return run
 
     for k in (1, 3):

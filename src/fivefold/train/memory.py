@@ -66,15 +66,18 @@ def saved_bytes_and_weight_casts(fn: Callable[[], object], weights: Iterable[tor
 
     The weights' own storages are left out. A cast is recognised by its values, a bf16 tensor of the same size
     and sum as one of the weights cast (autocast may save it transposed): what bf16 autocast keeps of fp32
-    weights (plan/estimate.py `weight_copy_bytes`).
+    weights (plan/estimate.py `weight_copy_bytes`). Every saved tensor is held until `fn` returns, so a storage
+    freed inside `fn` cannot hand its address to a later one and be counted once for two.
     """
     weights = list(weights)
     stored = {w.untyped_storage().data_ptr() for w in weights}
     casts = {(w.numel(), w.to(torch.bfloat16).float().sum().item()) for w in weights if w.dim() >= 2}
     kept: dict[int, int] = {}
     copies: dict[int, int] = {}
+    held: list[torch.Tensor] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
+        held.append(tensor)
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in stored:
             kept[storage.data_ptr()] = storage.nbytes()
@@ -84,6 +87,7 @@ def saved_bytes_and_weight_casts(fn: Callable[[], object], weights: Iterable[tor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         fn()
+    held.clear()
     return sum(kept.values()), sum(copies.values())
 
 
