@@ -150,30 +150,31 @@ def _zero_bubble_h1(shape: PipelineShape) -> tuple[tuple[tuple[Op, int, int], ..
     next_forward, next_input, weights_done = [0] * p, [0] * p, [0] * p
     pending_weight: list[list[int]] = [[] for _ in range(p)]
     order: list[list[tuple[Op, int, int]]] = [[] for _ in range(p)]
-    remaining = 3 * m * p
-    while remaining:
-        best = None  # (start time, rank, op, microbatch)
-        for r in range(p):
-            options = []
-            i = next_input[r]
-            if i < m and i < next_forward[r]:
-                ready = forward_done[r][i] if r == p - 1 else input_done[r + 1][i]
-                if ready is not None:
-                    options.append((max(clock[r], ready), 0, Op.BACKWARD_INPUT, i))
-            f = next_forward[r]
-            if f < m and f - next_input[r] < p - r and f - weights_done[r] < 2 * p - r - 1:
-                ready = 0 if r == 0 else forward_done[r - 1][f]
-                if ready is not None:
-                    options.append((max(clock[r], ready), 1, Op.FORWARD, f))
-            if pending_weight[r]:
-                options.append((clock[r], 2, Op.BACKWARD_WEIGHT, pending_weight[r][0]))
-            if options:
-                start, priority, op, mb = min(options)
-                # Prefer an earlier start; at equal starts the priority order above.
-                candidate = (start, priority, r, op, mb)
-                if best is None or candidate < best:
-                    best = candidate
-        start, _, r, op, mb = best
+    idle = (float("inf"),)
+
+    def candidate(r: int) -> tuple:
+        """(start, priority, rank, op, microbatch) of what rank r would run next; `idle` if nothing is ready."""
+        best = idle
+        i = next_input[r]
+        if i < m and i < next_forward[r]:
+            ready = forward_done[r][i] if r == p - 1 else input_done[r + 1][i]
+            if ready is not None:
+                best = (max(clock[r], ready), 0, r, Op.BACKWARD_INPUT, i)
+        f = next_forward[r]
+        if f < m and f - next_input[r] < p - r and f - weights_done[r] < 2 * p - r - 1:
+            ready = 0 if r == 0 else forward_done[r - 1][f]
+            if ready is not None:
+                best = min(best, (max(clock[r], ready), 1, r, Op.FORWARD, f))
+        if pending_weight[r]:
+            best = min(best, (clock[r], 2, r, Op.BACKWARD_WEIGHT, pending_weight[r][0]))
+        return best
+
+    # A pass on rank r changes only what r and its neighbours can run next (r + 1 waits on r's forwards,
+    # r - 1 on its input gradients), so only their candidates are recomputed; the earliest start wins, ties
+    # go to the priority order above, then to the lower rank.
+    candidates = [candidate(r) for r in range(p)]
+    for _ in range(3 * m * p):
+        start, _, r, op, mb = min(candidates)
         clock[r] = start + 1
         order[r].append((op, mb, r))
         if op == Op.FORWARD:
@@ -186,7 +187,9 @@ def _zero_bubble_h1(shape: PipelineShape) -> tuple[tuple[tuple[Op, int, int], ..
         else:
             pending_weight[r].pop(0)
             weights_done[r] += 1
-        remaining -= 1
+        for q in (r - 1, r, r + 1):
+            if 0 <= q < p:
+                candidates[q] = candidate(q)
     return tuple(tuple(o) for o in order)
 
 
