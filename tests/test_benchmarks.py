@@ -142,6 +142,32 @@ def test_sim_published_fits_its_shares_by_the_secant_method():
     assert module.solve(rate_at_share, rate_at_share(0.71), start=0.3) == pytest.approx(0.71, rel=1e-5)
 
 
+@pytest.mark.parametrize("width_law", [True, False], ids=["width-law", "no-width-law"])
+def test_sim_published_fit_reproduces_its_two_rows(width_law):
+    """`fit` (sim_published.py, and its --no-width-law) solves for the two compute shares that make the simulator
+    reproduce the two fitted SC21 rows' published teraFLOP/s: simulated again at the fitted efficiency, both rows
+    land on their published rates; with the width law the attention core runs at the law's share of its head
+    dimension, without it at the second fitted share, and the two fits differ."""
+    import importlib.util
+
+    from fivefold.plan.efficiency import Efficiency
+    from fivefold.plan.published import SC21_TABLE1, sc21_config
+
+    spec = importlib.util.spec_from_file_location("sim_published", ROOT / "benchmarks" / "sim_published.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = {run.name: run for run in SC21_TABLE1}
+    attention_row, matmul_row = rows["1.7B"], rows["18B"]
+    efficiency = module.fit(attention_row, matmul_row, "analytical", width_law)
+    assert isinstance(efficiency, Efficiency) and 0 < efficiency.matmul <= 1
+    assert (efficiency.half_width > 0) == width_law
+    if not width_law:
+        assert 0 < efficiency.attention <= 1 and efficiency.attention != efficiency.matmul
+    for run in (attention_row, matmul_row):
+        step = module.simulated_step(sc21_config(run), run.gpus, efficiency, "analytical")
+        assert module.sc21_rate(run, step.time) == pytest.approx(run.tflops_per_gpu, rel=1e-4)
+
+
 def test_plan_vs_gpu_runs_its_jobs_on_the_cpu_and_fits_one_efficiency(tmp_path):
     """benchmarks/plan_vs_gpu.py's code path on this host (its table is measured on a lent GPU): each job is
     measured and predicted; the efficiency fitted on the first job predicts that job's step exactly (the step is
