@@ -228,7 +228,7 @@ def test_search_ranks_feasible_layouts_and_writes_a_config_train_accepts(tmp_pat
     out = tmp_path / "best.toml"
     code = main(["plan", "--model.preset", "llama3-8b", "--train.seq_len", "2048", "--train.dtype", "bf16",
                  "--gpus", "16", "--search", "--global-batch", "32", "--top", "3", "--write-best", str(out),
-                 "--json", str(tmp_path / "plan.json"), "--plot", str(tmp_path / "memory.png")])
+                 "--json", str(tmp_path / "plan.json"), "--plot", str(tmp_path / "memory.png"), "--workers", "2"])
     assert code == 0
     best = load_config(str(out))
     assert best == result.ranked[0][0]
@@ -237,6 +237,9 @@ def test_search_ranks_feasible_layouts_and_writes_a_config_train_accepts(tmp_pat
     check_before_launch(dataclasses.replace(best, train=dataclasses.replace(best.train, output_dir=str(tmp_path / "run"))), 16)
     report = json.loads((tmp_path / "plan.json").read_text())
     assert report["search"]["top"][0]["step_seconds"]["total"] == pytest.approx(result.ranked[0][1].time.total)
+    from fivefold.plan.workers import can_fork
+
+    assert report["search"]["workers"] == (2 if can_fork() else 1)  # two processes, one process's winner
     assert (tmp_path / "memory.png").stat().st_size > 0
 
 
@@ -267,6 +270,25 @@ def test_refusing_a_family_at_once_gives_the_one_by_one_result(monkeypatch):
     assert (fast.considered, fast.rejected, fast.examples, fast.rebalanced) == \
         (slow.considered, slow.rejected, slow.examples, slow.rebalanced)
     assert [c for c, _ in fast.ranked] == [c for c, _ in slow.ranked]
+
+
+def test_a_search_shared_by_forked_workers_finds_what_one_process_finds():
+    """Three processes price the first pass's candidates (plan/workers.py, forked on Linux) and the merge by each
+    candidate's place gives one process's result: the same considered and refused counts in the same order, the
+    same first example of each reason, the same layouts moved to fit, the same ranking and predictions."""
+    from fivefold.plan.workers import can_fork
+
+    config = _config()
+    one = search(config, 16, CLUSTERS["h100-sxm"], 32, refine=5)
+    three = search(config, 16, CLUSTERS["h100-sxm"], 32, refine=5, workers=3)
+    assert three.workers == (3 if can_fork() else 1) and one.workers == 1
+    assert one.rebalanced > 0 and len(one.rejected) >= 3
+    assert (three.considered, list(three.rejected.items()), list(three.examples.items()), three.rebalanced) == \
+        (one.considered, list(one.rejected.items()), list(one.examples.items()), one.rebalanced)
+    assert [(c, e.time.total, e.memory.total) for c, e in three.ranked] == \
+        [(c, e.time.total, e.memory.total) for c, e in one.ranked]
+    with pytest.raises(ConfigError, match="--workers = 0"):
+        search(config, 16, CLUSTERS["h100-sxm"], 32, workers=0)
 
 
 def test_pipeline_stages_are_moved_to_fit_memory():
@@ -326,6 +348,8 @@ def test_plan_command_estimate_and_calculator(capsys, tmp_path):
     assert " 779 GPUs for 30.0 days" in capsys.readouterr().out
     assert main(["plan", "--config", "configs/tiny.toml", "--gpus", "1", "--cluster", str(tmp_path / "none.toml")]) == 2
     assert "neither a preset" in capsys.readouterr().err
+    assert main(["plan", "--config", "configs/tiny.toml", "--gpus", "1", "--search", "--workers", "-1"]) == 2
+    assert "--workers -1: a number of processes" in capsys.readouterr().err
 
 
 # ---- published rows (plan/published.py): the calibration table's inputs are the paper's models

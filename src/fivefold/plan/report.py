@@ -2,7 +2,7 @@
 
     fivefold plan [--config F] [--section.key V ...] --gpus N [--cluster h100-sxm|FILE]
                   [--efficiency E] [--attention-efficiency A] [--json OUT] [--plot OUT.png]
-    fivefold plan ... --search [--global-batch B] [--top K] [--no-offload] [--write-best OUT.toml]
+    fivefold plan ... --search [--global-batch B] [--top K] [--no-offload] [--workers W] [--write-best OUT.toml]
     fivefold plan ... --sharding-degrees [--top K] [--write-best OUT.toml]
     fivefold plan ... --tokens T (--gpus N | --days D) [--achieved-tflops X | --mfu M]
 """
@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences per optimizer step for --search (default: the config's micro x accum x dp)")
     parser.add_argument("--top", type=int, default=10, help="layouts --search prints")
     parser.add_argument("--no-offload", action="store_true", help="leave ZeRO-Offload out of --search")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="processes sharing --search (forked, Linux; the result is the same for any number): "
+                             "default 0, one per usable core, at most 8")
     parser.add_argument("--write-best", help="write the best layout of --search (or --sharding-degrees) as a TOML "
                                              "`train` accepts")
     parser.add_argument("--sharding-degrees", action="store_true",
@@ -132,6 +135,8 @@ def run(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec) -> in
     from fivefold.plan.estimate import estimate
     if args.gpus < 0 or args.top < 1 or args.global_batch < 0:
         raise ConfigError("--gpus, --top and --global-batch must be positive")
+    if args.workers < 0:
+        raise ConfigError(f"--workers {args.workers}: a number of processes (0: one per usable core, at most 8)")
     out: dict = {"cluster": cluster.to_dict()}
     if args.expert_load and (args.tokens or args.search or args.sharding_degrees):
         raise ConfigError("--expert-load prices one layout's expert exchanges: leave out --tokens, --search and "
@@ -170,13 +175,17 @@ def _search(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec, o
 
     from fivefold.config import config_toml
     from fivefold.plan.search import search
+    from fivefold.plan.workers import can_fork, default_workers
 
     batch = args.global_batch or _default_batch(config, args.gpus)
+    workers = (args.workers or default_workers()) if can_fork() else 1
     start = time.perf_counter()
-    result = search(config, args.gpus, cluster, batch, efficiency_from(args), args.vocab_size, not args.no_offload)
+    result = search(config, args.gpus, cluster, batch, efficiency_from(args), args.vocab_size, not args.no_offload,
+                    workers=workers)
     seconds = time.perf_counter() - start
     print(f"searched {result.considered:,} layouts of {args.gpus} x {cluster.accelerator.name} for a global batch of "
-          f"{batch} sequences in {seconds:.1f} s: {len(result.ranked):,} feasible"
+          f"{batch} sequences in {seconds:.1f} s ({result.workers} process{'es' if result.workers > 1 else ''}): "
+          f"{len(result.ranked):,} feasible"
           + (f" ({result.rebalanced:,} with blocks moved between pipeline stages to fit memory)" if result.rebalanced else ""))
     for reason, count in result.rejected.most_common():
         print(f"  rejected {count:>7,} by {reason}: e.g. {result.examples[reason]}")
@@ -188,7 +197,8 @@ def _search(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec, o
               f"{found.degrees.describe()}, {describe_layout(candidate)}")
     best_config, best = result.ranked[0]
     print("\n" + format_estimate(best, cluster, "best"))
-    out["search"] = {"considered": result.considered, "rebalanced": result.rebalanced, "seconds": seconds, "global_batch": batch,
+    out["search"] = {"considered": result.considered, "rebalanced": result.rebalanced, "seconds": seconds, "workers": result.workers,
+                     "global_batch": batch,
                      "rejected": dict(result.rejected), "examples": result.examples,
                      "top": [{"layout": describe_layout(c), **e.to_dict()} for c, e in result.ranked[:args.top]]}
     if args.write_best:

@@ -20,7 +20,8 @@ The data-parallel rules (which read none of recomputation, micro-batch or schedu
 for each family of layouts differing only in those, so a refused family is counted without being built.
 Every candidate's memory is estimated before its time, and pipeline simulations are shared
 between candidates with the same (schedule, pp, micro-batches, virtual stages) and stage-time
-ratios, so a 1,024-GPU search over tens of thousands of candidates takes seconds.
+ratios, so a 1,024-GPU search over tens of thousands of candidates takes seconds; the first pass is shared
+by forked worker processes (plan/workers.py), each candidate keeping its place so the merge is exact.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class SearchResult:
     considered: int = 0
     rebalanced: int = 0  # pipelined layouts that fit only with blocks moved off their fullest rank
     degree_options: int = 0  # the best ZeRO layouts tried again with other P/G/OS sharding degrees
+    workers: int = 1  # processes that priced the first pass
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -237,45 +239,89 @@ def choose_degrees(config: JobConfig, gpus: int, cluster: ClusterSpec, efficienc
     return sorted(out, key=_rank_key)
 
 
-def search(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: int, efficiency: float = 0.5,
-           vocab_size: int = 0, offload: bool = True, refine: int = 50) -> SearchResult:
-    """Rank every feasible layout by predicted step time (fastest first).
+@dataclass
+class _Priced:
+    """A share of the first pass: each candidate by its place in `candidates`' order, so that shares priced in
+    different processes merge into what one process pricing them in order finds."""
 
-    A first pass prices pipelines by the closed-form ideal bubble; the `refine` best are then estimated
-    again with the schedule simulator and re-ranked, so the top of the list carries simulated times."""
-    if global_batch < 1:
-        raise ConfigError(f"--global-batch = {global_batch}: must be a positive number of sequences")
-    if base.data_parallel.mode == "ps":
-        raise ConfigError("--search ranks all-reduce layouts (every fold, ZeRO 0-3); data_parallel.mode = ps has one "
-                          "layout per server count: plan it without --search, or set data_parallel.mode = ddp")
-    result, runs = SearchResult([]), PipelineRuns()
-    def reject(exc: ConfigError, count: int = 1) -> None:
-        reason = reason_of(str(exc))
-        result.rejected[reason] += count
-        result.examples.setdefault(reason, str(exc))
+    ranked: list[tuple[int, JobConfig | None, Estimate]] = field(default_factory=list)  # config: a moved split
+    rejected: Counter = field(default_factory=Counter)
+    first: dict[str, tuple[int, str]] = field(default_factory=dict)  # reason -> (place, message) of its first
+    rebalanced: int = 0
 
-    for config in candidates(base, gpus, cluster, global_batch, offload, vocab_size):
-        if isinstance(config, Refused):
-            result.considered += config.count
-            reject(config.error, config.count)
-            continue
-        result.considered += 1
+    def reject(self, place: int, reason: str, message: str, count: int = 1) -> None:
+        self.rejected[reason] += count
+        if reason not in self.first:
+            self.first[reason] = (place, message)
+
+    def merge(self, other: _Priced) -> None:
+        self.ranked += other.ranked
+        self.rejected += other.rejected
+        for reason, (place, message) in other.first.items():
+            if reason not in self.first or place < self.first[reason][0]:
+                self.first[reason] = (place, message)
+        self.rebalanced += other.rebalanced
+
+
+def _price(share: list[tuple[int, JobConfig]], gpus: int, cluster: ClusterSpec, efficiency: float, vocab_size: int,
+           runs: PipelineRuns) -> _Priced:
+    """The first pass over a share of the candidates: the runtime's checks, memory, a split moved to fit
+    (`fit_stages`), and the step time with the pipeline's closed-form bubble."""
+    out = _Priced()
+    for place, config in share:
         try:
             found = estimate(config, gpus, cluster, efficiency, vocab_size, runs, time_if_over=False, simulate=False)
         except ConfigError as exc:
-            reject(exc)
+            out.reject(place, reason_of(str(exc)), str(exc))
             continue
         if not found.fits:
             moved = fit_stages(config, found, gpus, cluster, efficiency, vocab_size, runs)
             if moved is not None:
-                result.rebalanced += 1
-                result.ranked.append(moved)
+                out.rebalanced += 1
+                out.ranked.append((place, *moved))
                 continue
-            result.rejected["memory"] += 1
-            result.examples.setdefault("memory", f"{found.memory.total / 2**30:.1f} GiB per rank over the "
-                                                 f"{found.capacity / 2**30:.0f} GiB of a {cluster.accelerator.name}")
+            out.reject(place, "memory", f"{found.memory.total / 2**30:.1f} GiB per rank over the "
+                                        f"{found.capacity / 2**30:.0f} GiB of a {cluster.accelerator.name}")
             continue
-        result.ranked.append((config, found))
+        out.ranked.append((place, None, found))
+    return out
+
+
+def search(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: int, efficiency: float = 0.5,
+           vocab_size: int = 0, offload: bool = True, refine: int = 50, workers: int = 1) -> SearchResult:
+    """Rank every feasible layout by predicted step time (fastest first).
+
+    A first pass prices pipelines by the closed-form ideal bubble; the `refine` best are then estimated
+    again with the schedule simulator and re-ranked, so the top of the list carries simulated times.
+    workers: processes that share the first pass (plan/workers.py; forked on Linux); the result is the same
+    for any number."""
+    from fivefold.plan.workers import can_fork, map_shares
+
+    if global_batch < 1:
+        raise ConfigError(f"--global-batch = {global_batch}: must be a positive number of sequences")
+    if workers < 1:
+        raise ConfigError(f"--workers = {workers}: must be at least 1 (processes sharing the search)")
+    if base.data_parallel.mode == "ps":
+        raise ConfigError("--search ranks all-reduce layouts (every fold, ZeRO 0-3); data_parallel.mode = ps has one "
+                          "layout per server count: plan it without --search, or set data_parallel.mode = ddp")
+    result, runs, priced, todo = SearchResult([]), PipelineRuns(), _Priced(), []
+    for place, config in enumerate(candidates(base, gpus, cluster, global_batch, offload, vocab_size)):
+        if isinstance(config, Refused):
+            result.considered += config.count
+            priced.reject(place, reason_of(str(config.error)), str(config.error), config.count)
+        else:
+            result.considered += 1
+            todo.append((place, config))
+    shares = map_shares(lambda share: _price(share, gpus, cluster, efficiency, vocab_size, runs), todo, workers)
+    for share in shares:
+        priced.merge(share)
+    result.workers = len(shares) if can_fork() else 1
+    configs = dict(todo)
+    result.ranked = [(moved or configs[place], found) for place, moved, found in sorted(priced.ranked, key=lambda r: r[0])]
+    firsts = sorted(priced.first.items(), key=lambda item: item[1][0])  # reasons in the order one pass meets them
+    result.rejected = Counter({reason: priced.rejected[reason] for reason, _ in firsts})
+    result.examples = {reason: message for reason, (_, message) in firsts}
+    result.rebalanced = priced.rebalanced
     if not result.ranked and not result.considered:
         raise ConfigError(f"no layout of {gpus} accelerators splits a global batch of {global_batch} sequences: "
                           "make --global-batch a multiple of a data-parallel degree (e.g. of --gpus)")
