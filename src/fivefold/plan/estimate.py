@@ -75,6 +75,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from fivefold.comm.cost import Link, native_collective, uneven_all_to_all
@@ -141,11 +142,11 @@ class RankMemory:
     # the gradients appear only after the peak (`gradients_after_peak`): counted in the states, not in the total
     gradients_after_peak: bool = False
 
-    @property
+    @cached_property  # frozen: a search reads a rank's total many times (the instance's __dict__ keeps it)
     def model_states(self) -> int:
         return self.parameters + self.gradients + self.optimizer
 
-    @property
+    @cached_property
     def total(self) -> int:
         return (self.model_states - (self.gradients if self.gradients_after_peak else 0) + self.activations
                 + self.logits + self.buffers + self.buckets + self.weight_copies)
@@ -165,7 +166,7 @@ class StepTime:
     offload: float = 0.0  # optimizer shard's gradients down to the host and weights back up
     optimizer: float = 0.0  # the AdamW step, memory-bound
 
-    @property
+    @cached_property
     def total(self) -> float:
         return (self.compute + self.tp + self.cp + self.ep + self.pp_comm + self.bubble + self.dp + self.offload
                 + self.optimizer)
