@@ -123,6 +123,44 @@ def test_the_grouped_kernel_keeps_bf16_stacks_under_autocast():
     assert stacks == [torch.bfloat16] * 3  # w1, w3, w2
 
 
+@pytest.mark.parametrize("x_dtype,rows_dtype,weights_dtype", [
+    (torch.float32, torch.float32, torch.float32),  # fp32 training
+    (torch.float32, torch.bfloat16, torch.bfloat16),  # bf16 autocast: fp32 residual stream, bf16 rows and router
+    (torch.bfloat16, torch.bfloat16, torch.float32),  # ZeRO's bf16 compute weights: bf16 stream, fp32 router
+], ids=["fp32", "autocast", "bf16-weights"])
+def test_the_combine_computes_what_autograd_ops_do_and_keeps_only_the_rows(x_dtype, rows_dtype, weights_dtype):
+    """`combine` (model/moe.py `_Combine`) gives the output and both gradients of its definition written with
+    autograd's ops, bit for bit and in the same dtypes, while keeping for backward only the expert rows as they
+    came, the weights and the token indices: the definition also kept the fp32 weighted rows and their fp32 copy."""
+    from fivefold.model.moe import combine
+    from fivefold.train.memory import saved_activation_bytes
+
+    def by_ops(x, rows, tokens, weights):
+        weighted = (rows.float() * weights.unsqueeze(1)).to(x.dtype)
+        return torch.zeros_like(x).index_add(0, tokens, weighted)
+
+    T, k, h = 37, 3, 24
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(T, h, generator=generator).to(x_dtype)
+    tokens = torch.randint(0, T, (T * k,), generator=generator)
+    rows0 = torch.randn(T * k, h, generator=generator).to(rows_dtype)
+    weights0 = torch.rand(T * k, generator=generator).to(weights_dtype)
+    grad = torch.randn(T, h, generator=generator).to(x_dtype)
+    results, kept = [], []
+    for fn in (by_ops, combine):
+        rows, weights = rows0.clone().requires_grad_(), weights0.clone().requires_grad_()
+        out = []
+        kept.append(saved_activation_bytes(lambda: out.append(fn(x, rows, tokens, weights)), exclude=[rows, weights]))
+        out[0].backward(grad)
+        results.append((out[0], rows.grad, weights.grad))
+    for ours, theirs in zip(results[1], results[0]):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+    assert kept[1] == tokens.numel() * 8  # the rows and weights are the caller's; the indices are int64
+    # the definition's extra: the rows cast to fp32 (the rows themselves when fp32) and the weighted rows, in x's dtype
+    extra = T * k * h * ((0 if rows_dtype == torch.float32 else 4) + x.element_size())
+    assert kept[0] - kept[1] == extra
+
+
 def test_an_expert_without_tokens_gets_a_zero_gradient():
     """Every rank must produce every expert's gradient (ZeRO reduce-scatters and DDP buckets wait for it)."""
     moe = block(moe_config())

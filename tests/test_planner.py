@@ -981,6 +981,47 @@ def test_a_block_under_bf16_autocast_keeps_what_the_planner_counts(recompute, va
         + planned_copies
 
 
+@pytest.mark.parametrize("kernel", ["loop", "grouped"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_a_moe_block_under_bf16_autocast_keeps_what_the_planner_counts(recompute, kernel):
+    """A MoE block under bf16 autocast over fp32 weights keeps what the planner prices for it: 2 bytes per element of
+    `moe_block_activation_elements` at the planner's balanced, dropless rows (`expert_rows`, which one process
+    routes exactly), 2 x `moe_autocast_extra_elements`, and the weight copies of `weight_copy_bytes`, the routed
+    experts' included under the loop kernel (its Linear layers are cast; the grouped kernel's stacks are
+    activations). Routing options, tensor and expert parallelism: tests/distributed/test_activation_memory.py."""
+    import torch
+
+    from fivefold.config import TensorParallelConfig
+    from fivefold.model import build_model, materialize
+    from fivefold.model.moe import ExpertKernel
+    from fivefold.parallel.mesh import Mesh
+    from fivefold.parallel.parallelize import apply_model_parallel
+    from fivefold.plan.activations import ActivationShape, moe_autocast_extra_elements, moe_block_activation_elements
+    from fivefold.plan.estimate import degrees_of, expert_rows, model_for, weight_copy_bytes
+
+    config = load_config(None, ["--model.preset", "tiny", "--model.n_layers", "1", "--model.vocab_size", "257",
+                                "--model.n_experts", "4", "--model.moe_top_k", "2", "--model.moe_ffn_dim", "64",
+                                "--model.moe_shared_experts", "1", "--expert_parallel.kernel", kernel,
+                                "--train.dtype", "bf16", "--train.recompute", recompute, "--train.micro_batch_size", "2",
+                                "--train.seq_len", "48"])
+    model_config = model_for(config)
+    model = materialize(build_model(model_config), "cpu", seed=0)
+    apply_model_parallel(model, Mesh.single(), TensorParallelConfig(1, False), recompute=recompute)
+    model.layers["0"].feed_forward.kernel = ExpertKernel(kernel)  # as the trainer sets it from expert_parallel.kernel
+    batch, seq = 2, 48
+    x = torch.randn(batch, seq, model_config.dim, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    positions = torch.arange(seq)
+    cos, sin = model.rope_cos[positions], model.rope_sin[positions]
+    kept, copies = _autocast_saved(model, lambda: model.layers["0"](x, cos, sin))
+    d = degrees_of(config, 1)
+    rows, shape = expert_rows(config, model_config, d), ActivationShape(batch, seq, 1, False, recompute)
+    assert rows.kernel == kernel
+    planned_copies = weight_copy_bytes(config, model_config, d, {True: 1}, 1, False, 0)
+    assert copies == planned_copies and (copies > 0) == (recompute != "full")
+    assert kept == 2 * moe_block_activation_elements(model_config, shape, rows) \
+        + 2 * moe_autocast_extra_elements(model_config, shape, rows) + planned_copies
+
+
 def test_autocast_keeps_one_bf16_weight_copy_per_region():
     """autocast's cache lasts one autocast region: k forwards in k regions whose backward has not run keep k bf16
     copies of the blocks' and the head's weights (`weight_copy_bytes` with k in flight), k forwards inside one

@@ -97,8 +97,9 @@ MOE_VARIANTS = {
 
 
 def _measure_moe_block(config: ModelConfig, kernel: str, recompute: str = "none", seed: int = 0, setup=None,
-                       mesh=None, tp: int = 1, sp: bool = False):
-    """(saved bytes of block 0's forward, its MoE layer's kept assignments, rows its experts computed)."""
+                       mesh=None, tp: int = 1, sp: bool = False, bf16: bool = False):
+    """(saved bytes of block 0's forward, its MoE layer's kept assignments, rows its experts computed); bf16: under
+    CPU bf16 autocast over the fp32 weights, less the weights' bf16 copies."""
     from fivefold.config import TensorParallelConfig
     from fivefold.model.moe import ExpertKernel
     from fivefold.parallel.mesh import Mesh
@@ -116,10 +117,18 @@ def _measure_moe_block(config: ModelConfig, kernel: str, recompute: str = "none"
     positions = torch.arange(SEQ)
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]
     outputs = []
-    measured = saved_activation_bytes(lambda: outputs.append(model.layers["0"](x, cos, sin)),
-                                      exclude=[*model.parameters(), *model.buffers()])
+    if bf16:
+        from fivefold.train.memory import saved_bytes_and_weight_casts
+
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            kept, copies = saved_bytes_and_weight_casts(lambda: outputs.append(model.layers["0"](x, cos, sin)),
+                                                        model.parameters())
+        measured = kept - copies
+    else:
+        measured = saved_activation_bytes(lambda: outputs.append(model.layers["0"](x, cos, sin)),
+                                          exclude=[*model.parameters(), *model.buffers()])
     rows = moe.stats.max_received
-    outputs[0].sum().backward()  # the layer records its routing (drops included) in backward
+    outputs[0].float().sum().backward()  # the layer records its routing (drops included) in backward
     kept = int(moe.stats.assignments - moe.stats.dropped)
     return measured, kept, rows
 
@@ -152,23 +161,44 @@ def test_moe_block_with_multi_latent_attention():
         assert measured == 4 * moe_block_activation_elements(config, ActivationShape(BATCH, SEQ, recompute=recompute), rows)
 
 
-def _moe_tp_rank(rank, world_size, sp):
+@pytest.mark.parametrize("kernel", ["loop", "grouped"])
+@pytest.mark.parametrize("variant", ["plain", "shared-gated", "sequence-unnormalised", "capacity"])
+def test_moe_block_under_bf16_autocast(variant, kernel):
+    """Under bf16 autocast over fp32 weights the MoE block keeps 2 bytes per counted element plus
+    2 x `moe_autocast_extra_elements` (the dense block's fp32 norms and casts but for the MLP's, the router's
+    input cast, the loop kernel's second cast of each expert's rows, the shared experts' casts, int64 indices and
+    fp32 loss counts at their size), in every recomputation mode."""
+    from fivefold.plan.activations import ExpertRows, moe_autocast_extra_elements, moe_block_activation_elements
+
+    config = dataclasses.replace(MOE, **MOE_VARIANTS[variant])
+    for mode in MODES:
+        measured, kept, _ = _measure_moe_block(config, kernel, mode, bf16=True)
+        rows, shape = ExpertRows(kept, kept, kernel=kernel), ActivationShape(BATCH, SEQ, recompute=mode)
+        assert measured == 2 * moe_block_activation_elements(config, shape, rows) \
+            + 2 * moe_autocast_extra_elements(config, shape, rows), mode
+
+
+def _moe_tp_rank(rank, world_size, sp, bf16=False):
     from fivefold.parallel.mesh import ParallelDims, build_mesh
 
     mesh = build_mesh(ParallelDims(tp=world_size, world_size=world_size), "cpu")
-    return [_measure_moe_block(MOE, "loop", mode, mesh=mesh, tp=world_size, sp=sp) for mode in MODES]
+    return [_measure_moe_block(MOE, "loop", mode, mesh=mesh, tp=world_size, sp=sp, bf16=bf16) for mode in MODES]
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
-def test_moe_block_under_tensor_parallelism(sp):
-    """The MoE layer outside the TP region: on the whole sequence, or with SP on the rank's half of it."""
-    from fivefold.plan.activations import ExpertRows, moe_block_activation_elements
+@pytest.mark.parametrize("sp,bf16", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["tp2", "tp2-sp", "tp2-bf16", "tp2-sp-bf16"])
+def test_moe_block_under_tensor_parallelism(sp, bf16):
+    """The MoE layer outside the TP region: on the whole sequence, or with SP on the rank's half of it; in fp32, and
+    under bf16 autocast with `moe_autocast_extra_elements` on top."""
+    from fivefold.plan.activations import ExpertRows, moe_autocast_extra_elements, moe_block_activation_elements
 
-    for per_mode in run_distributed(_moe_tp_rank, 2, sp):
+    for per_mode in run_distributed(_moe_tp_rank, 2, sp, bf16):
         for mode, (measured, kept, _) in zip(MODES, per_mode):
             assert kept == MOE.moe_top_k * BATCH * SEQ // (2 if sp else 1)  # dropless, the tokens this rank routes
-            shape = ActivationShape(BATCH, SEQ, 2, sp, mode)
-            assert measured == 4 * moe_block_activation_elements(MOE, shape, ExpertRows(kept, kept)), mode
+            shape, rows = ActivationShape(BATCH, SEQ, 2, sp, mode), ExpertRows(kept, kept)
+            expected = 2 * moe_block_activation_elements(MOE, shape, rows) + 2 * moe_autocast_extra_elements(MOE, shape, rows) \
+                if bf16 else 4 * moe_block_activation_elements(MOE, shape, rows)
+            assert measured == expected, mode
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])
@@ -179,7 +209,7 @@ def test_moe_block_with_recomputation(recompute):
     assert measured == 4 * moe_block_activation_elements(MOE, ActivationShape(BATCH, SEQ, recompute=recompute))
 
 
-def _expert_parallel_rank(rank, world_size, ep, etp, kernel):
+def _expert_parallel_rank(rank, world_size, ep, etp, kernel, bf16=False):
     from fivefold.model.moe import MoE
     from fivefold.parallel.expert_parallel import (AllToAllMeter, apply_expert_parallel, build_expert_groups,
                                                    cut_experts, shard_experts)
@@ -196,22 +226,29 @@ def _expert_parallel_rank(rank, world_size, ep, etp, kernel):
         apply_expert_parallel(model, groups, placements, "torch", AllToAllMeter())
         assert isinstance(model.layers["0"].feed_forward, MoE)
 
-    measured, kept, rows = _measure_moe_block(MOE, kernel, seed=rank, setup=setup)
+    measured, kept, rows = _measure_moe_block(MOE, kernel, seed=rank, setup=setup, bf16=bf16)
     return measured, kept, rows
 
 
-@pytest.mark.parametrize("ep,etp,kernel", [(2, 1, "loop"), (4, 1, "grouped"), (2, 2, "loop")],
-                         ids=["ep2", "ep4-grouped", "ep2-etp2"])
-def test_moe_block_under_expert_parallelism(ep, etp, kernel):
-    """Each rank's count, with the rows its experts computed (routing decides them) from the dispatch."""
-    from fivefold.plan.activations import ExpertRows, moe_block_activation_elements
+@pytest.mark.parametrize("ep,etp,kernel,bf16", [(2, 1, "loop", False), (4, 1, "grouped", False), (2, 2, "loop", False),
+                                               (4, 1, "grouped", True), (2, 2, "loop", True)],
+                         ids=["ep2", "ep4-grouped", "ep2-etp2", "ep4-grouped-bf16", "ep2-etp2-bf16"])
+def test_moe_block_under_expert_parallelism(ep, etp, kernel, bf16):
+    """Each rank's count, with the rows its experts computed (routing decides them) from the dispatch; under bf16
+    autocast with `moe_autocast_extra_elements` on top."""
+    from fivefold.plan.activations import ExpertRows, moe_autocast_extra_elements, moe_block_activation_elements
 
-    results = run_distributed(_expert_parallel_rank, ep * etp, ep, etp, kernel)
+    results = run_distributed(_expert_parallel_rank, ep * etp, ep, etp, kernel, bf16)
     for measured, kept, rows in results:
         assert kept == MOE.moe_top_k * BATCH * SEQ  # dropless
-        expected = moe_block_activation_elements(MOE, ActivationShape(BATCH, SEQ), ExpertRows(kept, rows, ep, etp, kernel))
-        assert measured == 4 * expected
-    assert len({rows for _, _, rows in results}) > 1  # the ranks' experts computed different numbers of rows
+        shape, expert_rows = ActivationShape(BATCH, SEQ), ExpertRows(kept, rows, ep, etp, kernel)
+        expected = moe_block_activation_elements(MOE, shape, expert_rows)
+        if bf16:
+            assert measured == 2 * expected + 2 * moe_autocast_extra_elements(MOE, shape, expert_rows)
+        else:
+            assert measured == 4 * expected
+    if not bf16:  # the ranks' experts computed different numbers of rows (the bf16 router's ties here spread evenly)
+        assert len({rows for _, _, rows in results}) > 1
 
 
 def _bf16_rank(rank, world_size, sp, configs):

@@ -53,7 +53,7 @@ ETP all-gather with expert tensor parallelism), experts of width f_e / etp, E_l 
     router       scores (sigmoid or softmax output) TE, chosen indices 2Tk (int64),
                  with moe_norm_topk the chosen scores and their sum Tk + T
     token side   token and assignment indices 2A + 2A, the assignment weights A, the returned
-                 expert rows and their weighted copy 2Ah
+                 expert rows Ah (the combine keeps only them: model/moe.py `_Combine`)
     expert side  the rows' input Rh, SwiGLU 4R f_e/etp; with EP or ETP the regrouping index and
                  its inverse 4R; the grouped kernel also its stacked weights 3 E_l h f_e/etp and
                  offsets E_l (int32)
@@ -127,7 +127,8 @@ def autocast_extra_elements(model: ModelConfig, shape: ActivationShape) -> int:
     q/k norms add an fp32 copy of their inputs, sb (q/t + kv_t d), kept twice under selective recomputation
     (the recomputed core's inputs, q and k after the norm, are fp32), and their 1/rms in fp32: sb (a/t + kv_t)
     per head, 2sb per projection. Multi-latent attention takes the same count, not derived for its own
-    tensors (measured 110 sb above them on the test's MLA block, under 1% of it); MoE MLPs are not derived."""
+    tensors (measured 110 sb above them on the test's MLA block, under 1% of it); a MoE block's:
+    `moe_autocast_extra_elements`."""
     if shape.recompute == "full":
         return block_activation_elements(model, shape)
     s, b, t = shape.seq_len, shape.micro_batch, shape.tp
@@ -204,7 +205,7 @@ def moe_mlp_elements(model: ModelConfig, tokens: int, micro_batch: int, rows: Ex
     width = model.expert_hidden_dim // rows.etp
     local = E // rows.ep
     total = T * E + 2 * T * k + (T * k + T if model.moe_norm_topk else 0)
-    total += 5 * A + 2 * A * h
+    total += 5 * A + A * h
     total += R * h + 4 * R * width + (4 * R if rows.ep * rows.etp > 1 else 0)
     if rows.kernel == "grouped":
         total += 3 * local * h * width + local
@@ -234,3 +235,35 @@ def moe_block_activation_elements(model: ModelConfig, shape: ActivationShape, ro
     if shape.sequence_parallel and t > 1:
         swiglu += s * b * model.dim - tokens * model.dim  # the gathered input, in place of the local one
     return dense - swiglu + moe_mlp_elements(model, tokens, shape.micro_batch, rows)
+
+
+def moe_autocast_extra_elements(model: ModelConfig, shape: ActivationShape, rows: ExpertRows = ExpertRows()) -> int:
+    """What a MoE block keeps under bf16 autocast over fp32 weights beyond 2 bytes per element of
+    `moe_block_activation_elements`, in 2-byte units (measured on the CPU: tests/test_planner.py).
+
+    The attention half and both norms keep what a dense block's do (`autocast_extra_elements`) but for the MLP's
+    share, sbh: a dense MLP casts its input for w1 and for w3 where the fp32 count keeps the norm's output once.
+    The router casts its input once, in place of that output (nothing more); the loop kernel casts each expert's
+    rows for w1 and again for w3 (R h more than the fp32 count's gathered rows; the grouped kernel casts them once);
+    the shared experts cast the layer's input for w1 and w3, and the Qwen2-MoE gate once more (2 T h, + T h). The
+    int64 indices (chosen experts T k, token and assignment indices 2A, with EP or ETP the regrouping index and
+    its inverse 2R) and the grouped kernel's int32 offsets are counted as fp32 elements there: 4 and 2 bytes more
+    each; so are the balancing losses' expert counts, which stay fp32 (switch E, sequence bE): 2 bytes more."""
+    if shape.recompute == "full":
+        return autocast_extra_elements(model, shape)
+    s, b, t = shape.seq_len, shape.micro_batch, shape.tp
+    tokens = s * b // t if shape.sequence_parallel else s * b
+    T, k, h = tokens, model.moe_top_k, model.dim
+    A = k * T if rows.assignments is None else rows.assignments
+    R = A if rows.rows is None else rows.rows
+    extra = autocast_extra_elements(model, shape) - s * b * h
+    if rows.kernel == "loop":
+        extra += R * h
+    else:
+        extra += model.n_experts // rows.ep  # int32 offsets
+    if model.shared_hidden_dim:
+        extra += 2 * T * h + (T * h if model.moe_shared_gate else 0)
+    extra += 2 * T * k + 4 * A + (4 * R if rows.ep * rows.etp > 1 else 0)
+    # the balancing losses' fp32 expert counts (the router's scores and logits are bf16 under autocast)
+    extra += {"switch": model.n_experts, "sequence": shape.micro_batch * model.n_experts}.get(model.moe_aux_loss, 0)
+    return extra

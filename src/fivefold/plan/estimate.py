@@ -83,7 +83,7 @@ from fivefold.plan.ring_schedule import ring_pass_seconds
 from fivefold.config.schema import JobConfig
 from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
-from fivefold.plan.activations import (ActivationShape, ExpertRows, autocast_extra_elements,
+from fivefold.plan.activations import (ActivationShape, ExpertRows, autocast_extra_elements, moe_autocast_extra_elements,
                                       block_activation_elements, moe_block_activation_elements)
 from fivefold.plan.cluster import Accelerator, ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
@@ -303,8 +303,10 @@ def weight_copy_bytes(config: JobConfig, model: ModelConfig, d: Degrees, blocks:
                       last: bool, held: int) -> int:
     """Bytes of bf16 weight copies a rank's autograd graphs keep under autocast (`autocast_copies`).
 
-    The matmul weights of `blocks` (dense and MoE block counts: attention, dense and shared MLPs, router; not
-    the norms' nor the routed experts') count once for each of `in_flight` micro-batches keeping their own.
+    The matmul weights of `blocks` (dense and MoE block counts: attention, dense and shared MLPs, router, and the
+    routed experts' under the loop kernel, whose Linear layers autocast casts; the grouped kernel's stacks are
+    activations, `moe_mlp_elements`; not the norms') count once for each of `in_flight` micro-batches keeping
+    their own.
     They do not count under full recomputation, whose forward keeps nothing, nor under train.compile, whose
     graphs cast the weights again in backward (on an H200 a compiled 1B step's peak came within 0.2% without
     them). On the last stage the head's weight counts once for each of `held` micro-batches, except with the
@@ -314,10 +316,12 @@ def weight_copy_bytes(config: JobConfig, model: ModelConfig, d: Degrees, blocks:
     t = config.train
     weights = 0
     if t.recompute != "full" and not t.compile:  # inductor recasts a weight in backward rather than keep it
+        loop = model.n_experts and expert_rows(config, model, d).kernel == "loop"
         for moe, count in blocks.items():
             if count:
                 block = block_parameters(model, first_block(model, moe), d.tp, d.ep, d.etp, d.replicas)
-                weights += count * (block.dense - block_norm_parameters(model, d.tp)) * in_flight
+                routed = block.experts if loop else 0
+                weights += count * (block.dense - block_norm_parameters(model, d.tp) + routed) * in_flight
     if last and not t.loss_chunk_tokens:
         weights += held * padded_vocab(model.vocab_size, d.tp) // d.tp * model.dim
     return 2 * weights
@@ -522,14 +526,15 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     # of them), and two logits-sized gradients are live while a loss's backward runs
     held = t.grad_accum_steps if d.pp > 1 and config.pipeline_parallel.schedule == "gpipe" else 1
     rows = expert_rows(config, model, d)
-    # bytes per block; under bf16 autocast an eager dense block's fp32 tensors and per-matmul casts on top
-    # (`autocast_extra_elements`), not under context parallelism, whose ring keeps its own, nor under
+    # bytes per block; under bf16 autocast an eager block's fp32 tensors and per-matmul casts on top
+    # (`autocast_extra_elements`, a MoE block's `moe_autocast_extra_elements`), not under context parallelism, whose ring keeps its own, nor under
     # train.compile, whose fused kernels keep what inductor's partitioner picks (on an H200 a compiled 1B step's
     # peak came within 0.2% of 2 bytes per element)
     autocast = autocast_copies(config)
     eager = autocast and d.cp == 1 and not t.compile
     kinds = {moe: element * _block_activations(model, layer, shape, rows)
-             + (2 * autocast_extra_elements(model, shape) if eager and not moe else 0)
+             + (2 * (moe_autocast_extra_elements(model, shape, rows) if moe else autocast_extra_elements(model, shape))
+                if eager else 0)
              for moe in (False, True) if (layer := first_block(model, moe)) >= 0}
     states: dict[tuple, tuple[int, int, int, int]] = {}  # pipeline ranks holding alike blocks hold alike states
     out = []

@@ -64,14 +64,16 @@ def saved_activation_bytes(fn: Callable[[], object], exclude: Iterable[torch.Ten
 def saved_bytes_and_weight_casts(fn: Callable[[], object], weights: Iterable[torch.Tensor]) -> tuple[int, int]:
     """(bytes autograd keeps while `fn()` runs, of which bf16 casts of `weights`), each storage counted once.
 
-    The weights' own storages are left out. A cast is recognised by its values, a bf16 tensor of the same size
-    and sum as one of the weights cast (autocast may save it transposed): what bf16 autocast keeps of fp32
-    weights (plan/estimate.py `weight_copy_bytes`). Every saved tensor is held until `fn` returns, so a storage
+    The weights' own storages are left out. A cast is recognised by its values, a bf16 tensor of the same shape
+    (or transposed, as autocast may save it) and sum as one of the weights cast: what bf16 autocast keeps of fp32
+    weights (plan/estimate.py `weight_copy_bytes`); a stack of one expert's weights (the grouped kernel's, an
+    activation) has a shape of its own. Every saved tensor is held until `fn` returns, so a storage
     freed inside `fn` cannot hand its address to a later one and be counted once for two.
     """
     weights = list(weights)
     stored = {w.untyped_storage().data_ptr() for w in weights}
-    casts = {(w.numel(), w.to(torch.bfloat16).float().sum().item()) for w in weights if w.dim() >= 2}
+    casts = {(shape, w.to(torch.bfloat16).float().sum().item()) for w in weights if w.dim() >= 2
+             for shape in (tuple(w.shape), tuple(reversed(w.shape)))}
     kept: dict[int, int] = {}
     copies: dict[int, int] = {}
     held: list[torch.Tensor] = []
@@ -81,7 +83,7 @@ def saved_bytes_and_weight_casts(fn: Callable[[], object], weights: Iterable[tor
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in stored:
             kept[storage.data_ptr()] = storage.nbytes()
-            if tensor.dtype == torch.bfloat16 and (tensor.numel(), tensor.float().sum().item()) in casts:
+            if tensor.dtype == torch.bfloat16 and (tuple(tensor.shape), tensor.float().sum().item()) in casts:
                 copies[storage.data_ptr()] = storage.nbytes()
         return tensor
 
