@@ -945,8 +945,14 @@ def _autocast_saved(model, forward, region: bool = True) -> tuple[int, int]:
         return saved_bytes_and_weight_casts(forward, model.parameters())
 
 
+MLA_ARGS = ["--model.attention", "mla", "--model.n_kv_heads", "0", "--model.kv_lora_rank", "16", "--model.qk_nope_head_dim",
+            "8", "--model.qk_rope_head_dim", "4", "--model.v_head_dim", "8"]
+
+
 @pytest.mark.parametrize("variant", [[], ["--model.head_dim", "48"], ["--model.qk_norm", "head"],
-                                     ["--model.qk_norm", "projection"]], ids=["plain", "head_dim", "qk_head", "qk_proj"])
+                                     ["--model.qk_norm", "projection"], [*MLA_ARGS, "--model.q_lora_rank", "24"],
+                                     [*MLA_ARGS, "--model.q_lora_rank", "0", "--model.v_head_dim", "12"]],
+                         ids=["plain", "head_dim", "qk_head", "qk_proj", "mla", "mla_no_q_lora"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_a_block_under_bf16_autocast_keeps_what_the_planner_counts(recompute, variant):
     """Under bf16 autocast over fp32 weights a block keeps its RMSNorm tensors, the log-sum-exp and the RoPE tables

@@ -279,10 +279,11 @@ def _bf16_rank(rank, world_size, sp, configs):
 def test_bf16_autocast_under_tensor_parallelism(sp):
     """Under bf16 autocast over fp32 weights a tensor-parallel rank's block keeps 2 bytes per counted element plus
     2 x `autocast_extra_elements`: fp32 norms (on s/t tokens under SP) and log-sum-exp of its heads, and whole
-    per-matmul bf16 casts (of the gathered input under SP); for an explicit head width and per-head q/k norms too."""
+    per-matmul bf16 casts (of the gathered input under SP); for an explicit head width, per-head q/k norms and
+    multi-latent attention (whose down-projections and their norms run whole on every rank) too."""
     from fivefold.plan.activations import autocast_extra_elements
 
-    configs = {"plain": MODEL, "head_dim": WIDE_HEADS, "qk_head": QK_HEAD}
+    configs = {"plain": MODEL, "head_dim": WIDE_HEADS, "qk_head": QK_HEAD, "mla": MLA, "mla_wide_values": MLA_WIDE_VALUES}
     for measured in run_distributed(_bf16_rank, 2, sp, configs):
         for (name, mode), kept in measured.items():
             shape = ActivationShape(BATCH, SEQ, 2, sp, mode)

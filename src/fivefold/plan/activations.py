@@ -126,9 +126,9 @@ def autocast_extra_elements(model: ModelConfig, shape: ActivationShape) -> int:
 
     q/k norms add an fp32 copy of their inputs, sb (q/t + kv_t d), kept twice under selective recomputation
     (the recomputed core's inputs, q and k after the norm, are fp32), and their 1/rms in fp32: sb (a/t + kv_t)
-    per head, 2sb per projection. Multi-latent attention takes the same count, not derived for its own
-    tensors (measured 110 sb above them on the test's MLA block, under 1% of it); a MoE block's:
-    `moe_autocast_extra_elements`."""
+    per head, 2sb per projection. Multi-latent attention casts the block input twice, not three times (- sbh),
+    and its latent and query RMSNorms keep fp32 copies of their inputs: sb (c - r + 1), + sb (q_lora + 1) with
+    query compression. A MoE block's: `moe_autocast_extra_elements`."""
     if shape.recompute == "full":
         return block_activation_elements(model, shape)
     s, b, t = shape.seq_len, shape.micro_batch, shape.tp
@@ -139,6 +139,12 @@ def autocast_extra_elements(model: ModelConfig, shape: ActivationShape) -> int:
     else:
         extra = 7 * sbh + 2 * sb + lse // t
     extra += 2 * s * model.rope_dim
+    if model.attention == "mla":  # model/mla.py: two casts of the block input (wq or wq_a, wkv_a) where q, k, v
+        # made three; the latent's RMSNorm keeps an fp32 copy of its c columns (the fp32 count kept the c + r columns
+        # of wkv_a's output it is a view of) and its 1/rms in fp32, the query's (q_lora_rank) likewise; the
+        # down-projections and their norms run whole on every tensor-parallel rank
+        extra += -sbh + sb * (model.kv_lora_rank - model.qk_rope_head_dim + 1)
+        extra += sb * (model.q_lora_rank + 1) if model.q_lora_rank else 0
     if model.qk_norm != "none" and model.attention != "mla":
         kv = max(model.kv_heads // t, 1)
         inputs = sb * (model.q_dim // t + kv * model.head_size)

@@ -1604,8 +1604,6 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
             time = dataclasses.replace(time, compute=compute, dp=clip + mine + queue, optimizer=own)
     tokens = t.micro_batch_size * t.grad_accum_steps * d.dp * t.seq_len
     notes = []
-    if model.n_experts and (d.tp > 1 or model.attention != "mha"):
-        notes.append("MoE block activations under tp > 1 or MLA are counted as a dense block's")
     if d.cp > 1:
         notes.append("context parallelism's extra saved tensors (ring steps' partial outputs) are not counted")
     if cluster.arrival.measured and time is not None and any(
