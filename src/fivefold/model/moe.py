@@ -345,7 +345,10 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[Routing, torch.Tensor, torch.Tensor]:
         """(routing, fp32 logits, fp32 scores) of x (batch, seq, dim)."""
         batch, seq, _ = x.shape
-        logits = F.linear(x.reshape(batch * seq, -1).float(), self.replicated(self.router.weight).float())
+        # the router runs in fp32 whatever the compute dtype (as Megatron-Core's fp32 router and DeepSeek-V3's gating
+        # do): under bf16 autocast F.linear would cast these fp32 operands back to bf16, and close scores would tie
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.reshape(batch * seq, -1).float(), self.replicated(self.router.weight).float())
         scores = logits.softmax(-1) if self.config.moe_score == "softmax" else logits.sigmoid()
         with torch.no_grad():  # which experts: no gradient flows through the choice, so autograd keeps nothing of it
             select = scores + self.expert_bias  # zero unless balancing moves it (or a checkpoint brings one)

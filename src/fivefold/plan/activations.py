@@ -249,12 +249,14 @@ def moe_autocast_extra_elements(model: ModelConfig, shape: ActivationShape, rows
 
     The attention half and both norms keep what a dense block's do (`autocast_extra_elements`) but for the MLP's
     share, sbh: a dense MLP casts its input for w1 and for w3 where the fp32 count keeps the norm's output once.
-    The router casts its input once, in place of that output (nothing more); the loop kernel casts each expert's
+    The router runs in fp32 and keeps that output itself, in fp32 (T h more); the loop kernel casts each expert's
     rows for w1 and again for w3 (R h more than the fp32 count's gathered rows; the grouped kernel casts them once);
     the shared experts cast the layer's input for w1 and w3, and the Qwen2-MoE gate once more (2 T h, + T h). The
     int64 indices (chosen experts T k, token and assignment indices 2A, with EP or ETP the regrouping index and
     its inverse 2R) and the grouped kernel's int32 offsets are counted as fp32 elements there: 4 and 2 bytes more
-    each; so are the balancing losses' expert counts, which stay fp32 (switch E, sequence bE): 2 bytes more."""
+    each; the router's fp32 tensors 2 bytes more each: scores TE, with moe_norm_topk the chosen scores and their
+    sum Tk + T, the weights the combine keeps A, the losses' (switch E, sequence bE, + T with sigmoid scores;
+    z-loss TE + T)."""
     if shape.recompute == "full":
         return autocast_extra_elements(model, shape)
     s, b, t = shape.seq_len, shape.micro_batch, shape.tp
@@ -270,6 +272,13 @@ def moe_autocast_extra_elements(model: ModelConfig, shape: ActivationShape, rows
     if model.shared_hidden_dim:
         extra += 2 * T * h + (T * h if model.moe_shared_gate else 0)
     extra += 2 * T * k + 4 * A + (4 * R if rows.ep * rows.etp > 1 else 0)
-    # the balancing losses' fp32 expert counts (the router's scores and logits are bf16 under autocast)
-    extra += {"switch": model.n_experts, "sequence": shape.micro_batch * model.n_experts}.get(model.moe_aux_loss, 0)
+    # the router runs in fp32 (model/moe.py): it keeps the fp32 layer input (T h more than one bf16 cast), and its
+    # scores, normalised choices, the weights the combine keeps and the losses' tensors are fp32, counted as fp32
+    # elements above: one unit more each
+    extra += T * h + T * model.n_experts + (T * k + T if model.moe_norm_topk else 0) + A
+    if model.moe_aux_loss != "none":
+        extra += {"switch": model.n_experts, "sequence": shape.micro_batch * model.n_experts}[model.moe_aux_loss]
+        extra += T if model.moe_score == "sigmoid" else 0
+    if model.moe_z_loss_coeff:
+        extra += T * model.n_experts + T
     return extra

@@ -303,8 +303,8 @@ def weight_copy_bytes(config: JobConfig, model: ModelConfig, d: Degrees, blocks:
                       last: bool, held: int) -> int:
     """Bytes of bf16 weight copies a rank's autograd graphs keep under autocast (`autocast_copies`).
 
-    The matmul weights of `blocks` (dense and MoE block counts: attention, dense and shared MLPs, router, and the
-    routed experts' under the loop kernel, whose Linear layers autocast casts; the grouped kernel's stacks are
+    The matmul weights of `blocks` (dense and MoE block counts: attention, dense and shared MLPs, and the
+    routed experts' under the loop kernel (not the router's, which runs in fp32), whose Linear layers autocast casts; the grouped kernel's stacks are
     activations, `moe_mlp_elements`; not the norms') count once for each of `in_flight` micro-batches keeping
     their own.
     They do not count under full recomputation, whose forward keeps nothing, nor under train.compile, whose
@@ -321,7 +321,8 @@ def weight_copy_bytes(config: JobConfig, model: ModelConfig, d: Degrees, blocks:
             if count:
                 block = block_parameters(model, first_block(model, moe), d.tp, d.ep, d.etp, d.replicas)
                 routed = block.experts if loop else 0
-                weights += count * (block.dense - block_norm_parameters(model, d.tp) + routed) * in_flight
+                router = model.n_experts * model.dim if moe else 0  # the router runs in fp32: nothing cast
+                weights += count * (block.dense - block_norm_parameters(model, d.tp) - router + routed) * in_flight
     if last and not t.loss_chunk_tokens:
         weights += held * padded_vocab(model.vocab_size, d.tp) // d.tp * model.dim
     return 2 * weights
