@@ -175,10 +175,10 @@ def _search(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec, o
 
     from fivefold.config import config_toml
     from fivefold.plan.search import search
-    from fivefold.plan.workers import can_fork, default_workers
+    from fivefold.plan.workers import default_workers
 
     batch = args.global_batch or _default_batch(config, args.gpus)
-    workers = (args.workers or default_workers()) if can_fork() else 1
+    workers = args.workers or default_workers()
     start = time.perf_counter()
     result = search(config, args.gpus, cluster, batch, efficiency_from(args), args.vocab_size, not args.no_offload,
                     workers=workers)

@@ -295,7 +295,7 @@ def search(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: int, 
     again with the schedule simulator and re-ranked, so the top of the list carries simulated times.
     workers: processes that share the first pass (plan/workers.py; forked on Linux); the result is the same
     for any number."""
-    from fivefold.plan.workers import can_fork, map_shares
+    from fivefold.plan.workers import map_shares
 
     if global_batch < 1:
         raise ConfigError(f"--global-batch = {global_batch}: must be a positive number of sequences")
@@ -315,7 +315,7 @@ def search(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: int, 
     shares = map_shares(lambda share: _price(share, gpus, cluster, efficiency, vocab_size, runs), todo, workers)
     for share in shares:
         priced.merge(share)
-    result.workers = len(shares) if can_fork() else 1
+    result.workers = len(shares)
     configs = dict(todo)
     result.ranked = [(moved or configs[place], found) for place, moved, found in sorted(priced.ranked, key=lambda r: r[0])]
     firsts = sorted(priced.first.items(), key=lambda item: item[1][0])  # reasons in the order one pass meets them

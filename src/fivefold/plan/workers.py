@@ -51,14 +51,15 @@ def deal(items: Sequence[Item], shares: int, block: int = BLOCK) -> list[list[It
 
 
 def map_shares(price: Callable[[list[Item]], Result], items: Sequence[Item], workers: int) -> list[Result]:
-    """`price` of each share of `items` (`deal`), the first priced here, the others in forked children; with one
-    worker, no fork, or fewer items than two blocks, one share priced here. A child that fails raises here with
-    its traceback; one that dies (killed, out of memory) raises with its exit code."""
+    """`price` of each share of `items` (`deal`), the first priced here, the others in forked children: one
+    result per process used. With one worker, no fork, or fewer items than two blocks, one share priced here. A
+    child that fails raises here with its traceback; one that dies (killed, out of memory) raises with its exit
+    code."""
     if workers < 1:
         raise ValueError(f"workers = {workers}: must be at least 1")
-    shares = deal(items, min(workers, max(1, -(-len(items) // BLOCK))))
-    if len(shares) == 1 or not can_fork():
-        return [price(share) for share in shares]
+    shares = deal(items, min(workers, max(1, -(-len(items) // BLOCK))) if can_fork() else 1)
+    if len(shares) == 1:
+        return [price(shares[0])]
     import multiprocessing
 
     context = multiprocessing.get_context("fork")
