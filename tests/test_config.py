@@ -81,6 +81,9 @@ def test_preset_from_command_line():
          r"whole on every rank of a tensor-parallel group of 1: set tensor_parallel.degree > 1"),
         (["--pipeline_parallel.degree", "2", "--pipeline_parallel.scatter_gather", "true", "--tensor_parallel.degree",
           "2", "--tensor_parallel.sequence_parallel", "true"], r"sequence_parallel already sends each rank's own sequence"),
+        (["--pipeline_parallel.degree", "2", "--pipeline_parallel.placement", "middle"],
+         r"pipeline_parallel.placement = 'middle' is not one of outer, inner"),
+        (["--pipeline_parallel.placement", "inner"], r"placement = 'inner' places pipeline stages: set pipeline_parallel.degree > 1"),
     ],
 )
 def test_bad_input_names_the_setting(args, message):

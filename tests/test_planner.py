@@ -900,6 +900,30 @@ def test_search_tries_other_sharding_degrees_for_its_best_zero_layouts():
     assert any(c.data_parallel.shard_optim for c, _ in result.ranked[:10])
 
 
+def test_search_places_pipeline_stages_inside_data_parallelism_where_that_is_faster():
+    """Two nodes of four joined by a slow link, 4,096-token sequences of a small model: the activations between
+    stages outweigh the gradients, so the best pipelined layouts run faster with one pipeline's stages on
+    neighbouring ranks (pipeline_parallel.placement = inner) than outermost; the search prices each of its best
+    pipelined layouts both ways and ranks the twins by their times. Inside one node both price alike: no twin."""
+    from fivefold.plan.cluster import LinkSpec
+    from fivefold.plan.search import placement_options
+
+    two_nodes = dataclasses.replace(CLUSTERS["h100-sxm"], accelerators_per_node=4, inter=LinkSpec(1.0, 10.0),
+                                    collectives={})
+    config = load_config("configs/tiny.toml", ["--train.seq_len", "4096", "--model.max_seq_len", "4096",
+                                               "--model.n_layers", "8"])
+    result = search(config, 8, two_nodes, 64, refine=20)
+    assert result.placements > 0
+    best, found = result.ranked[0]
+    assert best.pipeline_parallel.placement == "inner" and found.degrees.dp > 1
+    twin = dataclasses.replace(best, pipeline_parallel=dataclasses.replace(best.pipeline_parallel, placement="outer"))
+    outer = next(e for c, e in result.ranked if c == twin)
+    assert outer.time.pp_comm > 10 * found.time.pp_comm and outer.time.total > 1.2 * found.time.total
+    assert found.time.dp > outer.time.dp  # the gradients now cross the slow link
+    assert placement_options(best, 8, CLUSTERS["h100-sxm"]) == []  # eight per node: every placement alike
+    assert placement_options(_config("--pipeline_parallel.degree", "2"), 2, two_nodes) == []  # dp 1
+
+
 def test_plan_sharding_degrees_prints_the_ranking_and_writes_the_winner(tmp_path, capsys):
     out = tmp_path / "best.toml"
     args = ["plan", "--model.preset", "llama3-8b", "--train.seq_len", "4096", "--train.dtype", "bf16",

@@ -967,3 +967,27 @@ def test_pushes_are_taken_in_the_order_they_were_posted():
     workload = Workload({}, Grid(1, 2, 1, 1, 1), None, [[0]], (0, 1, 2, 3), "flow", steps=2, server_ranks=(2, 3))
     events = {(0, "s0-push"): 2.0, (1, "s0-push"): 1.0, (0, "s1-push"): 5.0, (1, "s1-push"): 5.0}
     assert arrival_orders(workload, SimResult(0.0, {}, {}, [], events=events)) == {2: [1, 0, 0, 1], 3: [1, 0, 0, 1]}
+
+
+def test_pipeline_placement_is_priced_alike_by_planner_and_simulator():
+    """pipeline_parallel.placement on two nodes of four: outermost, the pipeline's messages cross nodes and DDP's
+    all-reduce stays inside one; inside data parallelism (ranks 0, 1 one pipeline), the reverse. The simulator
+    plays the runtime's groups for each (rank 0's calls), and the planner prices both within 1% of it."""
+    from fivefold.sim.workload import build_workload
+
+    two_nodes = dataclasses.replace(H100, accelerators_per_node=4, intra=LinkSpec(100.0, 3.0),
+                                    inter=LinkSpec(2.0, 10.0), collectives={})
+    plans, groups = {}, {}
+    for placement in ("outer", "inner"):
+        config = _config("--pipeline_parallel.degree", "2", "--train.grad_accum_steps", "4", "--model.dim", "512",
+                         "--pipeline_parallel.placement", placement)
+        plans[placement] = planned = estimate(config, 8, two_nodes, 0.5, vocab_size=257).time
+        for fidelity in ("analytical", "flow"):
+            played = simulate_step(config, 8, two_nodes, 0.5, fidelity, vocab_size=257)
+            assert planned.total == pytest.approx(played.time, rel=0.01)
+            assert planned.dp == pytest.approx(played.breakdown()["dp"], rel=0.01)
+        calls = build_workload(config, 8, two_nodes, 0.5, "flow", vocab_size=257).calls(0)
+        groups[placement] = {kind: {members for k, members, _ in calls if k == kind} for kind in ("send", "all_reduce")}
+    assert groups["outer"]["send"] == {(0, 4)} and (0, 1, 2, 3) in groups["outer"]["all_reduce"]
+    assert groups["inner"]["send"] == {(0, 1)} and (0, 2, 4, 6) in groups["inner"]["all_reduce"]
+    assert plans["inner"].pp_comm < plans["outer"].pp_comm and plans["inner"].dp > 10 * plans["outer"].dp

@@ -36,3 +36,30 @@ def test_device_mesh_groups_match_the_layout():
     assert results[0][0] == {"dp_replicate": [0, 2], "dp_shard": [0, 1], "dp": [0, 1, 2, 3]}
     assert results[3][0] == {"dp_replicate": [1, 3], "dp_shard": [2, 3], "dp": [0, 1, 2, 3]}
     assert all(coord == local for _, coord, local in results)
+
+
+def test_pipeline_inside_data_parallelism_places_stages_on_neighbouring_ranks():
+    """placement = inner: ranks run (dp_replicate, dp_shard, pp, cp, tp), so one pipeline's stages are neighbours."""
+    dims = ParallelDims(dp_replicate=2, pp=2, tp=2, world_size=8, placement="inner")
+    assert dims.order == ("dp_replicate", "dp_shard", "pp", "cp", "tp")
+    assert dims.coordinates(2) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0, "dp": 0}
+    assert dims.coordinates(5) == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "cp": 0, "tp": 1, "dp": 1}
+    assert dims.rank_grid()[1, 0, 0, 0, 1].item() == 3  # pp 1, tp 1 of the first replica
+    assert "block 1: ranks [4, 5]" in dims.describe() and "block 2: ranks [2, 3]" in dims.describe()
+    with pytest.raises(ConfigError, match="placement = 'middle'"):
+        ParallelDims(placement="middle")
+
+
+def _placed_groups(rank, world_size, placement):
+    dims = ParallelDims(dp_replicate=2, pp=2, world_size=world_size, placement=placement)
+    mesh = build_mesh(dims, "cpu")
+    groups = {name: mesh.ranks(name) for name in ("pp", "dp", "dp_cp")}
+    coords = dims.coordinates(rank)
+    return groups, (coords["pp"], coords["dp"]), (mesh.local_rank("pp"), mesh.local_rank("dp"))
+
+
+@pytest.mark.parametrize("placement,pp_group,dp_group", [("outer", [0, 2], [0, 1]), ("inner", [0, 1], [0, 2])])
+def test_device_mesh_follows_the_pipeline_placement(placement, pp_group, dp_group):
+    results = run_distributed(_placed_groups, 4, placement)
+    assert results[0][0] == {"pp": pp_group, "dp": dp_group, "dp_cp": dp_group}
+    assert all(coords == local for _, coords, local in results)

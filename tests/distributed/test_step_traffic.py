@@ -7,7 +7,8 @@ point-to-point send as (sender, receiver, bytes). The simulator builds the same 
 be equal. This covers DDP's buckets (backend and hand-written all-reduce, in which case every
 message of the algorithm is compared, and the int8, sign, top-k and PowerSGD codecs' exchanges), ZeRO-1/2/3, hybrid sharding and independent P/G/OS degrees (AMSP, MiCS), tensor parallelism with and
 without sequence parallelism (blocks, vocab-parallel embedding, head and loss, the norms' summed
-gradients), the pipeline schedules' activations and gradients (whole, or scattered over tp and all-gathered), a tied
+gradients), the pipeline schedules' activations and gradients (whole, or scattered over tp and all-gathered; stages outermost or
+inside data parallelism), a tied
 embedding's gradient summed over the first and last stages, ring, Ulysses and 2D context
 parallelism, recomputation, collective matmuls (tensor_parallel.comm_overlap), ZeRO++ (quantised gathers, hpZ's in-node backward gathers, qgZ's two levels
 of all-to-alls) and mixture-of-experts layers (expert and expert-tensor parallelism's all-to-alls, the
@@ -85,6 +86,9 @@ LAYOUTS = {
                                        gradient_comm={"bucket_mb": 0.05}, train={"grad_accum_steps": 2}),
         "pp2-dp2-zero1-tied-embedding": dict(model={"tie_embeddings": True}, pipeline_parallel={"degree": 2},
                                              data_parallel={"zero_stage": 1, "shard": 2}, train={"grad_accum_steps": 2}),
+        "pp2-dp2-zero1-tied-embedding-inner": dict(model={"tie_embeddings": True},
+                                                   pipeline_parallel={"degree": 2, "placement": "inner"},
+                                                   data_parallel={"zero_stage": 1, "shard": 2}, train={"grad_accum_steps": 2}),
         "tp2-pp2-sp": dict(tensor_parallel={"degree": 2, "sequence_parallel": True}, pipeline_parallel={"degree": 2},
                            train={"grad_accum_steps": 2}),
         "tp2-pp2-scatter-gather-interleaved": dict(tensor_parallel={"degree": 2},

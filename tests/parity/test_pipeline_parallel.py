@@ -59,11 +59,14 @@ def test_tied_embeddings_across_first_and_last_stage(tied, tmp_path, schedule):
     print(f"pp 2 {schedule} tied: {diffs}")
 
 
-def test_pp2_x_dp2_with_zero1_and_tied_embeddings(tied, tmp_path):
+@pytest.mark.parametrize("placement", ["outer", "inner"])
+def test_pp2_x_dp2_with_zero1_and_tied_embeddings(tied, tmp_path, placement):
+    """Either placement of the stages (inner: ranks 0, 1 hold one pipeline, 2, 3 the other) trains the same."""
     config = with_changes(tied, train={"micro_batch_size": 2, "grad_accum_steps": 2, "output_dir": str(tmp_path / "pp-dp")},
-                          pipeline_parallel={"degree": 2, "schedule": "1f1b"}, data_parallel={"shard": 2, "zero_stage": 1})
+                          pipeline_parallel={"degree": 2, "schedule": "1f1b", "placement": placement},
+                          data_parallel={"shard": 2, "zero_stage": 1})
     diffs = assert_parity(train_single(tied), train_distributed(config, 4))
-    print(f"pp2 x dp2 zero1 tied: {diffs}")
+    print(f"pp2 x dp2 zero1 tied ({placement}): {diffs}")
 
 
 def test_pp2_x_dp2_ddp_with_tied_embeddings(tied, tmp_path):

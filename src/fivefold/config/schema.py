@@ -33,6 +33,7 @@ from fivefold.model.presets import get_preset
 
 DTYPES = ("fp32", "bf16")
 QUANTIZED_GRADIENTS = ("none", "int8", "int4")
+PIPELINE_PLACEMENTS = ("outer", "inner")  # parallel/mesh.py: the pipeline outermost, or inside data parallelism
 
 
 def did_you_mean(word: str, options: Iterable[str]) -> str:
@@ -382,12 +383,18 @@ class PipelineParallelConfig:
     """Cost the stage split balances: `flops` (training FLOPs, head included) or `params` (parameters, embedding included)."""
     scatter_gather: bool = False
     """With tensor_parallel.degree > 1 and no sequence parallelism: each tensor-parallel rank sends 1/degree of a stage's activation (and gradient) and the receiving stage all-gathers the pieces over its tensor-parallel group (Megatron-LM's scatter/gather): degree times fewer bytes between stages, one all-gather inside each."""
+    placement: str = "outer"
+    """Where the stages lie among the ranks: `outer` puts the pipeline outermost (ranks run pp, dp, cp, tp from slowest to fastest changing: a stage's data-parallel replicas are neighbours, its next stage dp x cp x tp ranks away), `inner` puts it inside data parallelism (dp, pp, cp, tp: one pipeline's stages are neighbours, its data-parallel replicas pp x cp x tp ranks apart; Megatron-LM's tp-pp-dp order). Neighbouring ranks share a node: `inner` keeps the stage-to-stage messages on the node's links and sends the gradient reduction across nodes."""
 
     def validate(self) -> None:
         _positive("pipeline_parallel", self, "degree", "virtual")
         if self.scatter_gather and self.degree == 1:
             raise ConfigError("pipeline_parallel.scatter_gather splits the messages between pipeline stages: set "
                               "pipeline_parallel.degree > 1 or leave scatter_gather off")
+        check_choice("pipeline_parallel.placement", self.placement, PIPELINE_PLACEMENTS)
+        if self.placement != "outer" and self.degree == 1:
+            raise ConfigError(f"pipeline_parallel.placement = {self.placement!r} places pipeline stages: set "
+                              "pipeline_parallel.degree > 1 or leave placement at 'outer'")
         if self.degree == 1 and (self.virtual > 1 or self.layers_per_stage):
             raise ConfigError("pipeline_parallel.virtual and pipeline_parallel.layers_per_stage split a pipeline: "
                               "set pipeline_parallel.degree > 1")

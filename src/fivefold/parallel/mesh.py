@@ -4,7 +4,11 @@ Ranks are laid out row-major over (pp, dp_replicate, dp_shard, cp, tp), tp inner
 consecutive global ranks form a tensor-parallel group, so with tp <= GPUs per node a TP group
 never leaves a node (its all-reduces are the most frequent and the largest). Then context,
 then data (sharded, then replicated), then pipeline outermost, whose point-to-point traffic is
-the lightest and can cross the slowest links.
+the lightest and can cross the slowest links. `pipeline_parallel.placement = "inner"` moves the
+pipeline inside data parallelism, (dp_replicate, dp_shard, pp, cp, tp) as Megatron-LM's tp-pp-dp
+order does: one pipeline's stages are neighbours, and the gradient reduction crosses the far links
+instead. The mesh's dimensions keep their names and their order (`MESH_DIMS`) either way; only
+which global rank sits at each coordinate changes (`ParallelDims.order`).
 
 The mesh is a `torch.distributed.device_mesh.DeviceMesh` with these names, plus three flattened
 dimensions: `dp` = (dp_replicate, dp_shard), over which batches are split; `dp_cp` =
@@ -40,6 +44,7 @@ from fivefold.parallel.shard_layout import config_degrees
 from fivefold.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+RANK_ORDERS = {"outer": MESH_DIMS, "inner": ("dp_replicate", "dp_shard", "pp", "cp", "tp")}  # slowest-changing first
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
              "dp_shard_cp": ("dp_shard", "cp"), "dp_cp_tp": ("dp_replicate", "dp_shard", "cp", "tp"),
              "cp_tp": ("cp", "tp")}
@@ -53,8 +58,11 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     world_size: int = 1
+    placement: str = "outer"  # pipeline_parallel.placement: the key of RANK_ORDERS
 
     def __post_init__(self) -> None:
+        if self.placement not in RANK_ORDERS:
+            raise ConfigError(f"placement = {self.placement!r}: use one of {', '.join(RANK_ORDERS)}")
         for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "world_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} = {getattr(self, name)}: must be a positive integer")
@@ -75,6 +83,16 @@ class ParallelDims:
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, name) for name in MESH_DIMS)
 
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The mesh dimensions from the slowest- to the fastest-changing along the global ranks."""
+        return RANK_ORDERS[self.placement]
+
+    def rank_grid(self) -> torch.Tensor:
+        """The global rank at every coordinate, indexed in `MESH_DIMS` order (a DeviceMesh's mesh tensor)."""
+        grid = torch.arange(self.world_size).reshape([getattr(self, name) for name in self.order])
+        return grid.permute([self.order.index(name) for name in MESH_DIMS])
+
     def size(self, name: str) -> int:
         """Ranks along a mesh dimension or a flattened one."""
         parts = FLATTENED.get(name, (name,))
@@ -84,14 +102,15 @@ class ParallelDims:
         return out
 
     def describe_degrees(self) -> str:
-        """The degrees in one line, for logs: 'dp 2 x cp 2 x tp 1 x pp 1'."""
+        """The degrees in one line, for logs: 'dp 2 x cp 2 x tp 1 x pp 1' (and where the stages lie, if inside dp)."""
         return " x ".join(f"{name} {value}" for name, value in
-                          (("dp", self.dp), ("cp", self.cp), ("tp", self.tp), ("pp", self.pp)))
+                          (("dp", self.dp), ("cp", self.cp), ("tp", self.tp), ("pp", self.pp))) \
+            + (" (pipeline inside dp)" if self.placement == "inner" and self.pp > 1 else "")
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """This rank's index along each mesh dimension (row-major, tp innermost)."""
+        """This rank's index along each mesh dimension (row-major in `order`, tp innermost)."""
         coords = {}
-        for name in reversed(MESH_DIMS):
+        for name in reversed(self.order):
             size = getattr(self, name)
             coords[name] = rank % size
             rank //= size
@@ -100,10 +119,9 @@ class ParallelDims:
 
     def describe(self) -> str:
         """The rank grid, one line per (pp, dp_replicate) block, for logs and docs."""
-        lines = [f"world {self.world_size} = " + " x ".join(f"{n} {getattr(self, n)}" for n in MESH_DIMS)]
-        per_block = self.dp_shard * self.cp * self.tp
-        for block in range(self.world_size // per_block):
-            ranks = list(range(block * per_block, (block + 1) * per_block))
+        lines = [f"world {self.world_size} = " + " x ".join(f"{n} {getattr(self, n)}" for n in self.order)]
+        blocks = self.rank_grid().reshape(self.pp * self.dp_replicate, -1)
+        for block, ranks in enumerate(blocks.tolist()):
             lines.append(f"  block {block}: ranks {ranks}")
         return "\n".join(lines)
 
@@ -263,7 +281,8 @@ def dims_for(config, world_size: int) -> ParallelDims:
     dp, tp, cp, pp = config.data_parallel, config.tensor_parallel.degree, config.context_parallel.degree, config.pipeline_parallel.degree
     others = pp * dp.shard * cp * tp
     replicate = trainers // others if dp.replicate == -1 else dp.replicate
-    dims = ParallelDims(dp_replicate=max(replicate, 1), dp_shard=dp.shard, cp=cp, tp=tp, pp=pp, world_size=trainers)
+    dims = ParallelDims(dp_replicate=max(replicate, 1), dp_shard=dp.shard, cp=cp, tp=tp, pp=pp, world_size=trainers,
+                        placement=config.pipeline_parallel.placement)
     config_degrees(config, dims)  # the ZeRO sharding degrees fit these ranks (raises ConfigError)
     return dims
 
@@ -287,7 +306,10 @@ def build_mesh(dims: ParallelDims, device_type: str, timeout: timedelta | None =
     """Build the mesh (needs an initialised process group when dims.world_size > 1; every rank calls it)."""
     if dims.world_size == 1:
         return Mesh(dims, timeout=timeout)
-    device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
+    if dims.order == MESH_DIMS:
+        device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=MESH_DIMS)
+    else:  # the same named dimensions over a permuted rank grid
+        device_mesh = DeviceMesh(device_type, dims.rank_grid(), mesh_dim_names=MESH_DIMS)
     flattened = {name: device_mesh[parts]._flatten(name) for name, parts in FLATTENED.items()}
     if timeout is not None:
         for sub in [*(device_mesh[name] for name in MESH_DIMS if dims.size(name) > 1), *flattened.values()]:

@@ -112,10 +112,31 @@ class Degrees:
     ep: int
     etp: int
     replicas: int = 0  # EPLB's spare expert slots per expert-parallel rank (expert_parallel.replicas)
+    placement: str = "outer"  # pipeline_parallel.placement (parallel/mesh.py RANK_ORDERS)
 
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.cp * self.pp
+
+    @property
+    def pp_stride(self) -> int:
+        """Global ranks between neighbouring pipeline stages: a stage's dp x cp x tp ranks (outer) or cp x tp (inner)."""
+        return self.cp * self.tp * (self.dp if self.placement == "outer" else 1)
+
+    @property
+    def pp_span(self) -> int:
+        """Consecutive ranks holding one pipeline (its stages' messages cross the link this span needs): the
+        whole job when the pipeline is outermost."""
+        return self.world if self.placement == "outer" else self.pp * self.cp * self.tp
+
+    def fibre_span(self, span: int) -> int:
+        """A span of `span` consecutive ranks in one stage's (dp, cp, tp) numbering, as global ranks: the same when
+        the pipeline is outermost; inside data parallelism a step of dp jumps over the other stages (pp x cp x tp
+        ranks)."""
+        block = self.cp * self.tp
+        if self.placement == "outer" or self.pp == 1 or span <= block:
+            return span
+        return (span - 1) // block * self.pp * block + (span - 1) % block + 1
 
     def describe(self) -> str:
         parts = [f"dp {self.dp}", f"tp {self.tp}", f"pp {self.pp}", f"cp {self.cp}"]
@@ -248,7 +269,7 @@ def degrees_of(config: JobConfig, gpus: int) -> Degrees:
     ep, tp = config.expert_parallel, config.tensor_parallel
     check_expert_parallel(config.model, ep.degree, ep.alltoall, token_fiber_size(dims, tp.sequence_parallel and tp.degree > 1),
                           ep.tensor, config.data_parallel.zero_stage if config.data_parallel.mode == "ddp" else 0)
-    return Degrees(dims.dp, dims.dp_shard, dims.tp, dims.cp, dims.pp, ep.degree, ep.tensor, ep.replicas)
+    return Degrees(dims.dp, dims.dp_shard, dims.tp, dims.cp, dims.pp, ep.degree, ep.tensor, ep.replicas, dims.placement)
 
 
 def zero_degrees(config: JobConfig, d: Degrees):
@@ -787,7 +808,7 @@ def _expert_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, el
     stride = 1 if sp else d.tp  # the EP group's ranks are etp apart in the token fiber
     seconds, counts = 0.0, 0.0
     if d.ep > 1:
-        link = cluster.collective_link("all_to_all", (d.ep - 1) * d.etp * stride + 1)
+        link = cluster.collective_link("all_to_all", d.fibre_span((d.ep - 1) * d.etp * stride + 1))
         counts = native_collective("all_to_all", 8 * model.n_experts, d.ep, link)
         if rows_to is None or not rows:
             seconds += 2 * native_collective("all_to_all", rows, d.ep, link)
@@ -795,7 +816,7 @@ def _expert_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, el
             out, home = exchange_matrices(rows_to, model.dim * element)
             seconds += uneven_all_to_all(out, link) + uneven_all_to_all(home, link)
     if d.etp > 1:
-        span = (d.etp - 1) * stride + 1
+        span = d.fibre_span((d.etp - 1) * stride + 1)
         counts += native_collective("all_gather", 8 * model.n_experts * d.etp, d.etp, cluster.collective_link("all_gather", span))
         seconds += 2 * native_collective("all_to_all", d.etp * received, d.etp, cluster.collective_link("all_to_all", span))
     return seconds + counts, seconds
@@ -975,7 +996,7 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
         # a message between stages: the whole activation, or 1/tp of it (sequence parallelism; scatter/gather,
         # whose receivers then all-gather the pieces over tp before the compute that needs them)
         scatter = pipe.scatter_gather and d.tp > 1
-        send = links.link_for(d.world).message(activation_bytes // (d.tp if sp or scatter else 1))
+        send = links.link_for(d.pp_span).message(activation_bytes // (d.tp if sp or scatter else 1))
         if scatter:
             send += native_collective("all_gather", activation_bytes, d.tp, cluster.collective_link("all_gather", d.tp))
         sharing = core_sharing(config, d, cluster)
@@ -1064,10 +1085,10 @@ def step_scalars(config: JobConfig, model: ModelConfig, d: Degrees) -> list[tupl
     """`scalar_groups` as (what, bytes, ranks, span of ranks), those over more than one rank."""
     deg = zero_degrees(config, d)
     stage = d.world // d.pp
-    sizes = {"dp_cp": (d.dp * d.cp, d.dp * d.cp * d.tp), "tp": (d.tp, d.tp), "pp": (d.pp, d.world),
-             "shard": (deg.optim, deg.optim * d.tp) if deg is not None else (1, 1),
-             "expert_shard": (_expert_dp(config, d), stage), "ep": (d.ep, stage), "etp": (d.etp, stage),
-             "world": (d.world, d.world)}
+    sizes = {"dp_cp": (d.dp * d.cp, d.fibre_span(d.dp * d.cp * d.tp)), "tp": (d.tp, d.tp), "pp": (d.pp, d.pp_span),
+             "shard": (deg.optim, d.fibre_span(deg.optim * d.tp)) if deg is not None else (1, 1),
+             "expert_shard": (_expert_dp(config, d), d.fibre_span(stage)), "ep": (d.ep, d.fibre_span(stage)),
+             "etp": (d.etp, d.fibre_span(stage)), "world": (d.world, d.world)}
     calls = [(what, nbytes, *sizes[group]) for what, nbytes, group in scalar_groups(config, model, d)]
     return [call for call in calls if call[2] > 1]
 
@@ -1112,7 +1133,7 @@ def _routing_collectives(config: JobConfig, model: ModelConfig, d: Degrees, clus
         return native_collective("all_reduce", n, ranks, cluster.collective_link("all_reduce", span))
 
     tokens = d.dp * d.cp * (d.tp if sp else 1)
-    token_span = tokens if sp else (tokens - 1) * d.tp + 1
+    token_span = d.fibre_span(tokens if sp else (tokens - 1) * d.tp + 1)
     statistics = 0.0
     if model.moe_aux_loss == "switch":
         statistics = all_reduce(8 * model.n_experts, tokens, token_span)
@@ -1245,7 +1266,7 @@ def tied_embedding_bytes(model: ModelConfig, d: Degrees, config: JobConfig) -> i
 def _tied_embedding_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]],
                          cluster: ClusterSpec) -> float:
     """The all-reduce summing the first and last stages' tied embedding gradients: blocking, after the last backward."""
-    pair = tied_embedding_pair(model, d, split, tuple(range(0, d.world, d.world // d.pp)))
+    pair = tied_embedding_pair(model, d, split, tuple(range(0, d.pp * d.pp_stride, d.pp_stride)))
     if not pair:
         return 0.0
     return native_collective("all_reduce", tied_embedding_bytes(model, d, config), 2,
@@ -1344,7 +1365,7 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
     # the routed experts are a second instance over their expert-data-parallel group (parallel/data_parallel.py)
     dense, routed = params.dense, params.experts
     weight_bytes, grad_bytes = dense * element, dense * grad_element
-    span = group * d.tp
+    span = d.fibre_span(group * d.tp)
     buckets = max(1, int((params.total * grad_element) // (g.bucket_mb * 2**20)))
 
     def native(collective: str, n: float, ranks: int = group) -> float:
@@ -1401,7 +1422,7 @@ def replica_gradient_seconds(config: JobConfig, model: ModelConfig, d: Degrees, 
     placements = placements_for(model.moe_layers, model.n_experts, d.ep, d.replicas, config.expert_parallel.load_from)
     nbytes = expert_values(model, d.etp) * weight_element(config)
     stride = 1 if config.tensor_parallel.sequence_parallel and d.tp > 1 else d.tp
-    link = cluster.collective_link("all_reduce", (d.ep - 1) * d.etp * stride + 1)
+    link = cluster.collective_link("all_reduce", d.fibre_span((d.ep - 1) * d.etp * stride + 1))
     busiest = 0.0
     for rank in range(d.ep):
         seconds = 0.0
@@ -1486,7 +1507,7 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, weight_bytes: float, gr
         size = deg.size(kind)
         if size == 1:
             return 0.0
-        span = deg.span(kind) * stride
+        span = d.fibre_span(deg.span(kind) * stride)
         return native_collective(collective, nbytes, size, cluster.collective_link(collective, span))
 
     def hidden_behind(comm: float, compute: float) -> float:

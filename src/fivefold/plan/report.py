@@ -100,7 +100,8 @@ def describe_layout(config: JobConfig) -> str:
     parts = [f"zero {z.zero_stage}{sharded}" + (" offload" if z.offload else ""), f"recompute {t.recompute}",
              f"micro {t.micro_batch_size} x {t.grad_accum_steps}"]
     if p.degree > 1:
-        parts.append(p.schedule + (f" v{p.virtual}" if p.virtual > 1 else "") + f" stages {p.layers_per_stage}")
+        parts.append(p.schedule + (f" v{p.virtual}" if p.virtual > 1 else "") + f" stages {p.layers_per_stage}"
+                     + (" inside dp" if p.placement == "inner" else ""))
     return ", ".join(parts)
 
 
@@ -198,6 +199,7 @@ def _search(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec, o
     best_config, best = result.ranked[0]
     print("\n" + format_estimate(best, cluster, "best"))
     out["search"] = {"considered": result.considered, "rebalanced": result.rebalanced, "seconds": seconds, "workers": result.workers,
+                     "degree_options": result.degree_options, "placements": result.placements,
                      "global_batch": batch,
                      "rejected": dict(result.rejected), "examples": result.examples,
                      "top": [{"layout": describe_layout(c), **e.to_dict()} for c, e in result.ranked[:args.top]]}

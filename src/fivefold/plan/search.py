@@ -14,7 +14,11 @@ the cap first gets its blocks moved off its fullest ranks (`fit_stages`: an unev
 DAPPLE-style memory-aware stage planning); the survivors are ranked by predicted step time. The best ZeRO layouts are then tried again with other
 sharding degrees of parameters, gradients and optimizer states (`degree_options`: each of P, G, OS
 over 1, the ranks of one node, or all of dp x cp; AMSP's scale-aware choice, MiCS), and those that
-fit join the ranking. The winner is written as a complete TOML file that `train` loads unchanged.
+fit join the ranking. Last, each of the best pipelined layouts whose data-parallel replicas and
+stages could not all share a node is priced with the pipeline inside data parallelism as well
+(`placement_options`: pipeline_parallel.placement = inner, one pipeline's stages on neighbouring
+ranks and the gradient reduction across nodes), the stage placement the runtime builds.
+The winner is written as a complete TOML file that `train` loads unchanged.
 
 The data-parallel rules (which read none of recomputation, micro-batch or schedule) are checked once
 for each family of layouts differing only in those, so a refused family is counted without being built.
@@ -48,6 +52,7 @@ class SearchResult:
     considered: int = 0
     rebalanced: int = 0  # pipelined layouts that fit only with blocks moved off their fullest rank
     degree_options: int = 0  # the best ZeRO layouts tried again with other P/G/OS sharding degrees
+    placements: int = 0  # the best pipelined layouts tried again with the pipeline inside data parallelism
     workers: int = 1  # processes that priced the first pass
 
 
@@ -227,6 +232,18 @@ def degree_options(config: JobConfig, gpus: int, cluster: ClusterSpec, every_div
     return out
 
 
+def placement_options(config: JobConfig, gpus: int, cluster: ClusterSpec) -> list[JobConfig]:
+    """The layout with its pipeline stages placed the other way (pipeline_parallel.placement, parallel/mesh.py),
+    where that moves some group across nodes: a pipeline and data parallelism (or context parallelism's
+    replicas) whose ranks together exceed one node. Elsewhere both placements price alike."""
+    pipe = config.pipeline_parallel
+    if pipe.degree == 1 or gpus <= cluster.accelerators_per_node or gpus == pipe.degree * config.tensor_parallel.degree \
+            * config.context_parallel.degree:
+        return []
+    other = "inner" if pipe.placement == "outer" else "outer"
+    return [dataclasses.replace(config, pipeline_parallel=dataclasses.replace(pipe, placement=other))]
+
+
 def choose_degrees(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float = 0.5, vocab_size: int = 0,
                    every_divisor: bool = True) -> list[tuple[JobConfig, Estimate]]:
     """The config and its other sharding degrees (degree_options) that fit the accelerator's memory, fastest
@@ -336,5 +353,10 @@ def search(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: int, 
                 best.append((option, found))
             else:
                 result.rejected["memory"] += 1
+    for config, _ in list(best):  # the stages placed inside data parallelism
+        for option in placement_options(config, gpus, cluster):
+            result.considered += 1
+            result.placements += 1
+            best.append((option, estimate(option, gpus, cluster, efficiency, vocab_size, runs)))
     result.ranked[:refine] = sorted(best, key=_rank_key)
     return result

@@ -97,7 +97,7 @@ from fivefold.config.schema import JobConfig
 from fivefold.errors import ConfigError
 from fivefold.model.config import ModelConfig
 from fivefold.parallel.expert_placement import replica_holders
-from fivefold.parallel.mesh import MESH_DIMS
+from fivefold.parallel.mesh import RANK_ORDERS
 from fivefold.parallel.shard_layout import GROUP_KINDS
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
@@ -120,36 +120,42 @@ _RING_FLOWS = ("all_reduce", "reduce_scatter", "all_gather")  # aggregate: the r
 
 @dataclass(frozen=True)
 class Grid:
-    """Global ranks over (pp, dp_replicate, dp_shard, cp, tp), row-major, tp innermost (parallel/mesh.py)."""
+    """Global ranks over (pp, dp_replicate, dp_shard, cp, tp), row-major, tp innermost, or with the pipeline inside
+    data parallelism (`placement`: parallel/mesh.py RANK_ORDERS)."""
 
     pp: int
     dp_replicate: int
     dp_shard: int
     cp: int
     tp: int
-    DIMS = MESH_DIMS
+    placement: str = "outer"
     _groups: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     @property
     def size(self) -> int:
         return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The dimensions from the slowest- to the fastest-changing along the global ranks."""
+        return RANK_ORDERS[self.placement]
+
     def coords(self, rank: int) -> dict[str, int]:
         out = {}
-        for dim in reversed(self.DIMS):
+        for dim in reversed(self.order):
             rank, out[dim] = divmod(rank, getattr(self, dim))
         return out
 
     def rank(self, **coords: int) -> int:
         rank = 0
-        for dim in self.DIMS:
+        for dim in self.order:
             rank = rank * getattr(self, dim) + coords.get(dim, 0)
         return rank
 
     def stride(self, dim: str) -> int:
         """Ranks between neighbours along `dim` (the product of the sizes inside it)."""
         inner = 1
-        for d in reversed(self.DIMS):
+        for d in reversed(self.order):
             if d == dim:
                 return inner
             inner *= getattr(self, d)
@@ -158,8 +164,7 @@ class Grid:
     def token_fibers(self, split_over_tp: bool) -> list[list[int]]:
         """Per pipeline stage, the ranks holding distinct tokens, in mesh order (parallel/expert_parallel.py
         `expert_fiber`): all of the stage's ranks when tp splits the tokens (or is 1), else one row per tp rank."""
-        per_stage = self.size // self.pp
-        stages = [list(range(p * per_stage, (p + 1) * per_stage)) for p in range(self.pp)]
+        stages = [[r for r in range(self.size) if self.coords(r)["pp"] == p] for p in range(self.pp)]
         if split_over_tp:
             return stages
         return [stage[t :: self.tp] for stage in stages for t in range(self.tp)]
@@ -174,7 +179,7 @@ class Grid:
     def _group(self, rank: int, dims: tuple[str, ...]) -> tuple[int, ...]:
         coords = self.coords(rank)
         members = [rank - sum(coords[dim] * self.stride(dim) for dim in dims)]
-        for dim in sorted(set(dims), key=self.DIMS.index):  # outer dims first: the members come out in order
+        for dim in sorted(set(dims), key=self.order.index):  # outer dims first: the members come out in order
             stride = self.stride(dim)
             members = [m + i * stride for m in members for i in range(getattr(self, dim))]
         return tuple(members)
@@ -348,7 +353,7 @@ class _Builder:
         t, pipe = config.train, config.pipeline_parallel
         self.split = plan_stages(self.model, t.seq_len, d.pp * pipe.virtual, pipe.layers_per_stage, pipe.balance) \
             if d.pp > 1 else [list(range(self.model.n_layers))]
-        self.grid = Grid(d.pp, d.dp // d.dp_shard, d.dp_shard, d.cp, d.tp)
+        self.grid = Grid(d.pp, d.dp // d.dp_shard, d.dp_shard, d.cp, d.tp, d.placement)
         self.costs: PassCosts = pass_costs(config, self.model, d, cluster, efficiency)
         self.units = stage_units(self.model, self.split, d)
         self.element = 2 if compute_dtype(config) == "bf16" else 4
