@@ -922,6 +922,10 @@ def test_search_places_pipeline_stages_inside_data_parallelism_where_that_is_fas
     assert found.time.dp > outer.time.dp  # the gradients now cross the slow link
     assert placement_options(best, 8, CLUSTERS["h100-sxm"]) == []  # eight per node: every placement alike
     assert placement_options(_config("--pipeline_parallel.degree", "2"), 2, two_nodes) == []  # dp 1
+    pipelined = ("--pipeline_parallel.degree", "2", "--tensor_parallel.degree")
+    assert placement_options(_config(*pipelined, "8"), 32, CLUSTERS["h100-sxm"]) == []  # tp fills a node: dp crosses
+    assert [c.pipeline_parallel.placement for c in placement_options(_config(*pipelined, "2"), 32, CLUSTERS["h100-sxm"])] \
+        == ["inner"]
 
 
 def test_plan_sharding_degrees_prints_the_ranking_and_writes_the_winner(tmp_path, capsys):

@@ -234,11 +234,12 @@ def degree_options(config: JobConfig, gpus: int, cluster: ClusterSpec, every_div
 
 def placement_options(config: JobConfig, gpus: int, cluster: ClusterSpec) -> list[JobConfig]:
     """The layout with its pipeline stages placed the other way (pipeline_parallel.placement, parallel/mesh.py),
-    where that moves some group across nodes: a pipeline and data parallelism (or context parallelism's
-    replicas) whose ranks together exceed one node. Elsewhere both placements price alike."""
+    where that moves a group into or out of a node: data parallelism beside a pipeline, on more than one node, with
+    room in a node beside a tp x cp block. Elsewhere both placements price alike."""
     pipe = config.pipeline_parallel
-    if pipe.degree == 1 or gpus <= cluster.accelerators_per_node or gpus == pipe.degree * config.tensor_parallel.degree \
-            * config.context_parallel.degree:
+    block = config.tensor_parallel.degree * config.context_parallel.degree
+    if pipe.degree == 1 or gpus <= cluster.accelerators_per_node or gpus == pipe.degree * block \
+            or block >= cluster.accelerators_per_node:
         return []
     other = "inner" if pipe.placement == "outer" else "outer"
     return [dataclasses.replace(config, pipeline_parallel=dataclasses.replace(pipe, placement=other))]
