@@ -60,3 +60,13 @@ def test_resume_at_another_pipeline_degree(base, tmp_path, saved, resumed):
                                          train={"micro_batch_size": 2, "grad_accum_steps": 4})
     diffs = assert_parity(straight, result, param_atol=PARAM_ATOL)
     print(f"pp {saved} -> {resumed}: {diffs}")
+
+
+def test_resume_with_the_pipeline_placed_inside_data_parallelism(base, tmp_path):
+    """pp 2 x dp 2 with ZeRO-1 saved with the pipeline outermost resumes with it inside data parallelism
+    (pipeline_parallel.placement = inner): each rank now holds another stage or shard, read by name."""
+    layout = {"pipeline_parallel": {"degree": 2}, "data_parallel": {"shard": 2, "zero_stage": 1}}
+    inner = {**layout, "pipeline_parallel": {"degree": 2, "placement": "inner"}}
+    straight, result = _save_then_resume(base, tmp_path, layout, inner, train={"micro_batch_size": 2, "grad_accum_steps": 2})
+    diffs = assert_parity(straight, result, param_atol=PARAM_ATOL)
+    print(f"pp 2 x dp 2 outer -> inner: {diffs}")
