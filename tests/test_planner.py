@@ -293,7 +293,7 @@ def test_a_search_shared_by_forked_workers_finds_what_one_process_finds():
 
 def test_pipeline_stages_are_moved_to_fit_memory():
     """1F1B's first rank keeps the most micro-batches in flight: under an 80 GiB cap the balanced 8/8/8/8 split of
-    Llama-3 8B does not fit (96.2 GiB on rank 0), and moving blocks off the fullest ranks gives an uneven split
+    Llama-3 8B does not fit (96.1 GiB on rank 0), and moving blocks off the fullest ranks gives an uneven split
     that does, which the runtime's own checks accept as written."""
     from fivefold.plan.search import fit_stages
 
@@ -330,7 +330,7 @@ def _moved_to_fit(config, gib: float) -> list[int]:
 def test_interleaved_stages_are_moved_to_fit_memory():
     """Interleaved (v = 2, stage s on rank s mod 4): a rank's activations are bounded by its largest stage, so
     blocks leave the over-full rank's largest stage for the neighbouring stage of another rank; under a 104 GiB
-    cap the balanced 4 x 8 split of Llama-3 8B does not fit (118.4 GiB on rank 0: 11 micro-batch x stage pairs in
+    cap the balanced 4 x 8 split of Llama-3 8B does not fit (118.3 GiB on rank 0: 11 micro-batch x stage pairs in
     flight) and the moved one does, as the runtime accepts it."""
     config = _config("--train.seq_len", "4096", "--train.micro_batch_size", "2", "--pipeline_parallel.degree", "4",
                      "--pipeline_parallel.schedule", "interleaved", "--pipeline_parallel.virtual", "2",

@@ -349,6 +349,24 @@ def weight_copy_bytes(config: JobConfig, model: ModelConfig, d: Degrees, blocks:
     return 2 * weights
 
 
+def token_id_bytes(tokens: int, tp: int) -> int:
+    """What the embedding keeps for backward from one micro-batch of `tokens` (this rank's): the token ids (int64),
+    and under tensor parallelism (the vocabulary-parallel embedding) its ids shifted into this rank's rows and the
+    bool mask of those outside them; the shifted ids stand in for the batch's, so 8 + 1 bytes a token."""
+    return tokens * (9 if tp > 1 else 8)
+
+
+def recompute_working_bytes(config: JobConfig, model: ModelConfig, d: Degrees, kinds: dict[bool, int],
+                            whole: dict[bool, int]) -> dict[bool, int]:
+    """Under full recomputation, the bytes one block holds beyond its kept input (`kinds`) while its backward runs,
+    per block kind (dense False, MoE True): its forward runs again first and keeps what a forward without
+    recomputation keeps (`whole`), and under bf16 autocast that block's weight copies, until the block's backward
+    frees them. One block at a time, so a rank's peak has its largest block's on top of every kept input."""
+    uncheckpointed = dataclasses.replace(config, train=dataclasses.replace(config.train, recompute="none"))
+    return {moe: whole[moe] - kept + weight_copy_bytes(uncheckpointed, model, d, {moe: 1}, 1, False, 0)
+            for moe, kept in kinds.items()}
+
+
 def gradients_after_peak(config: JobConfig, model: ModelConfig, d: Degrees, kinds: dict[bool, int],
                          copies: dict[bool, int], logits: int) -> bool:
     """Whether a rank's peak comes before any gradient exists: one micro-batch, one stage, plain DDP (or none).
@@ -554,10 +572,15 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     # peak came within 0.2% of 2 bytes per element)
     autocast = autocast_copies(config)
     eager = autocast and d.cp == 1 and not t.compile
-    kinds = {moe: element * _block_activations(model, layer, shape, rows)
-             + (2 * (moe_autocast_extra_elements(model, shape, rows) if moe else autocast_extra_elements(model, shape))
-                if eager else 0)
-             for moe in (False, True) if (layer := first_block(model, moe)) >= 0}
+    def kept(moe: bool, shape: ActivationShape) -> int:
+        layer = first_block(model, moe)
+        extra = moe_autocast_extra_elements(model, shape, rows) if moe else autocast_extra_elements(model, shape)
+        return element * _block_activations(model, layer, shape, rows) + (2 * extra if eager else 0)
+
+    kinds = {moe: kept(moe, shape) for moe in (False, True) if first_block(model, moe) >= 0}
+    whole = dataclasses.replace(shape, recompute="none")
+    working = recompute_working_bytes(config, model, d, kinds, {moe: kept(moe, whole) for moe in kinds}) \
+        if t.recompute == "full" else {}
     states: dict[tuple, tuple[int, int, int, int]] = {}  # pipeline ranks holding alike blocks hold alike states
     out = []
     z = config.data_parallel
@@ -566,6 +589,9 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     last_logits = (logits_bytes(tokens, padded_vocab(model.vocab_size, d.tp) // d.tp, held, t.loss_chunk_tokens,
                                 compiled_loss)
                    + final_norm_bytes(tokens, model.dim, held, d.tp if sp else 1))
+    # every block counts the RoPE tables (fp32 cos and sin of the rank's positions) it keeps, but a stage's blocks
+    # share one pair per micro-batch: the stage's forward computes them once
+    rope = (4 if eager else element) * 2 * shape.seq_len * model.rope_dim  # as `kinds` counts them (fp32 under autocast)
     alike: dict[tuple, RankMemory] = {}  # (states key, activation and copy bytes) -> the rank's memory (no NVMe)
     block_copies = {moe: weight_copy_bytes(config, model, d, {moe: 1}, 1, False, 0) for moe in kinds}
     after_peak = gradients_after_peak(config, model, d, kinds, block_copies, last_logits)
@@ -575,7 +601,8 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
             layers = [layer for s in stages for layer in split[s]]
             moe = [layer for layer in layers if model.is_moe_layer(layer)]
             key = (len(layers), len(moe), first, last)
-            per_stage = max(sum(kinds[model.is_moe_layer(layer)] for layer in split[s]) for s in stages)
+            per_stage = max(sum(kinds[model.is_moe_layer(layer)] for layer in split[s]) - (len(split[s]) - 1) * rope
+                            for s in stages)
             rank_blocks = {False: len(layers) - len(moe), True: len(moe)}
         else:  # a dense rank's states depend only on how many blocks it holds (built only when first seen)
             layers, moe = None, []
@@ -584,7 +611,7 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
             else:
                 blocks, most = sum(len(split[s]) for s in stages), max(len(split[s]) for s in stages)
             key = (blocks, 0, first, last)
-            per_stage = most * kinds[False]
+            per_stage = most * kinds[False] - (most - 1) * rope
             rank_blocks = {False: blocks}
         if key not in states or z.nvme_path:
             layers = layers if layers is not None else [layer for s in stages for layer in split[s]]
@@ -595,6 +622,11 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
                            ddp_bucket_bytes(config, model, params, d))
         # with interleaving a rank's peak (micro-batch, stage) pairs spread over its stages: the largest bounds each
         activations = per_stage * in_flight[rank]
+        if working:  # one block recomputed at a time, after the loss's backward has freed the logits term
+            extra = max(working[moe] for moe, count in rank_blocks.items() if count)
+            activations += max(0, extra - last_logits) if last else extra
+        if first:  # each micro-batch in flight on the first stage (at most all of them) keeps its token ids
+            activations += min(in_flight[rank], t.grad_accum_steps) * token_id_bytes(tokens, d.tp)
         # the pipeline executor runs a step's compute in one autocast region: its micro-batches share one copy of
         # each weight of the rank's stages; a single stage's micro-batches run one after another
         copies = weight_copy_bytes(config, model, d, rank_blocks, 1, last, 1) if autocast else 0
