@@ -14,8 +14,9 @@ PowerSGD error feedback, PowerSGD's Q), are planned equal to the bytes the runti
 The peak of the bytes autograd keeps for backward over a whole step (train/memory.py PeakSavedBytes;
 ZeRO-3's gathered weights, which matmuls save as views, are its buffers and are left out) equals the
 planner's activations to the byte on ranks without the head (the blocks of every stage times the
-micro-batches in flight, their shared RoPE tables once per stage, the first stage's token ids, and under full
-recomputation the one block recomputed at a time, fp32 and bf16 autocast), within 1% on MoE layouts (the
+micro-batches in flight, their shared RoPE tables once per stage, the first stage's token ids, Ulysses' head-layout
+copies, and under full recomputation the one block recomputed at a time, fp32 and bf16 autocast, with the bf16
+weight copies autocast keeps), within 1% on MoE layouts (the
 test's routing is not the balanced one the planner prices), and on the head's rank lies between them
 and them plus the logits term, on every layout: ZeRO-3, MLA and MoE included.
 """
@@ -82,6 +83,12 @@ LAYOUTS = {  # name -> sections changed from the micro job (4 ranks)
                            train={"grad_accum_steps": 2, "recompute": "full"}),
     "cp2-pp2-full": dict(context_parallel={"degree": 2}, pipeline_parallel={"degree": 2},
                          train={"grad_accum_steps": 2, "recompute": "full"}),
+    "cp2-pp2-ring-bf16": dict(context_parallel={"degree": 2}, pipeline_parallel={"degree": 2},
+                              train={"grad_accum_steps": 2, "dtype": "bf16"}),
+    "cp2-pp2-ulysses-mqa": dict(context_parallel={"degree": 2, "method": "ulysses"}, pipeline_parallel={"degree": 2},
+                                model={"n_kv_heads": 1}, train={"grad_accum_steps": 2}),
+    "cp2-pp2-ulysses-full-bf16": dict(context_parallel={"degree": 2, "method": "ulysses"}, pipeline_parallel={"degree": 2},
+                                      train={"grad_accum_steps": 2, "recompute": "full", "dtype": "bf16"}),
     "pp2-full-bf16": dict(pipeline_parallel={"degree": 2}, train={"grad_accum_steps": 2, "recompute": "full", "dtype": "bf16"}),
 }
 
@@ -124,8 +131,8 @@ def _measure(rank, world_size, configs):
                     tuple(trainer.report.expected_model_states().__dict__.values()),
                     (mine.parameters, mine.gradients, mine.optimizer + mine.host),
                     tuple(trainer.report.model_state_bytes.__dict__.values()), groups, (mine.buckets, buckets),
-                    (saved.peak, mine.activations, mine.logits), tensors))
-        trainer.close()  # its gloo groups' threads and sockets: 42 layouts' worth would pile up otherwise
+                    (saved.peak, mine.activations + mine.weight_copies, mine.logits), tensors))
+        trainer.close()  # its gloo groups' threads and sockets: 45 layouts' worth would pile up otherwise
     return out
 
 

@@ -25,6 +25,9 @@ bytes in fp32):
     selective:  none - asb (the core is recomputed; q, k, v are its saved inputs, and its
                 output is still kept by wo, so with fused attention only the lse goes)
     full:       sbh + 2sd (the block's input and the RoPE tables; everything else is recomputed)
+    Ulysses     with context parallelism's heads split over n ranks (method ulysses or 2d), none also
+                keeps the core's own head-layout output, sbq/t, and k, v repeated r times to split
+                the rank's kv heads over n, 2sb*kv_t*d*(r - 1) (`head_parallel_elements`)
 
     q/k norms   `head` (Qwen3): 2sbq/t + 2sb*kv_t*d + sb(a/t + kv_t); `projection` (OLMo 2):
                 2sbq/t + 2sb*kv_t*d + 2sb (fp32 input, 1/rms, normalised output; full recompute
@@ -81,6 +84,7 @@ class ActivationShape:
     tp: int = 1
     sequence_parallel: bool = False
     recompute: str = "none"
+    head_parallel: int = 1  # context parallelism's Ulysses head group (ulysses: cp; 2d: context_parallel.heads)
 
 
 def block_activation_elements(model: ModelConfig, shape: ActivationShape) -> int:
@@ -106,7 +110,24 @@ def block_activation_elements(model: ModelConfig, shape: ActivationShape) -> int
         total += _qk_norm_elements(model, sb, t, kv, model.head_size)
     if shape.recompute == "selective":
         total -= a * sb // t
-    return total
+    return total + head_parallel_elements(model, shape)
+
+
+def head_parallel_elements(model: ModelConfig, shape: ActivationShape) -> int:
+    """What a block keeps beyond the count above when context parallelism splits the heads over a group of n > 1
+    ranks (Ulysses, or 2D's head groups: parallel/context_parallel.py). The core runs on the head layout, so it
+    keeps its own output there while wo keeps the output all-to-all'd back (sb a_t d more), and when the rank's
+    kv_t key/value heads are repeated r times to split over n (`_kv_repeats`) its k and v are r times their size
+    (2 sb kv_t d (r - 1) more). Nothing under selective recomputation, whose region starts before the all-to-all
+    (q, k, v are saved in the sequence layout, the output is only wo's), nor under full recomputation."""
+    n = shape.head_parallel
+    if n == 1 or shape.recompute != "none":
+        return 0
+    from fivefold.parallel.context_parallel import _kv_repeats
+
+    sb, t, d = shape.seq_len * shape.micro_batch, shape.tp, model.head_size
+    heads, kv = model.n_heads // t, max(model.kv_heads // t, 1)
+    return sb * d * (heads + 2 * kv * (_kv_repeats(heads, kv, n) - 1))
 
 
 def autocast_extra_elements(model: ModelConfig, shape: ActivationShape) -> int:

@@ -349,6 +349,17 @@ def weight_copy_bytes(config: JobConfig, model: ModelConfig, d: Degrees, blocks:
     return 2 * weights
 
 
+def head_parallel(config: JobConfig, d: Degrees) -> int:
+    """The ranks context parallelism splits the heads over (the Ulysses group: cp for ulysses, context_parallel.heads
+    for 2d, 1 for the ring)."""
+    if d.cp == 1:
+        return 1
+    from fivefold.parallel.context_parallel import ContextParallelLayout
+
+    cp = config.context_parallel
+    return ContextParallelLayout.for_method(cp.method, d.cp, cp.heads).heads
+
+
 def token_id_bytes(tokens: int, tp: int) -> int:
     """What the embedding keeps for backward from one micro-batch of `tokens` (this rank's): the token ids (int64),
     and under tensor parallelism (the vocabulary-parallel embedding) its ids shifted into this rank's rows and the
@@ -559,7 +570,7 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     t = config.train
     runs = runs or PipelineRuns()
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
-    shape = ActivationShape(t.micro_batch_size, t.seq_len // d.cp, d.tp, sp, t.recompute)
+    shape = ActivationShape(t.micro_batch_size, t.seq_len // d.cp, d.tp, sp, t.recompute, head_parallel(config, d))
     element = 2 if compute_dtype(config) == "bf16" else 4
     in_flight = _in_flight(config, d)
     # the last stage keeps each finished micro-batch's fp32 log-probabilities until its backward (GPipe: all m
@@ -567,11 +578,12 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     held = t.grad_accum_steps if d.pp > 1 and config.pipeline_parallel.schedule == "gpipe" else 1
     rows = expert_rows(config, model, d)
     # bytes per block; under bf16 autocast an eager block's fp32 tensors and per-matmul casts on top
-    # (`autocast_extra_elements`, a MoE block's `moe_autocast_extra_elements`), not under context parallelism, whose ring keeps its own, nor under
+    # (`autocast_extra_elements`, a MoE block's `moe_autocast_extra_elements`; under context parallelism too), not under
     # train.compile, whose fused kernels keep what inductor's partitioner picks (on an H200 a compiled 1B step's
     # peak came within 0.2% of 2 bytes per element)
     autocast = autocast_copies(config)
-    eager = autocast and d.cp == 1 and not t.compile
+    eager = autocast and not t.compile
+
     def kept(moe: bool, shape: ActivationShape) -> int:
         layer = first_block(model, moe)
         extra = moe_autocast_extra_elements(model, shape, rows) if moe else autocast_extra_elements(model, shape)
@@ -1272,7 +1284,7 @@ def _written_per_block(model: ModelConfig, config: JobConfig, d: Degrees) -> dic
     and writes them again (twice the forward, as for the FLOPs)."""
     t = config.train
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
-    shape = ActivationShape(t.micro_batch_size, t.seq_len // d.cp, d.tp, sp, "none")
+    shape = ActivationShape(t.micro_batch_size, t.seq_len // d.cp, d.tp, sp, "none", head_parallel(config, d))
     element = 2 if compute_dtype(config) == "bf16" else 4
     rows = expert_rows(config, model, d)
     return {moe: element * _block_activations(model, layer, shape, rows) for moe in (False, True)
@@ -1658,8 +1670,6 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
             time = dataclasses.replace(time, compute=compute, dp=clip + mine + queue, optimizer=own)
     tokens = t.micro_batch_size * t.grad_accum_steps * d.dp * t.seq_len
     notes = []
-    if d.cp > 1:
-        notes.append("context parallelism's extra saved tensors (ring steps' partial outputs) are not counted")
     if cluster.arrival.measured and time is not None and any(
             sum(block_sync_points(config, d, moe)) for moe in (False, True)):
         notes.append("tp / cp / ep comm include the ranks' arrival skew at each blocking collective (the cluster's "
