@@ -395,7 +395,12 @@ class _Builder:
         self._sequence: dict[tuple, int] = defaultdict(int)
         self._recordings: dict[tuple, dict[int, list[Op]]] = {}
         self._formulas: dict[tuple, float] = {}  # collective seconds by formula, per (kind, algorithm, bytes, p, span)
-        self._simulated_members: dict[tuple[int, ...], int] = {}  # a group -> how many of it are simulated
+        # a collective by formula: (kind, algorithm, bytes, matrix, members) -> (simulated members, seconds), and the op
+        # every member posts for one call, shared until the last of its simulated members has taken it
+        self._priced: dict[tuple, tuple[int, float]] = {}
+        self._computes: dict[tuple[float, str], Compute] = {}
+        self._skewed = cluster.arrival.measured  # blocking collectives wait for the ranks' arrival skew
+        self._posted: dict[tuple, list] = {}
         self._ring_latency: dict[tuple[int, ...], float] = {}  # aggregate: a ring's slowest hop latency
         self.router = (router or cluster_router(cluster, gpus)) if fidelity == "aggregate" else None
         self._events: dict[int, int] = defaultdict(int)
@@ -448,12 +453,7 @@ class _Builder:
         sequence = self._sequence[sequence_key] = self._sequence[sequence_key] + 1
         self.log[rank].append((kind, members, nbytes, algorithm, matrix))
         if by_formula or self.fidelity == "analytical" or (self.fidelity != "flow" and self._inside_node(members)):
-            span = members[-1] - members[0] + 1
-            seconds = self._formula(kind, algorithm, nbytes, p, span) if matrix is None else \
-                self._uneven_formula(matrix, span)
-            if members not in self._simulated_members:
-                self._simulated_members[members] = sum(m in self._simulated for m in members)
-            ops.append(Collective((stream, members, sequence), self._simulated_members[members], seconds, label))
+            ops.append(self._posted_collective(stream, kind, algorithm, members, nbytes, matrix, sequence, label))
             self.analytical += rank == members[0] and not by_formula  # the fidelity's choice, not a scalar's
             return
         if self.fidelity == "aggregate" and kind in _RING_FLOWS and resolve_algorithm(kind, algorithm) == "ring":
@@ -472,6 +472,26 @@ class _Builder:
                 ops.append(Wait(tuple(h + offset for h in op.handles), label))
         self._handles[key] = top
         self.recorded += rank == members[0]
+
+    def _posted_collective(self, stream: str, kind: str, algorithm: str, members: tuple[int, ...], nbytes: int,
+                           matrix: Matrix | None, sequence: int, label: str) -> Collective:
+        """The `Collective` op of one call priced by formula. Every member posts an equal op, so the first to post
+        builds it and the others take the same object (a step at 1,024 ranks posts millions)."""
+        key = (stream, members, sequence, label, kind, algorithm, nbytes, matrix)
+        posted = self._posted.get(key)
+        if posted is None:
+            price = key[4:] + (members,)
+            if price not in self._priced:
+                span = members[-1] - members[0] + 1
+                seconds = self._formula(kind, algorithm, nbytes, len(members), span) if matrix is None else \
+                    self._uneven_formula(matrix, span)
+                self._priced[price] = (sum(m in self._simulated for m in members), seconds)
+            size, seconds = self._priced[price]
+            posted = self._posted[key] = [Collective((stream, members, sequence), size, seconds, label), size]
+        posted[1] -= 1
+        if posted[1] <= 0:
+            del self._posted[key]
+        return posted[0]
 
     def _ring_flow(self, rank: int, stream: str, kind: str, members: tuple[int, ...], nbytes: int,
                    label: str) -> None:
@@ -558,7 +578,7 @@ class _Builder:
         """`rank` reaches a sync point of `ranks` ranks: inside a block pass (label tp, cp or ep) it first waits
         for the others' arrival skew after the compute since its last sync point (ClusterSpec.sync_delay,
         the planner's plan/estimate.py `block_sync_waits` rule); every sync point restarts the count."""
-        if label in ("tp", "cp", "ep") and ranks > 1:
+        if self._skewed and label in ("tp", "cp", "ep") and ranks > 1:
             delay = self.cluster.sync_delay(self._since[rank], ranks)
             if delay > 0:
                 self.programs[(rank, COMPUTE)].append(Delay(delay, label))
@@ -576,7 +596,10 @@ class _Builder:
 
     def compute(self, rank: int, seconds: float, label: str) -> None:
         if seconds > 0:
-            self.programs[(rank, COMPUTE)].append(Compute(seconds, label))
+            op = self._computes.get((seconds, label))
+            if op is None:  # ops are immutable: every rank's equal passes share one (a few dozen distinct in a step)
+                op = self._computes[(seconds, label)] = Compute(seconds, label)
+            self.programs[(rank, COMPUTE)].append(op)
             self._since[rank] += seconds
 
     # ------------------------------------------------------------------ one block
