@@ -142,7 +142,7 @@ class Degrees:
         parts = [f"dp {self.dp}", f"tp {self.tp}", f"pp {self.pp}", f"cp {self.cp}"]
         if self.ep * self.etp > 1:
             parts.append(f"ep {self.ep}" + (f" x etp {self.etp}" if self.etp > 1 else ""))
-        return " x ".join(parts)
+        return " x ".join(parts) + (" (pipeline inside dp)" if self.placement == "inner" and self.pp > 1 else "")
 
 
 @dataclass(frozen=True)

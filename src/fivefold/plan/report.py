@@ -100,8 +100,7 @@ def describe_layout(config: JobConfig) -> str:
     parts = [f"zero {z.zero_stage}{sharded}" + (" offload" if z.offload else ""), f"recompute {t.recompute}",
              f"micro {t.micro_batch_size} x {t.grad_accum_steps}"]
     if p.degree > 1:
-        parts.append(p.schedule + (f" v{p.virtual}" if p.virtual > 1 else "") + f" stages {p.layers_per_stage}"
-                     + (" inside dp" if p.placement == "inner" else ""))
+        parts.append(p.schedule + (f" v{p.virtual}" if p.virtual > 1 else "") + f" stages {p.layers_per_stage}")
     return ", ".join(parts)
 
 
