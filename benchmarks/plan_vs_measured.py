@@ -115,6 +115,9 @@ LAYOUTS = [
     (4, "dp2-pp2-zbh1", ["--pipeline_parallel.degree", "2", "--pipeline_parallel.schedule", "zb-h1", "--train.grad_accum_steps", "4"]),
     (4, "dp2-pp2-zero1", ["--pipeline_parallel.degree", "2", "--train.grad_accum_steps", "4", "--data_parallel.zero_stage", "1",
                           "--data_parallel.shard", "2"]),
+    # the pipeline inside data parallelism (ranks 0, 1 one pipeline): on one host every group shares its links
+    (4, "dp2-pp2-inner", ["--pipeline_parallel.degree", "2", "--train.grad_accum_steps", "4",
+                          "--pipeline_parallel.placement", "inner"]),
     (4, "dp2-cp2-zero3", ["--context_parallel.degree", "2", "--data_parallel.zero_stage", "3", "--data_parallel.shard", "2"]),
     # priority scheduling of the gradient slices (P3): no global clipping, updates deferred to the next forward
     (2, "dp2-priority", ["--gradient_comm.schedule", "priority", "--train.max_grad_norm", "0"]),
