@@ -337,16 +337,20 @@ def weight_copy_bytes(config: JobConfig, model: ModelConfig, d: Degrees, blocks:
     t = config.train
     weights = 0
     if t.recompute != "full" and not t.compile:  # inductor recasts a weight in backward rather than keep it
-        loop = model.n_experts and expert_rows(config, model, d).kernel == "loop"
-        for moe, count in blocks.items():
-            if count:
-                block = block_parameters(model, first_block(model, moe), d.tp, d.ep, d.etp, d.replicas)
-                routed = block.experts if loop else 0
-                router = model.n_experts * model.dim if moe else 0  # the router runs in fp32: nothing cast
-                weights += count * (block.dense - block_norm_parameters(model, d.tp) - router + routed) * in_flight
+        weights += sum(count * block_cast_elements(config, model, d, moe) * in_flight
+                       for moe, count in blocks.items() if count)
     if last and not t.loss_chunk_tokens:
         weights += held * padded_vocab(model.vocab_size, d.tp) // d.tp * model.dim
     return 2 * weights
+
+
+def block_cast_elements(config: JobConfig, model: ModelConfig, d: Degrees, moe: bool) -> int:
+    """The weights of one block (dense False, MoE True) autocast casts to bf16 on this rank: its matmuls', the
+    routed experts' only under the loop kernel, not the norms' nor the fp32 router's."""
+    block = block_parameters(model, first_block(model, moe), d.tp, d.ep, d.etp, d.replicas)
+    routed = block.experts if model.n_experts and expert_rows(config, model, d).kernel == "loop" else 0
+    router = model.n_experts * model.dim if moe else 0  # the router runs in fp32: nothing cast
+    return block.dense - block_norm_parameters(model, d.tp) - router + routed
 
 
 def head_parallel(config: JobConfig, d: Degrees) -> int:
@@ -373,8 +377,8 @@ def recompute_working_bytes(config: JobConfig, model: ModelConfig, d: Degrees, k
     per block kind (dense False, MoE True): its forward runs again first and keeps what a forward without
     recomputation keeps (`whole`), and under bf16 autocast that block's weight copies, until the block's backward
     frees them. One block at a time, so a rank's peak has its largest block's on top of every kept input."""
-    uncheckpointed = dataclasses.replace(config, train=dataclasses.replace(config.train, recompute="none"))
-    return {moe: whole[moe] - kept + weight_copy_bytes(uncheckpointed, model, d, {moe: 1}, 1, False, 0)
+    casts = autocast_copies(config) and not config.train.compile
+    return {moe: whole[moe] - kept + (2 * block_cast_elements(config, model, d, moe) if casts else 0)
             for moe, kept in kinds.items()}
 
 
@@ -590,9 +594,10 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
         return element * _block_activations(model, layer, shape, rows) + (2 * extra if eager else 0)
 
     kinds = {moe: kept(moe, shape) for moe in (False, True) if first_block(model, moe) >= 0}
-    whole = dataclasses.replace(shape, recompute="none")
-    working = recompute_working_bytes(config, model, d, kinds, {moe: kept(moe, whole) for moe in kinds}) \
-        if t.recompute == "full" else {}
+    working = {}
+    if t.recompute == "full":
+        whole = dataclasses.replace(shape, recompute="none")
+        working = recompute_working_bytes(config, model, d, kinds, {moe: kept(moe, whole) for moe in kinds})
     states: dict[tuple, tuple[int, int, int, int]] = {}  # pipeline ranks holding alike blocks hold alike states
     out = []
     z = config.data_parallel
