@@ -164,7 +164,9 @@ class Grid:
     def token_fibers(self, split_over_tp: bool) -> list[list[int]]:
         """Per pipeline stage, the ranks holding distinct tokens, in mesh order (parallel/expert_parallel.py
         `expert_fiber`): all of the stage's ranks when tp splits the tokens (or is 1), else one row per tp rank."""
-        stages = [[r for r in range(self.size) if self.coords(r)["pp"] == p] for p in range(self.pp)]
+        stages: list[list[int]] = [[] for _ in range(self.pp)]
+        for rank in range(self.size):  # in rank order: a stage's ranks in mesh order under either placement
+            stages[self.coords(rank)["pp"]].append(rank)
         if split_over_tp:
             return stages
         return [stage[t :: self.tp] for stage in stages for t in range(self.tp)]
@@ -395,9 +397,9 @@ class _Builder:
         self._sequence: dict[tuple, int] = defaultdict(int)
         self._recordings: dict[tuple, dict[int, list[Op]]] = {}
         self._formulas: dict[tuple, float] = {}  # collective seconds by formula, per (kind, algorithm, bytes, p, span)
-        # a collective by formula: (kind, algorithm, bytes, matrix, members) -> (simulated members, seconds), and the op
-        # every member posts for one call, shared until the last of its simulated members has taken it
-        self._priced: dict[tuple, tuple[int, float]] = {}
+        self._simulated_members: dict[tuple[int, ...], int] = {}  # a group -> how many of it are simulated
+        # the op every member of a collective priced by formula posts for one call, shared until the last of its
+        # simulated members has taken it
         self._computes: dict[tuple[float, str], Compute] = {}
         self._skewed = cluster.arrival.measured  # blocking collectives wait for the ranks' arrival skew
         self._posted: dict[tuple, list] = {}
@@ -480,13 +482,12 @@ class _Builder:
         key = (stream, members, sequence, label, kind, algorithm, nbytes, matrix)
         posted = self._posted.get(key)
         if posted is None:
-            price = key[4:] + (members,)
-            if price not in self._priced:
-                span = members[-1] - members[0] + 1
-                seconds = self._formula(kind, algorithm, nbytes, len(members), span) if matrix is None else \
-                    self._uneven_formula(matrix, span)
-                self._priced[price] = (sum(m in self._simulated for m in members), seconds)
-            size, seconds = self._priced[price]
+            span = members[-1] - members[0] + 1
+            seconds = self._formula(kind, algorithm, nbytes, len(members), span) if matrix is None else \
+                self._uneven_formula(matrix, span)
+            if members not in self._simulated_members:
+                self._simulated_members[members] = sum(m in self._simulated for m in members)
+            size = self._simulated_members[members]
             posted = self._posted[key] = [Collective((stream, members, sequence), size, seconds, label), size]
         posted[1] -= 1
         if posted[1] <= 0:
