@@ -186,3 +186,20 @@ def test_recompute_gives_the_same_training_and_keeps_less(job, tmp_path, mode):
     if mode == "full":  # each block keeps only its input
         assert kept < plain_kept / 3
     assert recomputed.fit().losses == pytest.approx(plain.fit().losses, rel=1e-6)
+
+
+def test_clipping_scales_every_gradient_as_one_multiply_each():
+    """clip_ (parallel/gradient_sync.py) scales the gradients in one foreach kernel: equal bit for bit to
+    multiplying each tensor, over mixed dtypes, and untouched at or under the limit."""
+    from fivefold.parallel.gradient_sync import clip_
+
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(37, 5, generator=generator), torch.randn(3, generator=generator).bfloat16(),
+             torch.randn(100, generator=generator)]
+    expected = [g.clone().mul_(1.5 / (4.0 + 1e-6)) for g in grads]
+    kept = [g.clone() for g in grads]
+    clip_(grads, 1.0, 1.5)
+    assert all(torch.equal(g, k) for g, k in zip(grads, kept))
+    clip_(grads, 4.0, 1.5)
+    assert all(g.dtype == e.dtype and torch.equal(g, e) for g, e in zip(grads, expected))
+    clip_([], 4.0, 1.5)

@@ -101,9 +101,17 @@ def sum_of_squares(tensors: list[torch.Tensor], weights: list[float] | None = No
 
 
 def clip_(grads: list[torch.Tensor], norm: float, max_norm: float) -> None:
-    if norm > max_norm:
-        for g in grads:
-            g.mul_(max_norm / (norm + 1e-6))
+    """Scale `grads` by max_norm / norm where the norm is above it, in one foreach kernel (as torch's own
+    clip_grad_norm_) per device and dtype, equal bit for bit to one multiply per tensor, which cost a MoE step of
+    1,575 tensors about 21 ms of kernel launches on an H200 (docs/planner.md). The factor goes in as an fp32
+    tensor: as a Python number foreach rounds it to a bf16 list's dtype first (one ulp off a bf16 multiply)."""
+    if norm <= max_norm:
+        return
+    alike: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        alike.setdefault((g.device, g.dtype), []).append(g)
+    for (device, _), group in alike.items():
+        torch._foreach_mul_(group, torch.tensor(max_norm / (norm + 1e-6), dtype=torch.float32, device=device))
 
 
 def step_tensor(value: float, optimizer: torch.optim.Optimizer | None = None,
