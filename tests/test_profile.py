@@ -145,7 +145,8 @@ def test_a_profile_of_another_model_or_a_bad_file_is_refused(tmp_path, measured)
                             ({**good, "extra": 1}, "expected the keys"), ({**good, "dtype": "fp8"}, "dtype = 'fp8'"),
                             ({**good, "threads": -1}, "threads = -1"), ({**good, "device": 3}, "device = 3"),
                             ({**good, "compiled": "yes"}, "compiled = 'yes'"),
-                            ({**good, "loss_chunk_tokens": -1}, "loss_chunk_tokens = -1")):
+                            ({**good, "loss_chunk_tokens": -1}, "loss_chunk_tokens = -1"),
+                            ({**good, "expert_kernel": "fast"}, "expert_kernel = 'fast'")):
         if broken is None:
             target = str(tmp_path / "missing.json")
         else:
@@ -155,7 +156,7 @@ def test_a_profile_of_another_model_or_a_bad_file_is_refused(tmp_path, measured)
             load_profile(target)
     assert dataclasses.replace(measured, threads=3).threads == 3
     path.write_text(json.dumps({k: v for k, v in good.items()
-                               if k not in ("threads", "device", "compiled", "loss_chunk_tokens")}))
+                               if k not in ("threads", "device", "compiled", "loss_chunk_tokens", "expert_kernel")}))
     assert load_profile(str(path)).threads == 0  # the optional keys may be absent (files of earlier versions)
 
 
@@ -181,3 +182,28 @@ def test_a_profile_measures_the_passes_as_the_job_runs_them(measured):
                                   (_config(), chunked, "train.loss_chunk_tokens 16 .profile. vs 0")):
         with pytest.raises(ConfigError, match=message):
             estimate(job, 1, h100, Efficiency(0.5, 0.0, profile))
+
+
+def test_a_moe_profile_times_the_expert_kernel_the_job_runs(monkeypatch):
+    """The MoE block is measured with the job's expert_parallel.kernel (`auto` resolved as the runtime resolves
+    it), the profile names it, and a job with the other kernel is refused (on an H200 the loop kernel's MoE step
+    took 2.9 times the grouped one's, docs/planner.md)."""
+    from fivefold.model.moe import ExpertKernel
+
+    ran = []
+    resolve = ExpertKernel.resolve
+    monkeypatch.setattr(ExpertKernel, "resolve", lambda self, x, experts: ran.append(resolve(self, x, experts)) or ran[-1])
+    moe = ["--model.preset", "tiny-moe", "--model.n_layers", "1", "--model.vocab_size", "257", "--train.seq_len", "32",
+           "--train.micro_batch_size", "2"]
+    profiles = {}
+    for kernel in ("loop", "grouped", "auto"):
+        ran.clear()
+        profiles[kernel] = measure_profile(load_config(None, [*moe, "--expert_parallel.kernel", kernel]), repeats=1)
+        expected = "grouped" if kernel == "auto" else kernel  # tiny-moe's widths meet the grouped GEMM's alignment
+        assert profiles[kernel].expert_kernel == expected and set(ran) == {expected}
+        assert profiles[kernel].moe_block > 0 and profiles[kernel].block == 0
+    loop_job = load_config(None, [*moe, "--expert_parallel.kernel", "loop"])
+    with pytest.raises(ConfigError, match="expert_parallel.kernel grouped .profile. vs loop"):
+        estimate(loop_job, 1, load_cluster("h100-sxm"), Efficiency(0.5, 0.0, profiles["grouped"]))
+    assert estimate(loop_job, 1, load_cluster("h100-sxm"), Efficiency(0.5, 0.0, profiles["loop"])).time.total > 0
+    assert measure_profile(_config(), repeats=1).expert_kernel == ""  # a dense model has no MoE block

@@ -14,8 +14,9 @@ profiled shape on one rank the priced passes are the measured ones exactly; else
 carries them.
 
 A profile is JSON (no code runs on load) naming the model's dimensions, the dtype, whether the passes were
-compiled (train.compile), the head's chunk (train.loss_chunk_tokens) and the shape it was measured at; one
-for another model, dtype, compilation or head is refused with the mismatch named.
+compiled (train.compile), the head's chunk (train.loss_chunk_tokens), the MoE block's expert kernel
+(expert_parallel.kernel as resolved) and the shape it was measured at; one for another model, dtype,
+compilation, head or expert kernel is refused with the mismatch named.
 """
 
 from __future__ import annotations
@@ -52,13 +53,16 @@ class ComputeProfile:
     device: str = ""
     compiled: bool = False  # measured under train.compile (compiled blocks and loss)
     loss_chunk_tokens: int = 0  # the head measured as train.loss_chunk_tokens runs it (0: the plain head)
+    expert_kernel: str = ""  # the MoE block's experts as measured, `grouped` or `loop` ("": no MoE block)
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **dataclasses.asdict(self)}, indent=2) + "\n"
 
-    def check_model(self, model, dtype: str, compiled: bool = False, loss_chunk_tokens: int = 0) -> None:
-        """ConfigError naming what differs when this profile was measured on another model, dtype, compilation
-        or head (eager passes priced a compiled 1B step 43% long on an H200, docs/planner.md)."""
+    def check_model(self, model, dtype: str, compiled: bool = False, loss_chunk_tokens: int = 0,
+                    expert_kernel: str = "") -> None:
+        """ConfigError naming what differs when this profile was measured on another model, dtype, compilation,
+        head or expert kernel (eager passes priced a compiled 1B step 43% long on an H200, and the loop kernel's
+        MoE step took 2.9 times the grouped one's, docs/planner.md)."""
         wrong = [f"model.{k} {self.model.get(k)!r} (profile) vs {getattr(model, k)!r}" for k in MODEL_KEYS
                  if self.model.get(k) != getattr(model, k)]
         if dtype != self.dtype:
@@ -67,6 +71,8 @@ class ComputeProfile:
             wrong.append(f"train.compile {str(self.compiled).lower()} (profile) vs {str(compiled).lower()}")
         if loss_chunk_tokens != self.loss_chunk_tokens:
             wrong.append(f"train.loss_chunk_tokens {self.loss_chunk_tokens} (profile) vs {loss_chunk_tokens}")
+        if self.expert_kernel and expert_kernel and expert_kernel != self.expert_kernel:
+            wrong.append(f"expert_parallel.kernel {self.expert_kernel} (profile) vs {expert_kernel}")
         if wrong:
             raise ConfigError("--profile was measured for another model: " + "; ".join(wrong)
                               + " (measure this one: fivefold bench compute with the job's config)")
@@ -84,7 +90,7 @@ def load_profile(path: str) -> ComputeProfile:
     if not isinstance(data, dict) or data.pop("format", None) != FORMAT:
         raise ConfigError(f"--profile {path}: not a {FORMAT} file")
     known = {f.name for f in dataclasses.fields(ComputeProfile)}
-    if not known - {"threads", "device", "compiled", "loss_chunk_tokens"} <= set(data) <= known:  # optional keys
+    if not known - {"threads", "device", "compiled", "loss_chunk_tokens", "expert_kernel"} <= set(data) <= known:  # optional keys
         raise ConfigError(f"--profile {path}: expected the keys {', '.join(sorted(known))}; found {', '.join(sorted(data))}")
     if data["dtype"] not in ("fp32", "bf16"):
         raise ConfigError(f"--profile {path}: dtype = {data['dtype']!r} must be fp32 or bf16")
@@ -94,6 +100,8 @@ def load_profile(path: str) -> ComputeProfile:
             raise ConfigError(f"--profile {path}: {key} = {value!r} must be a non-negative integer")
     if not isinstance(data.get("compiled", False), bool):
         raise ConfigError(f"--profile {path}: compiled = {data['compiled']!r} must be true or false")
+    if data.get("expert_kernel", "") not in ("", "grouped", "loop"):
+        raise ConfigError(f"--profile {path}: expert_kernel = {data['expert_kernel']!r} must be grouped or loop")
     if not isinstance(data.get("device", ""), str):
         raise ConfigError(f"--profile {path}: device = {data['device']!r} must be a string")
     for key in ("block", "moe_block", "core", "head"):

@@ -1,7 +1,9 @@
 """`fivefold bench compute`: time a model's passes on one accelerator and make its profile (plan/profile.py).
 
 The parts the planner prices (a dense and a MoE block, the attention core, the head with the loss) are
-timed forward and backward on a micro-batch of the job's shape; the blocks are then scaled to the whole
+timed forward and backward on a micro-batch of the job's shape (the MoE block with the job's expert
+kernel, `expert_kernel`: on an H200 the loop kernel's MoE step took 2.9 times the grouped one's, so a profile
+of one prices the other wrongly and is refused); the blocks are then scaled to the whole
 model's measured pass, whose weights and activations no longer sit in a cache as one block's do. On a
 CPU host `measure_on_ranks` runs as many measuring processes at once as the job has ranks.
 """
@@ -51,6 +53,23 @@ def _measure_rank(config, threads: int, vocab_size: int, repeats: int, barrier=N
     return profile
 
 
+def expert_kernel(config, model_config, dtype: str) -> str:
+    """The expert kernel the job's MoE layers run where this torch is (`grouped` or `loop`; "" without experts):
+    expert_parallel.kernel, with `auto` resolved as model/moe.py ExpertKernel resolves it on one rank."""
+    import torch
+
+    from fivefold.model.moe import auto_expert_kernel
+
+    if not model_config.n_experts:
+        return ""
+    kernel = config.expert_parallel.kernel
+    if kernel != "auto":
+        return kernel
+    if not hasattr(torch, "_grouped_mm"):
+        return "loop"
+    return auto_expert_kernel(model_config.dim, model_config.expert_hidden_dim, 2 if dtype == "bf16" else 4)
+
+
 def measure_profile(config, vocab_size: int = 0, repeats: int = 10, device: str = "cpu") -> ComputeProfile:
     """Time the passes of `config`'s model on one accelerator (`device`): a dense and a MoE block (the first of
     each kind), the attention core and the head with the loss, for one micro-batch of the job's shape in its
@@ -61,6 +80,7 @@ def measure_profile(config, vocab_size: int = 0, repeats: int = 10, device: str 
     import torch
 
     from fivefold.model.llama import attention_core, build_model, materialize
+    from fivefold.model.moe import ExpertKernel, MoE
     from fivefold.parallel.compile import apply_compile, compiled_loss
     from fivefold.parallel.output_loss import OutputLoss, cross_entropy_sum
     from fivefold.parallel.parallelize import DTYPES
@@ -103,6 +123,10 @@ def measure_profile(config, vocab_size: int = 0, repeats: int = 10, device: str 
     plain = compiled_loss() if t.compile and not t.loss_chunk_tokens else cross_entropy_sum
     loss = OutputLoss(plain, model, model_config.vocab_size, None, t.loss_chunk_tokens, DTYPES[t.dtype])
     x.requires_grad_(True)
+    kernel = expert_kernel(config, model_config, dtype)
+    for module in model.modules():  # the experts as the job's runtime runs them (parallel/expert_parallel.py)
+        if isinstance(module, MoE):
+            module.kernel = ExpertKernel(kernel)
     blocks = {}
     for moe in (False, True):
         layer = first_block(model_config, moe)
@@ -127,4 +151,4 @@ def measure_profile(config, vocab_size: int = 0, repeats: int = 10, device: str 
     return ComputeProfile({key: getattr(model_config, key) for key in MODEL_KEYS}, dtype, b, s, blocks[False],
                           blocks[True], core, head, torch.get_num_threads() if target.type == "cpu" else 0,
                           torch.cuda.get_device_name(target) if target.type == "cuda" else "cpu", t.compile,
-                          t.loss_chunk_tokens)
+                          t.loss_chunk_tokens, kernel)
