@@ -22,9 +22,9 @@ Memory per rank (bytes), for every pipeline rank; the report takes the largest:
     weight copies                      bf16 autocast over fp32 weights: one bf16 copy of the weights the
                                        rank's blocks and head multiply by (the pipeline executor's
                                        micro-batches share it: one autocast region per step)
-    gradients at the peak              left out of the total when one micro-batch on one stage peaks in
-                                       the loss's backward, before any gradient exists
-                                       (`gradients_after_peak`)
+    gradients at the peak              one micro-batch on one stage: left out of the total, which holds
+                                       instead how far backward climbs above the loss's backward
+                                       (`backward_climb`: gradients made, activations freed)
     logits                             the last stage's fp32 logits and their gradient,
                                        2 x 4 x b x s/cp x V_t/t; with the chunked head (chunk c)
                                        4 x b x s/cp + 2 x 4 x c x V_t/t (`logits_bytes`)
@@ -160,8 +160,10 @@ class RankMemory:
     buckets: int = 0  # DDP's flat gradient buckets (a second copy of the gradients, in gradient_comm.reduce_dtype)
     nvme: int = 0  # NVMe offload: the optimizer states in this rank's swap file (host keeps the slot ring)
     weight_copies: int = 0  # bf16 autocast over fp32 weights: the bf16 copy of the weights its forward multiplies by
-    # the gradients appear only after the peak (`gradients_after_peak`): counted in the states, not in the total
+    # the gradients appear only in backward, after the loss's (`backward_climb`): counted in the states, not in the
+    # total, which instead holds how far backward climbs above the loss's backward (0 where it never does)
     gradients_after_peak: bool = False
+    backward_climb: int = 0
 
     @cached_property  # frozen: a search reads a rank's total many times (the instance's __dict__ keeps it)
     def model_states(self) -> int:
@@ -169,8 +171,8 @@ class RankMemory:
 
     @cached_property
     def total(self) -> int:
-        return (self.model_states - (self.gradients if self.gradients_after_peak else 0) + self.activations
-                + self.logits + self.buffers + self.buckets + self.weight_copies)
+        return (self.model_states - (self.gradients - self.backward_climb if self.gradients_after_peak else 0)
+                + self.activations + self.logits + self.buffers + self.buckets + self.weight_copies)
 
 
 @dataclass(frozen=True)
@@ -382,28 +384,36 @@ def recompute_working_bytes(config: JobConfig, model: ModelConfig, d: Degrees, k
             for moe, kept in kinds.items()}
 
 
-def gradients_after_peak(config: JobConfig, model: ModelConfig, d: Degrees, kinds: dict[bool, int],
-                         copies: dict[bool, int], logits: int) -> bool:
-    """Whether a rank's peak comes before any gradient exists: one micro-batch, one stage, plain DDP (or none).
-    Gradients are set to None after each step, so the peak is the loss's backward (the kept
-    activations, the weight copies and the logits term, `logits` bytes) unless what backward creates later
-    outgrows what it frees: after the loss's backward the logits term is gone and the head's gradient (fp32 and
-    its bf16 copy: 6 V h bytes; an untied embedding's 4 V h more) has come; each block's backward then creates
-    its fp32 gradients and frees its activations and weight copies (`kinds`, `copies` per block). The gradients
-    are left out of the peak when the sum of those changes never climbs back above zero. Measured on an H200: a
-    1B and a 3B step (recomputation none, selective, full; compiled; the chunked head) peak at the states
-    without gradients, within 0.11 GiB (docs/planner.md). Otherwise they count (an upper bound)."""
+def backward_climb(config: JobConfig, model: ModelConfig, d: Degrees, kinds: dict[bool, int],
+                   copies: dict[bool, int], logits: int, working: dict[bool, int], rope: int) -> int | None:
+    """How far a rank's backward climbs above the loss's backward, in bytes, where that can be walked: one
+    micro-batch, one stage, plain DDP (or none); None elsewhere (the gradients then count whole: an upper bound).
+
+    Gradients are set to None after each step, so the total without them stands for the loss's backward (the kept
+    activations, the weight copies and the logits term, `logits` bytes, or a larger recomputed block's working
+    set). The walk then follows backward: the logits term goes and the head's gradient comes (fp32, with its bf16
+    copy while it is cast: 6 V h bytes, 4 V h after); each block, last layer first, holds its recomputed working
+    set (`working`, under full recomputation) while it creates its fp32 gradients, then frees its kept
+    activations and weight copies (`kinds`, `copies` per block; the RoPE tables, `rope` bytes, which every block
+    counts, are the stage's one pair, freed after its last block); the embedding's gradient comes last (4 V h,
+    accumulated into the head's when tied). The climb is how far the highest of those levels rises above the
+    total without gradients. Measured on an H200 (docs/planner.md): 1B and 3B steps (recomputation none,
+    selective, full; compiled; the chunked head) never climb, and peak within 0.11 GiB of that total; a MoE step
+    under full recomputation, whose expert gradients outweigh its logits, climbs."""
     t, z = config.train, config.data_parallel
     if d.pp > 1 or t.grad_accum_steps > 1 or z.mode != "ddp" or z.zero_stage:
-        return False
+        return None
     vocab_rows = padded_vocab(model.vocab_size, d.tp) // d.tp * model.dim
-    climb = (6 + (0 if model.tie_embeddings else 4)) * vocab_rows - logits
-    for moe, kept in kinds.items():
-        layer = first_block(model, moe)
-        count = sum(model.is_moe_layer(i) == moe for i in range(model.n_layers)) if model.n_experts else model.n_layers
-        block = block_parameters(model, layer, d.tp, d.ep, d.etp, d.replicas)
-        climb += max(0, count * (4 * block.total - kept - copies.get(moe, 0)))
-    return climb <= 0
+    gradients = {moe: 4 * block_parameters(model, first_block(model, moe), d.tp, d.ep, d.etp, d.replicas).total
+                 for moe in kinds}
+    highest, level = 6 * vocab_rows, 4 * vocab_rows
+    for layer in reversed(range(model.n_layers)):
+        moe = model.is_moe_layer(layer) if model.n_experts else False
+        highest = max(highest, level + working.get(moe, 0) + gradients[moe])
+        level += gradients[moe] - (kinds[moe] - rope) - copies.get(moe, 0)
+    highest = max(highest, level - rope + 4 * vocab_rows)
+    loss_backward = max([logits, *working.values()])  # what the total without gradients holds at the top
+    return max(0, highest - loss_backward)
 
 
 def _block_activations(model: ModelConfig, layer: int, shape: ActivationShape, rows: ExpertRows) -> int:
@@ -611,7 +621,7 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     rope = (4 if eager else element) * 2 * shape.seq_len * model.rope_dim  # as `kinds` counts them (fp32 under autocast)
     alike: dict[tuple, RankMemory] = {}  # (states key, activation and copy bytes) -> the rank's memory (no NVMe)
     block_copies = {moe: weight_copy_bytes(config, model, d, {moe: 1}, 1, False, 0) for moe in kinds}
-    after_peak = gradients_after_peak(config, model, d, kinds, block_copies, last_logits)
+    climb = backward_climb(config, model, d, kinds, block_copies, last_logits, working, rope)
     for rank in range(d.pp):
         stages, first, last = _rank_stages(split, d.pp, rank)
         if model.n_experts:
@@ -658,7 +668,7 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
                                             z.nvme_sub_group)
         logits = last_logits if last else 0
         memory = RankMemory(p, g, 0 if z.offload else o, activations, logits, buffers, host, count, buckets, nvme,
-                            copies, after_peak)
+                            copies, climb is not None, climb or 0)
         alike[(key, activations, copies)] = memory
         out.append(memory)
     return out
@@ -910,7 +920,8 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
     if eff.profile is None:
         return costs
     profile = eff.profile  # measured passes (plan/profile.py), carried to this layout by the model's ratio
-    profile.check_model(model, compute_dtype(config), t.compile, t.loss_chunk_tokens)
+    profile.check_model(model, compute_dtype(config), t.compile, t.loss_chunk_tokens,
+                        expert_rows(config, model, d).kernel if model.n_experts else "")
     measured = dataclasses.replace(config, train=dataclasses.replace(t, micro_batch_size=profile.micro_batch_size,
                                                                        seq_len=profile.seq_len),
                                    tensor_parallel=dataclasses.replace(config.tensor_parallel, sequence_parallel=False))

@@ -64,7 +64,8 @@ def format_estimate(found: Estimate, cluster: ClusterSpec, title: str) -> str:
                             f"({'fits' if found.fits else 'does NOT fit'}; pipeline rank {found.memory_rank})"),
         ("  parameters", f"{m.parameters / GIB:,.2f} GiB"),
         ("  gradients", f"{m.gradients / GIB:,.2f} GiB"
-                        + (" (made after the peak, in backward: not in the total)" if m.gradients_after_peak else "")),
+                        + (" (made in backward, after the loss's peak: not in the total)" if m.gradients_after_peak
+                           else "")),
         ("  optimizer", f"{m.optimizer / GIB:,.2f} GiB" + (f" (+ {m.host / GIB:,.2f} GiB on the host)" if m.host else "")
                         + (f" (+ {m.nvme / GIB:,.2f} GiB in the NVMe swap file)" if m.nvme else "")),
         ("  activations", f"{m.activations / GIB:,.2f} GiB"),
@@ -74,6 +75,9 @@ def format_estimate(found: Estimate, cluster: ClusterSpec, title: str) -> str:
     ]
     if m.weight_copies:
         rows.append(("  bf16 weight copies", f"{m.weight_copies / GIB:,.2f} GiB (autocast's, kept for backward)"))
+    if m.backward_climb:
+        rows.append(("  backward climb", f"{m.backward_climb / GIB:,.2f} GiB (gradients made beyond what backward frees, "
+                                         "above the loss's peak)"))
     if found.server is not None:
         server = found.server
         rows.append(("parameter server", f"{server.total / GIB:,.2f} GiB (the largest: {server.parameter_count:,} "
