@@ -43,7 +43,9 @@ import sys
 import time
 from pathlib import Path
 
-# name: (model preset, seq_len, micro-batch, train.* overrides)
+# name: (model preset, seq_len, micro-batch, train.* overrides[, other sections' overrides])
+# The MoE jobs are Qwen3-30B-A3B's layer (128 experts of 768, top-8, width 2,048) on 4 layers, which one GPU holds.
+MOE_SHAPE = {"model": {"n_layers": 4}}
 JOBS = {
     "1b": ("llama3.2-1b", 2048, 4, {}),
     "1b-full": ("llama3.2-1b", 2048, 4, {"recompute": "full"}),
@@ -55,11 +57,16 @@ JOBS = {
     "3b": ("llama3.2-3b", 2048, 2, {}),
     "small": ("small", 2048, 8, {}),
     "small-compile": ("small", 2048, 8, {"compile": True}),
+    "moe": ("qwen3-30b-a3b", 2048, 2, {}, {**MOE_SHAPE, "expert_parallel": {"kernel": "grouped"}}),
+    "moe-loop": ("qwen3-30b-a3b", 2048, 2, {}, {**MOE_SHAPE, "expert_parallel": {"kernel": "loop"}}),
+    "moe-full": ("qwen3-30b-a3b", 2048, 2, {"recompute": "full"}, {**MOE_SHAPE, "expert_parallel": {"kernel": "grouped"}}),
     # the CPU smoke test's jobs (tests/test_benchmarks.py): the same code path on a model this host can train
     "tiny": ("tiny", 64, 2, {}),
     "tiny-full": ("tiny", 64, 2, {"recompute": "full"}),
+    "tiny-moe": ("tiny-moe", 64, 2, {}, {"expert_parallel": {"kernel": "loop"}}),
 }
-DEFAULT_JOBS = "1b,1b-full,1b-selective,1b-accum2,1b-seq4096,1b-compile,1b-chunked,3b,small,small-compile"
+DEFAULT_JOBS = ("1b,1b-full,1b-selective,1b-accum2,1b-seq4096,1b-compile,1b-chunked,3b,small,small-compile,"
+                "moe,moe-loop,moe-full")
 # a device name's preset (docs/planner.md's table)
 DEVICE_PRESETS = (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80gb"), ("B200", "b200"))
 
@@ -68,9 +75,11 @@ def job_config(name: str, device: str, warmup: int, steps: int):
     from fivefold.config import JobConfig
     from fivefold.model import get_preset
 
-    preset, seq_len, micro, overrides = JOBS[name]
+    preset, seq_len, micro, overrides, *sections = JOBS[name]
     config = JobConfig()
     config.model = dataclasses.replace(get_preset(preset), max_seq_len=max(seq_len, get_preset(preset).max_seq_len))
+    for section, values in (sections[0] if sections else {}).items():
+        setattr(config, section, dataclasses.replace(getattr(config, section), **values))
     config.data = dataclasses.replace(config.data, source="stdlib", tokenizer="byte")
     dtype = "bf16" if device.startswith("cuda") else "fp32"
     config.train = dataclasses.replace(config.train, seq_len=seq_len, micro_batch_size=micro, dtype=dtype,
@@ -156,8 +165,9 @@ def measure_job(name: str, device: str, cluster_name: str, warmup: int, steps: i
             "profiled_s": step_at(profiled), "simulated_s": simulated.time,
             "planned_bytes": modelled.memory.total, "flops_per_step": modelled.model_flops_per_step,
             "peak_flops": modelled.peak_flops,
-            "profile": {"block_s": profile.block, "core_s": profile.core, "head_s": profile.head,
-                        "device": profile.device}}
+            "backward_climb_bytes": modelled.memory.backward_climb,
+            "profile": {"block_s": profile.block, "moe_block_s": profile.moe_block, "core_s": profile.core,
+                        "head_s": profile.head, "expert_kernel": profile.expert_kernel, "device": profile.device}}
 
 
 def one_fit(rows: list[dict], device: str, cluster_name: str, warmup: int, steps: int) -> float | None:
