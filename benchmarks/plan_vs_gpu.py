@@ -4,7 +4,8 @@ benchmarks/plan_vs_measured.py checks the planner layout by layout on this proje
 checks the accelerator presets (docs/planner.md: an H100's or H200's datasheet peak, memory bandwidth and
 HBM) on the accelerator itself, for a matrix of one-GPU jobs (the 1B and 3B Llama 3.2 shapes: recomputation
 off, full and selective, gradient accumulation, a longer sequence, train.compile, the chunked head, a small
-model eager and compiled). Each job,
+model eager and compiled, and a MoE model (Qwen3-30B-A3B's layer on 4 layers) with either expert kernel and
+under full recomputation). Each job,
 in a process of its own so that no job's memory shows in another's peak:
 
   measured   the real Trainer.train_step (data, forward, backward, clip, AdamW), the median of --steps after
