@@ -620,6 +620,7 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     # share one pair per micro-batch: the stage's forward computes them once
     rope = (4 if eager else element) * 2 * shape.seq_len * model.rope_dim  # as `kinds` counts them (fp32 under autocast)
     alike: dict[tuple, RankMemory] = {}  # (states key, activation and copy bytes) -> the rank's memory (no NVMe)
+    copies_of: dict[tuple, int] = {}  # states key -> the rank's bf16 weight copies
     block_copies = {moe: weight_copy_bytes(config, model, d, {moe: 1}, 1, False, 0) for moe in kinds}
     climb = backward_climb(config, model, d, kinds, block_copies, last_logits, working, rope)
     for rank in range(d.pp):
@@ -656,7 +657,9 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
             activations += min(in_flight[rank], t.grad_accum_steps) * token_id_bytes(tokens, d.tp)
         # the pipeline executor runs a step's compute in one autocast region: its micro-batches share one copy of
         # each weight of the rank's stages; a single stage's micro-batches run one after another
-        copies = weight_copy_bytes(config, model, d, rank_blocks, 1, last, 1) if autocast else 0
+        if autocast and key not in copies_of:  # ranks of one key hold alike blocks and head
+            copies_of[key] = weight_copy_bytes(config, model, d, rank_blocks, 1, last, 1)
+        copies = copies_of.get(key, 0)
         if not z.nvme_path and (key, activations, copies) in alike:
             out.append(alike[(key, activations, copies)])
             continue
@@ -1657,7 +1660,10 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
     shared = runs or PipelineRuns()
     runs = shared if simulate else None
     memory = memory_per_rank(config, model, d, split, shared)
-    worst = max(range(d.pp), key=lambda r: memory[r].total)
+    first_of: dict[int, int] = {}  # ranks of alike memory share one object: price each once, first rank first
+    for rank, held in enumerate(memory):
+        first_of.setdefault(id(held), rank)
+    worst = max(first_of.values(), key=lambda r: memory[r].total)
     dtype = compute_dtype(config)
     peak = cluster.accelerator.peak_flops(dtype)
     over = memory[worst].total > cluster.memory_bytes
