@@ -164,12 +164,22 @@ def auto_expert_kernel(dim: int, hidden: int, element_size: int) -> str:
     return "grouped" if dim % align == 0 and hidden % align == 0 else "loop"
 
 
+def resolve_expert_kernel(kind: str, dim: int, hidden: int, element_size: int) -> str:
+    """`kind` (expert_parallel.kernel) as the experts run it: `auto` is `grouped` where this torch has its grouped
+    GEMM and the widths meet its alignment (`auto_expert_kernel`), else `loop`."""
+    if kind != "auto":
+        return kind
+    if not hasattr(torch, "_grouped_mm"):
+        return "loop"
+    return auto_expert_kernel(dim, hidden, element_size)
+
+
 class ExpertKernel:
     """Runs a list of experts over rows already sorted by expert (`counts[i]` rows for expert i).
 
     `grouped` stacks the experts' weights as they are stored, (out, in), and calls torch's grouped GEMM
     (`torch._grouped_mm`), one kernel per projection; `loop` runs one matmul per expert on its slice. `auto` takes `grouped` where
-    torch has it and the widths meet its 16-byte alignment, else `loop` (benchmarks/moe_experts.py
+    torch has it and the widths meet its 16-byte alignment, else `loop` (benchmarks/moe.py and benchmarks/plan_vs_gpu.py
     measures both).
     """
 
@@ -179,12 +189,10 @@ class ExpertKernel:
         self.kind = kind
 
     def resolve(self, x: torch.Tensor, experts: list[FeedForward]) -> str:
-        if self.kind != "auto":
-            return self.kind
-        if not hasattr(torch, "_grouped_mm") or not experts:
-            return "loop"
+        if not experts:
+            return "loop" if self.kind == "auto" else self.kind
         element = torch.finfo(matmul_dtype(x)).bits // 8
-        return auto_expert_kernel(experts[0].w1.in_features, experts[0].w1.out_features, element)
+        return resolve_expert_kernel(self.kind, experts[0].w1.in_features, experts[0].w1.out_features, element)
 
     def __call__(self, x: torch.Tensor, counts: list[int], experts: list[FeedForward]) -> torch.Tensor:
         if x.shape[0] == 0:

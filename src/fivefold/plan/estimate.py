@@ -425,15 +425,14 @@ def _block_activations(model: ModelConfig, layer: int, shape: ActivationShape, r
 def expert_rows(config: JobConfig, model: ModelConfig, d: Degrees) -> ExpertRows:
     """What one rank's MoE layer keeps and computes per micro-batch under balanced routing: its assignments
     (`dispatch_rows`), as many rows received by its experts (etp x them after the ETP gather), and the expert
-    kernel the runtime resolves (model/moe.py auto_expert_kernel, assuming torch has its grouped GEMM)."""
-    from fivefold.model.moe import auto_expert_kernel
+    kernel the runtime resolves (model/moe.py resolve_expert_kernel)."""
+    from fivefold.model.moe import resolve_expert_kernel
 
     if not model.n_experts:
         return ExpertRows()
     assignments = dispatch_rows(model, config, d)
-    kernel = config.expert_parallel.kernel
-    if kernel == "auto":
-        kernel = auto_expert_kernel(model.dim, model.expert_hidden_dim // d.etp, 2 if compute_dtype(config) == "bf16" else 4)
+    kernel = resolve_expert_kernel(config.expert_parallel.kernel, model.dim, model.expert_hidden_dim // d.etp,
+                                   2 if compute_dtype(config) == "bf16" else 4)
     return ExpertRows(assignments, assignments * d.etp, d.ep, d.etp, kernel)
 
 

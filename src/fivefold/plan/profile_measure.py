@@ -54,20 +54,13 @@ def _measure_rank(config, threads: int, vocab_size: int, repeats: int, barrier=N
 
 
 def expert_kernel(config, model_config, dtype: str) -> str:
-    """The expert kernel the job's MoE layers run where this torch is (`grouped` or `loop`; "" without experts):
-    expert_parallel.kernel, with `auto` resolved as model/moe.py ExpertKernel resolves it on one rank."""
-    import torch
-
-    from fivefold.model.moe import auto_expert_kernel
+    """The expert kernel the job's MoE layers run on one rank (`grouped` or `loop`; "" without experts)."""
+    from fivefold.model.moe import resolve_expert_kernel
 
     if not model_config.n_experts:
         return ""
-    kernel = config.expert_parallel.kernel
-    if kernel != "auto":
-        return kernel
-    if not hasattr(torch, "_grouped_mm"):
-        return "loop"
-    return auto_expert_kernel(model_config.dim, model_config.expert_hidden_dim, 2 if dtype == "bf16" else 4)
+    return resolve_expert_kernel(config.expert_parallel.kernel, model_config.dim, model_config.expert_hidden_dim,
+                                 2 if dtype == "bf16" else 4)
 
 
 def measure_profile(config, vocab_size: int = 0, repeats: int = 10, device: str = "cpu") -> ComputeProfile:
