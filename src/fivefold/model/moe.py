@@ -180,7 +180,7 @@ class ExpertKernel:
     `grouped` stacks the experts' weights as they are stored, (out, in), and calls torch's grouped GEMM
     (`torch._grouped_mm`), one kernel per projection; `loop` runs one matmul per expert on its slice. `auto` takes `grouped` where
     torch has it and the widths meet its 16-byte alignment, else `loop` (benchmarks/moe.py and benchmarks/plan_vs_gpu.py
-    measures both).
+    measure both).
     """
 
     def __init__(self, kind: str = "auto"):
