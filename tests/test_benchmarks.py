@@ -176,12 +176,15 @@ def test_plan_vs_gpu_runs_its_jobs_on_the_cpu_and_fits_one_efficiency(tmp_path):
 
     report = tmp_path / "rows.json"
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_vs_gpu.py"), "--device", "cpu",
-                          "--cluster", "h100-sxm", "--jobs", "tiny,tiny-full", "--warmup", "1", "--steps", "1",
+                          "--cluster", "h100-sxm", "--jobs", "tiny,tiny-full,tiny-moe", "--warmup", "1", "--steps", "1",
                           "--repeats", "1", "--json", str(report)], capture_output=True, text=True, timeout=300,
                          check=True).stdout
-    assert any(line.startswith("RESULT name=plan_vs_gpu jobs=2 failed=0 device=cpu") for line in out.splitlines())
+    assert any(line.startswith("RESULT name=plan_vs_gpu jobs=3 failed=0 device=cpu") for line in out.splitlines())
     rows = json.loads(report.read_text())["rows"]
-    assert [row["job"] for row in rows] == ["tiny", "tiny-full"]
+    assert [row["job"] for row in rows] == ["tiny", "tiny-full", "tiny-moe"]
+    # a job's other sections reach its trainer and its profile: tiny-moe runs (and is profiled with) the loop kernel
+    assert rows[2]["profile"]["expert_kernel"] == "loop" and rows[2]["profile"]["moe_block_s"] > 0
+    assert rows[0]["profile"]["expert_kernel"] == ""  # a dense model has no MoE block
     assert 0 < rows[0]["fitted_efficiency"] <= 1
     assert rows[0]["one_fit_s"] == pytest.approx(rows[0]["step_s"], rel=1e-6)
     for row in rows:
