@@ -37,7 +37,7 @@ from fivefold.config import OptimConfig
 from fivefold.errors import CheckpointError
 from fivefold.optim import build_adamw, lr_at, set_lr
 from fivefold.parallel.checkpoint_layout import PieceRanks
-from fivefold.parallel.gradient_sync import GradientSync, GradNorm, sum_of_squares, whole_state
+from fivefold.parallel.gradient_sync import GradientSync, GradNorm, clip_, sum_of_squares, whole_state
 from fivefold.plan.memory import ModelStateBytes
 from fivefold.reliability.activity import phase
 
@@ -114,10 +114,7 @@ class ParameterServer:
             squared = torch.tensor(sum_of_squares([grad]), dtype=torch.float64)
             if self.server_group is not None:
                 dist.all_reduce(squared, group=self.server_group)
-            norm = float(squared.sqrt())
-            if norm > self.max_grad_norm:
-                for p in self.params:
-                    p.grad.mul_(self.max_grad_norm / (norm + 1e-6))
+            clip_([p.grad for p in self.params], float(squared.sqrt()), self.max_grad_norm)
         set_lr(self.optimizer, lr_at(step, self.optim_config, self.total_steps))
         self.optimizer.step()
         if self.after_update is not None:

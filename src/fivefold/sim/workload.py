@@ -398,10 +398,10 @@ class _Builder:
         self._recordings: dict[tuple, dict[int, list[Op]]] = {}
         self._formulas: dict[tuple, float] = {}  # collective seconds by formula, per (kind, algorithm, bytes, p, span)
         self._simulated_members: dict[tuple[int, ...], int] = {}  # a group -> how many of it are simulated
+        self._computes: dict[tuple[float, str], Compute] = {}  # equal compute ops, shared (they are immutable)
+        self._skewed = cluster.arrival.measured  # blocking collectives wait for the ranks' arrival skew
         # the op every member of a collective priced by formula posts for one call, shared until the last of its
         # simulated members has taken it
-        self._computes: dict[tuple[float, str], Compute] = {}
-        self._skewed = cluster.arrival.measured  # blocking collectives wait for the ranks' arrival skew
         self._posted: dict[tuple, list] = {}
         self._ring_latency: dict[tuple[int, ...], float] = {}  # aggregate: a ring's slowest hop latency
         self.router = (router or cluster_router(cluster, gpus)) if fidelity == "aggregate" else None
