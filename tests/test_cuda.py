@@ -3,8 +3,8 @@
 Run on a lent H100 for docs/gpu.md. Each test checks what the CPU suite cannot: training on CUDA
 equals training on the CPU (fp32; cuBLAS and the CPU BLAS sum in different orders), the defaults
 on CUDA (fused AdamW, SDPA's flash kernel for bf16 causal attention), compiled blocks without
-recompiles, the chunked head's and the compiled loss's peak-memory savings, FP8 through torch._scaled_mm, and the fused
-kernels' parity with eager.
+recompiles, the chunked head's and the compiled loss's peak-memory savings, FP8 through torch._scaled_mm, the fused
+kernels' parity with eager, and a grouped MoE block that never makes the host wait for the GPU.
 """
 
 import dataclasses
@@ -55,6 +55,42 @@ def test_bf16_chunked_compiled_fp8_training_on_cuda(job, tmp_path):
     assert compiled_graphs() == warm
     assert expected[-1] < expected[0] - 1.5
     assert abs(sum(losses[-5:]) / 5 - sum(expected[-5:]) / 5) <= 0.05
+
+
+@pytest.mark.parametrize("aux", ["switch", "sequence"])
+def test_a_dropless_grouped_moe_block_on_cuda_never_waits_for_the_gpu_and_equals_the_loop_kernel(aux):
+    """Under torch's sync debug mode set to `error` any host read of a device tensor raises: the grouped kernel's
+    forward and backward (routing, counts, offsets, balancing and z losses, statistics) read none, so the host
+    runs ahead of the GPU through every MoE layer. Its output and gradients equal the loop kernel's to bf16
+    rounding (the loop kernel must read the counts, to slice its rows)."""
+    import copy
+
+    from fivefold.model.config import ModelConfig
+    from fivefold.model.moe import MoE
+
+    config = ModelConfig(dim=64, n_layers=1, n_heads=4, vocab_size=64, max_seq_len=32, n_experts=8, moe_top_k=2,
+                         moe_ffn_dim=64, moe_aux_loss=aux, moe_aux_coeff=0.01, moe_z_loss_coeff=0.001)
+    torch.manual_seed(0)
+    grouped = MoE(config, 0).cuda()
+    loop = copy.deepcopy(grouped)
+    grouped.kernel.kind, loop.kernel.kind = "grouped", "loop"
+    x = torch.randn(2, 32, 64, device="cuda")
+    results = {}
+    for name, moe in (("loop", loop), ("grouped", grouped)):
+        inputs = x.clone().requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if name == "grouped" else "default")
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = moe(inputs)
+            (out.float() ** 2).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        results[name] = [out.float(), inputs.grad, *(p.grad for p in moe.parameters())]
+    for a, b in zip(results["grouped"], results["loop"]):
+        torch.testing.assert_close(a, b, rtol=0.02, atol=0.02 * b.abs().max().item())
+    stats = grouped.stats.take()
+    assert stats.load.sum() == 2 * 32 * 2 and stats.aux_loss > 0 and stats.z_loss > 0
 
 
 def test_fused_adamw_on_cuda_and_foreach_on_the_cpu():

@@ -123,6 +123,33 @@ def test_the_grouped_kernel_keeps_bf16_stacks_under_autocast():
     assert stacks == [torch.bfloat16] * 3  # w1, w3, w2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_kernel_stacks_and_casts_in_one_copy_equal_to_stack_then_cast(dtype):
+    """The grouped kernel's stack (model/moe.py _StackCast) writes the cast stack straight from the fp32 weights;
+    its forward and backward equal torch.stack(...).to(dtype)'s bit for bit, and no fp32 stack is made on the way."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fivefold.model.moe import _StackCast
+
+    weights = [torch.randn(6, 4, generator=torch.Generator().manual_seed(i), requires_grad=True) for i in range(5)]
+    made = []
+
+    class Outputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            made.extend((t.dim(), t.dtype) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
+
+    with Outputs():
+        ours = _StackCast.apply(dtype, *weights)
+    theirs = torch.stack(weights).to(dtype)
+    assert ours.dtype == dtype and torch.equal(ours, theirs)
+    assert (3, torch.float32) not in made or dtype == torch.float32
+    grad = torch.randn(theirs.shape, generator=torch.Generator().manual_seed(9)).to(dtype)
+    for a, b in zip(torch.autograd.grad(ours, weights, grad), torch.autograd.grad(theirs, weights, grad)):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("x_dtype,rows_dtype,weights_dtype", [
     (torch.float32, torch.float32, torch.float32),  # fp32 training
     (torch.float32, torch.bfloat16, torch.bfloat16),  # bf16 autocast: fp32 residual stream, bf16 rows and router
@@ -211,6 +238,39 @@ def test_balancing_loss_gets_its_gradient_scaled_by_the_micro_batch_share():
     torch.testing.assert_close(with_aux, moe.router.weight.grad)
     stats = moe.stats.take()
     assert stats.micro_batches == 1 and stats.load.sum() == 2 * 6 * 2
+
+
+def test_a_dropless_grouped_block_reads_nothing_back_to_the_host_until_its_statistics_are_taken(monkeypatch):
+    """Reading a device tensor on the host (item, float, tolist, a copy to the CPU) makes the host wait for the GPU;
+    done in every MoE layer it kept kernel launches from running ahead. The grouped kernel's offsets and the
+    layer's statistics stay on the device until `take` (once per step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = []
+
+    class HostReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    original = torch.Tensor.tolist
+    config = moe_config(moe_aux_loss="switch", moe_aux_coeff=0.01, moe_z_loss_coeff=0.001)
+    moe = block(config)
+    moe.kernel.kind = "grouped"
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: (reads.append("tolist"), original(t))[1])
+    with HostReads():
+        moe(x).sum().backward()
+    monkeypatch.undo()
+    assert reads == []
+    stats = moe.stats.take()
+    assert stats.load.device.type == "cpu" and stats.load.sum() == 2 * 6 * 2
+    assert isinstance(stats.aux_loss, float) and stats.aux_loss > 0 and isinstance(stats.z_loss, float)
+    moe.kernel.kind = "loop"  # which must slice its rows by the counts on the host
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: (reads.append("tolist"), original(t))[1])
+    moe(x)
+    assert reads == ["tolist"]
 
 
 def test_capacity_keeps_the_best_scored_or_the_earliest_per_sequence_and_expert():

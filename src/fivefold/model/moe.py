@@ -71,14 +71,18 @@ class RoutingGroups:
 
 @dataclass
 class RoutingStats:
-    """What one MoE layer measured since the last `take` (filled during backward, so recomputation counts once)."""
+    """What one MoE layer measured since the last `take` (filled during backward, so recomputation counts once).
+
+    Between takes the sums stay tensors on the device that made them: reading one on the host in every MoE
+    layer's forward or backward made the host wait for the GPU there, so kernel launches could not run ahead
+    of it. `take` (once per step, in train/routing_report.py) brings them to the host as floats."""
 
     experts: int
     load: torch.Tensor = None  # assignments per expert, before drops (float64)
-    dropped: float = 0.0
+    dropped: float | torch.Tensor = 0.0
     assignments: float = 0.0
-    aux_loss: float = 0.0
-    z_loss: float = 0.0
+    aux_loss: float | torch.Tensor = 0.0
+    z_loss: float | torch.Tensor = 0.0
     micro_batches: int = 0
     max_received: int = 0  # most rows one expert-parallel rank received in a dispatch
     extra: dict = field(default_factory=dict)
@@ -86,19 +90,23 @@ class RoutingStats:
     def __post_init__(self) -> None:
         self.load = torch.zeros(self.experts, dtype=torch.float64, device="cpu")
 
-    def record(self, load: torch.Tensor, dropped: int, assignments: int, aux: float, z: float) -> None:
-        self.load += load.detach().to("cpu", torch.float64)
-        self.dropped += dropped
+    def record(self, load: torch.Tensor, dropped: int | torch.Tensor, assignments: int, aux: float | torch.Tensor,
+               z: float | torch.Tensor) -> None:
+        load = load.detach().double()
+        # the first load replaces the host's zeros, so nothing is copied to the device (a wait of its own)
+        self.load = self.load + load if self.micro_batches else load.clone()
+        self.dropped = self.dropped + dropped
         self.assignments += assignments
-        self.aux_loss += aux
-        self.z_loss += z
+        self.aux_loss = self.aux_loss + aux
+        self.z_loss = self.z_loss + z
         self.micro_batches += 1
 
     def take(self) -> "RoutingStats":
+        """What was recorded since the last take, on the host (load a CPU tensor, the rest floats); starts anew."""
         out = RoutingStats(self.experts)
-        out.load, out.dropped, out.assignments = self.load.clone(), self.dropped, self.assignments
-        out.aux_loss, out.z_loss, out.micro_batches, out.max_received = (self.aux_loss, self.z_loss, self.micro_batches,
-                                                                        self.max_received)
+        out.load, out.dropped, out.assignments = self.load.to("cpu", copy=True), float(self.dropped), self.assignments
+        out.aux_loss, out.z_loss, out.micro_batches, out.max_received = (float(self.aux_loss), float(self.z_loss),
+                                                                        self.micro_batches, self.max_received)
         self.__init__(self.experts)
         return out
 
@@ -150,6 +158,12 @@ def capacity_mask(experts: torch.Tensor, weights: torch.Tensor, n_experts: int, 
     return keep.view(batch, seq, k)
 
 
+def expert_counts(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """How many of `ids` name each of `n_experts` experts (int64, on ids' device): `torch.bincount`'s answer,
+    without the wait for the GPU that CUDA's bincount makes to size its output (it reads the largest id)."""
+    return torch.zeros(n_experts, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+
+
 def expert_capacity(config: ModelConfig, seq: int) -> int:
     """Assignments one expert takes from one sequence of `seq` tokens (0: dropless)."""
     if not config.moe_capacity_factor:
@@ -194,12 +208,16 @@ class ExpertKernel:
         element = torch.finfo(matmul_dtype(x)).bits // 8
         return resolve_expert_kernel(self.kind, experts[0].w1.in_features, experts[0].w1.out_features, element)
 
-    def __call__(self, x: torch.Tensor, counts: list[int], experts: list[FeedForward]) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, counts: list[int] | torch.Tensor, experts: list[FeedForward]) -> torch.Tensor:
+        """`counts` on the host, or as a tensor on x's device: the grouped kernel then never reads it on the host
+        (the loop kernel must, to slice the rows)."""
         if x.shape[0] == 0:
             # keep every expert weight in the graph, so its gradient is a (zero) tensor on every rank
             return x + 0.0 * sum(p.sum() for e in experts for p in e.parameters())
         if self.resolve(x, experts) == "grouped":
             return self._grouped(x, counts, experts)
+        if isinstance(counts, torch.Tensor):
+            counts = counts.tolist()
         outputs, start = [], 0
         for expert, n in zip(experts, counts):
             # an expert without rows still runs (on none), so its gradient exists (zeros) on every rank
@@ -208,19 +226,40 @@ class ExpertKernel:
         return torch.cat(outputs)
 
     @staticmethod
-    def _grouped(x: torch.Tensor, counts: list[int], experts: list[FeedForward]) -> torch.Tensor:
-        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    def _grouped(x: torch.Tensor, counts: list[int] | torch.Tensor, experts: list[FeedForward]) -> torch.Tensor:
+        counts = counts if isinstance(counts, torch.Tensor) else torch.tensor(counts, device=x.device)
+        offsets = counts.cumsum(0).to(torch.int32)
         # autocast casts neither torch._grouped_mm nor an autograd.Function: cast as it casts the loop kernel's
         # Linear layers, or the experts' GEMMs run (and keep their stacked weights) in fp32 under bf16 autocast
         dtype = matmul_dtype(x)
         x = x.to(dtype)
 
         def stacked(name: str) -> torch.Tensor:
-            return torch.stack([getattr(e, name).weight for e in experts]).to(dtype)
+            return _StackCast.apply(dtype, *(getattr(e, name).weight for e in experts))
 
         gate = _GroupedMM.apply(x, stacked("w1"), offsets)
         up = _GroupedMM.apply(x, stacked("w3"), offsets)
         return _GroupedMM.apply(F.silu(gate) * up, stacked("w2"), offsets)
+
+
+class _StackCast(torch.autograd.Function):
+    """The experts' weights stacked (E, out, in) in `dtype`, copied and cast in one pass (one foreach copy).
+
+    `torch.stack(weights).to(dtype)` wrote the stack in the weights' own dtype first and cast it after: under
+    bf16 autocast with fp32 weights, 14 bytes of memory traffic per element where the cast alone needs 6 (a
+    forward of 4 Qwen3-30B-A3B layers, 2.4G expert weights, moved 19 GB more). Backward is theirs, bit for bit:
+    the stack's gradient cast back to the weights' dtype once, then split by expert."""
+
+    @staticmethod
+    def forward(ctx, dtype, *weights):
+        ctx.weight_dtype = weights[0].dtype
+        stack = weights[0].new_empty((len(weights), *weights[0].shape), dtype=dtype)
+        torch._foreach_copy_(list(stack.unbind(0)), list(weights))
+        return stack
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, *grad.to(ctx.weight_dtype).unbind(0))
 
 
 class _GroupedMM(torch.autograd.Function):
@@ -290,7 +329,7 @@ class LocalDispatch:
         assignments, ids = routing.sorted_assignments()
         k = routing.experts.shape[1]
         tokens = assignments // k
-        counts = torch.bincount(ids, minlength=moe.n_experts).tolist()
+        counts = expert_counts(ids, moe.n_experts)  # stays on the device: see ExpertKernel.__call__
         out = moe.kernel(x.index_select(0, tokens), counts, moe.local_experts())
         return combine(x, out, tokens, routing.weights.reshape(-1)[assignments])
 
@@ -395,8 +434,8 @@ class MoE(nn.Module):
         """This rank's share of the balancing losses (fp32 scalar) and what the layer's statistics record."""
         c, E, k = self.config, self.n_experts, self.top_k
         g = self.groups
-        load = torch.bincount(routing.experts.reshape(-1), minlength=E).double()
-        dropped = 0 if routing.keep is None else int((~routing.keep).sum())
+        load = expert_counts(routing.experts.reshape(-1), E).double()
+        dropped = 0 if routing.keep is None else (~routing.keep).sum()
         loss = logits.new_zeros(())
         aux = z = 0.0
         if c.moe_aux_loss != "none":
@@ -412,11 +451,11 @@ class MoE(nn.Module):
                 sequences = batch * (g.token_ranks // g.sequence_ranks)
                 term = E * (counts / (length * k) * probs.view(batch, seq, E).sum(1) / length).sum() / sequences
             loss = loss + c.moe_aux_coeff * term
-            aux = float(term.detach())
+            aux = term.detach()
         if c.moe_z_loss_coeff:
             term = torch.logsumexp(logits, dim=-1).pow(2).sum() / (batch * seq * g.token_ranks)
             loss = loss + c.moe_z_loss_coeff * term
-            z = float(term.detach())
+            z = term.detach()
         return loss, (load, dropped, routing.experts.numel(), aux, z)
 
     @torch.no_grad()
