@@ -408,7 +408,7 @@ def main() -> int:
     from fivefold.config import load_config
     from fivefold.plan.cluster import cluster_from_dict
     from fivefold.plan.estimate import estimate
-    from ranks import spawn
+    from ranks import machine, spawn
 
     out_root = Path(os.environ.get("TMPDIR", "/tmp")) / f"plan_vs_measured-{os.getpid()}"
     base = ["--train.seq_len", str(args.seq_len), "--train.micro_batch_size", str(args.micro_batch),
@@ -425,6 +425,8 @@ def main() -> int:
     if args.replay:  # the stored measurements of an earlier run (its --json), predicted again
         stored = {r["name"]: r for r in json.loads(Path(args.replay).read_text())}
         layouts = [row for row in layouts if row[1] in stored]
+    measured_on = next((r["machine"] for r in stored.values() if "machine" in r), "not recorded") if args.replay \
+        else machine()
     rows = []
     for world_size in sorted({w for w, _, _ in layouts}):
         configs = [(name, load_config(ROOT / "configs" / "tiny.toml",
@@ -437,7 +439,7 @@ def main() -> int:
                     else stored[name]["cluster"]
                 rows.append({"world_size": world_size, "name": name, "config": config,
                              "cluster": cluster_from_dict(chosen), "measured": stored[name]["measured"],
-                             "cores": stored[name].get("cores", os.cpu_count() or 1)})
+                             "cores": stored[name].get("cores", os.cpu_count() or 1), "machine": measured_on})
             continue
         together = [(name, config) for name, config in configs if name not in alone] or \
             [("_fit", load_config(ROOT / "configs" / "tiny.toml", [*base, "--train.output_dir", str(out_root / "_fit")]))]
@@ -448,7 +450,7 @@ def main() -> int:
         cluster, other = _cluster(world_size, measured, args.collectives), _cluster(world_size, measured, "alone")
         for name, config in configs:
             rows.append({"world_size": world_size, "name": name, "config": config, "cluster": cluster, "cluster_alone": other,
-                         "measured": measured["times"][name], "cores": measured["cores"]})
+                         "measured": measured["times"][name], "cores": measured["cores"], "machine": measured_on})
     efficiency, overhead, anchors = fit_compute(rows)
     for row in rows:  # the dispatch overhead is one thread's work: it slows once the ranks outnumber the cores
         row["cluster"] = with_overhead(row["cluster"], overhead * max(1.0, row["world_size"] / row["cores"]), row["cores"])
@@ -456,6 +458,7 @@ def main() -> int:
     from fivefold.sim.step import simulate_step
 
     errors, sim_errors, multi = [], [], []
+    print(f"# measured on: {measured_on}")
     print(f"# efficiency {efficiency:.3f}, block pass overhead {overhead:.0f} us (fitted on the {len(anchors)} dense one-rank "
           f"layouts); seq {args.seq_len}, micro-batch {args.micro_batch}, "
           f"{args.layers} layers of tiny")

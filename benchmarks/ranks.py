@@ -19,6 +19,22 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def machine() -> str:
+    """The CPU the figures come from: its model name, the vector instructions torch's CPU kernels use here
+    (AVX2, AVX512, ...: bf16 matmuls are emulated without AVX-512's bf16) and its cores. Machines lent under
+    one name differ: a table measured on one does not carry to another."""
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as info:
+            name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
+    except OSError:
+        pass
+    import platform
+
+    return (f"{name or platform.processor() or 'unknown CPU'}, torch CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores")
+
+
 def _entry(rank: int, world_size: int, port: int, target: Callable, args: Any, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))

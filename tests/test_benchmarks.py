@@ -69,6 +69,23 @@ def test_reliability_benchmark_runs_and_prints_result(script, args, expected):
     assert numbers.get("kendall_tau", 0.0) <= 1
 
 
+def test_the_benchmarks_name_the_cpu_their_figures_come_from():
+    """Machines lent under one name differ (an AVX-512 one, and an AVX2 one whose bf16 matmuls are emulated):
+    plan_vs_measured prints and stores which one measured, and a replay keeps the stored name."""
+    import os
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from ranks import machine
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    described = machine()
+    assert f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}" in described
+    assert described.endswith(f"{os.cpu_count()} cores")
+
+
 def test_plan_vs_measured_refuses_an_unknown_layout_name():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_vs_measured.py"), "--only", "single,tp9"],
                           capture_output=True, text=True, timeout=120)
@@ -99,6 +116,7 @@ def test_plan_vs_measured_simulates_at_the_fidelity_asked(tmp_path):
                        capture_output=True, text=True, timeout=300, check=True)
         out[fidelity] = {r["name"]: r for r in json.loads((tmp_path / f"{fidelity}.json").read_text())}
     hybrid, flow = out["hybrid"]["tp2"], out["flow"]["tp2"]
+    assert hybrid["machine"] == "not recorded"  # the stored rows did not say
     assert hybrid["predicted"] == flow["predicted"] and hybrid["simulated"] > 1.5 * flow["simulated"]
     assert out["hybrid"]["single"]["simulated"] == out["flow"]["single"]["simulated"]
 
