@@ -5,7 +5,7 @@ cost (`Accelerator.pass_overhead_us`: Python, the dispatcher, kernel launches) t
 the block's width. That cost is fitted on dense blocks, and it grows with the operators a pass runs, not
 with its FLOPs: a mixture-of-experts block routes, sorts, counts, gathers, stacks its experts' weights,
 runs them and sums their outputs back: about twice the operators of a dense block of the same width
-(tiny-moe: 210 against 108 per forward and backward). So a MoE block's fixed cost is the dense block's
+(tiny-moe: 211 against 108 per forward and backward). So a MoE block's fixed cost is the dense block's
 times the ratio of their operator counts. Views (`t`, `view`, `select`, `detach`, ...) are not counted:
 they change a tensor's metadata only, launch nothing on a GPU and take about a microsecond on a CPU,
 and a grouped GEMM over E experts would otherwise count some 3 E of them (DeepSeek-V3's 256 experts:
