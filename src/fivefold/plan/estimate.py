@@ -165,14 +165,13 @@ class RankMemory:
     gradients_after_peak: bool = False
     backward_climb: int = 0
 
-    @cached_property  # frozen: a search reads a rank's total many times (the instance's __dict__ keeps it)
-    def model_states(self) -> int:
-        return self.parameters + self.gradients + self.optimizer
-
-    @cached_property
-    def total(self) -> int:
-        return (self.model_states - (self.gradients - self.backward_climb if self.gradients_after_peak else 0)
-                + self.activations + self.logits + self.buffers + self.buckets + self.weight_copies)
+    def __post_init__(self) -> None:
+        # sums set once as plain attributes (not fields): a search reads them from some 250,000 rank memories, and
+        # functools.cached_property took a lock on each first read (6% of the first pass under the profiler)
+        states = self.parameters + self.gradients + self.optimizer
+        object.__setattr__(self, "model_states", states)
+        object.__setattr__(self, "total", states - (self.gradients - self.backward_climb if self.gradients_after_peak else 0)
+                           + self.activations + self.logits + self.buffers + self.buckets + self.weight_copies)
 
 
 @dataclass(frozen=True)
@@ -448,6 +447,7 @@ class PipelineRuns:
         self._runs: dict = {}
         self._flops: dict = {}
         self._parameters: dict = {}
+        self._splits: dict = {}
 
     def rank_parameters(self, config: JobConfig, model: ModelConfig, key: tuple, layers: list[int],
                         first: bool, last: bool, d: Degrees) -> RankParameters:
@@ -459,6 +459,19 @@ class PipelineRuns:
             self._parameters[memo] = (config.model, rank_parameters(model, layers, first, last, d.tp, d.ep, d.etp,
                                                                     pipelined=d.pp > 1, replicas=d.replicas))
         return self._parameters[memo][1]
+
+    def stage_split(self, model: ModelConfig, seq_len: int, stages: int, layers_per_stage: list[int] | None,
+                    balance: str) -> list[list[int]]:
+        """pipeline/stages.py `plan_stages`, an explicit split (a search's candidates all carry one) made once per
+        (block counts, layers, stages): it depends on nothing else. The split is shared: read it, never change it."""
+        from fivefold.parallel.pipeline.stages import plan_stages
+
+        if not layers_per_stage:
+            return plan_stages(model, seq_len, stages, layers_per_stage, balance)
+        key = (tuple(layers_per_stage), model.n_layers, stages)
+        if key not in self._splits:
+            self._splits[key] = plan_stages(model, seq_len, stages, layers_per_stage, balance)
+        return self._splits[key]
 
     def flops_per_token(self, model: ModelConfig, seq_len: int) -> int:
         """plan/flops.py's count for `model`, counted once per model object of the search (its candidates
@@ -1647,16 +1660,15 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
     runs: pipeline simulations (and model FLOP counts) to share between estimates (a search's); simulate=False prices the
     pipeline by the closed-form ideal bubble instead (a search's first pass); time_if_over=False leaves
     the step time out (None) when the memory is over the accelerator's capacity."""
-    from fivefold.parallel.pipeline.stages import plan_stages
 
     efficiency = as_efficiency(efficiency)
     cluster.check_size(gpus)
     d = degrees_of(config, gpus)
     model = model_for(config, vocab_size)
     pipe, t = config.pipeline_parallel, config.train
-    split = plan_stages(model, t.seq_len, d.pp * pipe.virtual, pipe.layers_per_stage, pipe.balance) if d.pp > 1 \
-        else [list(range(model.n_layers))]
     shared = runs or PipelineRuns()
+    split = shared.stage_split(model, t.seq_len, d.pp * pipe.virtual, pipe.layers_per_stage, pipe.balance) \
+        if d.pp > 1 else [list(range(model.n_layers))]
     runs = shared if simulate else None
     memory = memory_per_rank(config, model, d, split, shared)
     first_of: dict[int, int] = {}  # ranks of alike memory share one object: price each once, first rank first
