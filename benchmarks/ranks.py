@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import socket
 import statistics
 import time
@@ -29,8 +30,6 @@ def machine() -> str:
             name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
     except OSError:
         pass
-    import platform
-
     return (f"{name or platform.processor() or 'unknown CPU'}, torch CPU capability "
             f"{torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores")
 

@@ -437,7 +437,7 @@ def expert_rows(config: JobConfig, model: ModelConfig, d: Degrees) -> ExpertRows
 
 class PipelineRuns:
     """The schedules' instruction streams and their simulations, shared by the estimates of one search (with the
-    search's model FLOP count and pipeline ranks' parameter counts).
+    search's model FLOP count, pipeline ranks' parameter counts and explicit stage splits).
 
     A makespan scales with its costs, so runs are kept per schedule shape and cost *ratios* (rounded
     to 0.1%): candidates that differ only in ZeRO stage or offload, or in absolute speed, share one run."""
