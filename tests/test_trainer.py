@@ -203,3 +203,28 @@ def test_clipping_scales_every_gradient_as_one_multiply_each():
     clip_(grads, 4.0, 1.5)
     assert all(g.dtype == e.dtype and torch.equal(g, e) for g, e in zip(grads, expected))
     clip_([], 4.0, 1.5)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_closed_trainer_is_freed_when_dropped_without_a_garbage_collection(job, dtype):
+    """Nothing a trainer's parts keep points back at it (its printer and autocast factory are plain functions) and
+    its sync's hooks are gone after close, so dropping it frees the model and the optimizer's states at once:
+    on a GPU their memory is free for the next trainer, not held until a garbage collection finds a cycle."""
+    import gc
+    import weakref
+
+    import torch._dynamo  # noqa: F401 - torch imports it lazily on a first model build, from a frame cycle of its own
+
+    config = dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, enabled=False),
+                                 train=dataclasses.replace(job.train, dtype=dtype, grad_accum_steps=2))
+    gc.collect()
+    gc.disable()
+    try:
+        trainer = Trainer(config)
+        trainer.train_step()
+        alive = [weakref.ref(x) for x in (trainer, trainer.model, next(trainer.model.parameters()), trainer.optimizer)]
+        trainer.close()
+        del trainer
+        assert [ref() is None for ref in alive] == [True] * 4
+    finally:
+        gc.enable()

@@ -114,3 +114,47 @@ def test_leaving_with_on_an_error_closes_without_collectives(job, tmp_path):
                           gradient_comm={"schedule": "priority"})
     for r in run_distributed(_error_inside_with, 2, config, str(tmp_path)):
         assert r == {"error": False, "error_closed": True, "normal": True, "normal_closed": True}
+
+
+def _dropped_after_close(rank: int, world_size: int, config) -> dict:
+    import gc
+    import threading
+    import weakref
+
+    import torch._dynamo  # noqa: F401 - torch imports it lazily on a first model build, from a frame cycle of its own
+
+    from fivefold.train.trainer import Trainer
+
+    gc.collect()
+    gc.disable()
+    try:
+        trainer = Trainer(config)
+        for _ in range(2):
+            trainer.train_step()
+        alive = [weakref.ref(x) for x in (trainer, trainer.model, next(trainer.model.parameters()), trainer.optimizer)]
+        trainer.close()
+        del trainer
+        freed = [ref() is None for ref in alive]
+    finally:
+        gc.enable()
+    threads = [t for t in threading.enumerate() if t.name.startswith("fivefold-comm")]
+    for thread in threads:
+        thread.join(timeout=10)
+    return {"freed": freed, "comm_threads": sum(t.is_alive() for t in threads)}
+
+
+@pytest.mark.parametrize("layout", [
+    {"gradient_comm": {"allreduce_algorithm": "ring"}},  # DDP's hooks and its communication thread
+    {"data_parallel": {"zero_stage": 3, "shard": 2}},  # ZeRO-3's gradient, module and backward hooks
+    {"gradient_comm": {"schedule": "priority"}, "train": {"max_grad_norm": 0.0}},  # forward pre-hooks, deferred update
+    {"context_parallel": {"degree": 2}},
+])
+def test_a_closed_trainer_is_freed_when_dropped(job, layout):
+    """The sync's close detaches the hooks that point from the model's parameters and modules back at it and ends
+    its communication thread: a dropped trainer frees its model and optimizer states at once, with no garbage
+    collection (a benchmark or notebook building trainers one after another gets the memory back)."""
+    extra = layout.get("train", {})
+    config = with_changes(job, checkpoint={"enabled": False}, train={"eval_every": 0, **extra},
+                          **{k: v for k, v in layout.items() if k != "train"})
+    for r in run_distributed(_dropped_after_close, 2, config):
+        assert r == {"freed": [True] * 4, "comm_threads": 0}

@@ -134,7 +134,9 @@ class CommThread:
         return self._pool.submit(fn)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """End the thread once its queue is done, without waiting here: after an error a reduction may be stuck on a
+        peer that is gone until the collective timeout, and closing must not hang on it."""
+        self._pool.shutdown(wait=False)
 
 
 def build_reducer(group: dist.ProcessGroup, algorithm: str, compression: str = "none", node_size: int = 0,

@@ -239,10 +239,13 @@ class DataParallel(SkipOnAccumulation):
         return state() if state is not None else 0
 
     def remove(self) -> None:
+        """Detach the gradient hooks and let the communication thread end (the sync's close)."""
         for hook in self._hooks:
             hook.remove()
+        self._hooks = []
         if self._thread is not None:
             self._thread.close()
+            self._thread = None
 
 
 class DDPSync(GradientSync):

@@ -179,7 +179,11 @@ class GradientSync(abc.ABC):
         """Apply any deferred update now (evaluation, checkpoints and the end of training call this)."""
 
     def close(self) -> None:
-        """Release what the sync holds outside the process's memory (the end of training calls this)."""
+        """Release what the sync holds (the end of training calls this): its hooks and threads (`remove`), and in
+        subclasses what it holds outside the process's memory. The hooks point back at the sync from the model's
+        parameters and modules: left in place, they keep the model, its gradients and the optimizer's states alive
+        after the trainer is dropped, until a garbage collection finds the cycle."""
+        self.remove()
 
     def describe(self) -> str:
         return self.kind

@@ -228,11 +228,17 @@ class ZeroDataParallel(SkipOnAccumulation):
     # ------------------------------------------------------ stage 3 gathering
     def _install_stage3_hooks(self) -> None:
         root = len(self.units)
-        self.model.register_forward_pre_hook(lambda module, args: self._gather(root, wait=True))
+        self._hooks.append(self.model.register_forward_pre_hook(lambda module, args: self._gather(root, wait=True)))
         for index, unit in enumerate(self.units):
-            unit.register_forward_pre_hook(self._pre_forward(index))
-            unit.register_forward_hook(lambda module, args, out, index=index: self._after_forward(index))
-            unit.register_full_backward_pre_hook(self._pre_backward(index))
+            self._hooks += [unit.register_forward_pre_hook(self._pre_forward(index)),
+                            unit.register_forward_hook(lambda module, args, out, index=index: self._after_forward(index)),
+                            unit.register_full_backward_pre_hook(self._pre_backward(index))]
+
+    def remove(self) -> None:
+        """Detach every hook this instance put on the model's parameters and modules (the sync's close)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def _pre_forward(self, index: int):
         def hook(module, args):
@@ -564,9 +570,14 @@ class ZeroSync(GradientSync):
         self.optimizer.zero_grad(set_to_none=True)
 
     def close(self) -> None:
-        """NVMe offload: remove this rank's swap file (its states are in the last checkpoint)."""
+        """NVMe offload: remove this rank's swap file (its states are in the last checkpoint); then the hooks."""
         if self.nvme:
             self.nvme.close()
+        super().close()
+
+    def remove(self) -> None:
+        for z in self.zeros:
+            z.remove()
 
     def traffic_metrics(self) -> dict[str, int]:
         """zero_bytes: what this rank sent in ZeRO's collectives since the last call (ring volume, see ZeroTraffic);

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from tqdm.auto import tqdm
 
 from fivefold.config import JobConfig
 from fivefold.data.dataset import PreparedData, prepare_data
@@ -68,6 +69,16 @@ def cap_threads(configured: int) -> int:
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads
+
+
+def _silent(text: str) -> None:
+    pass
+
+
+def rank0_printer(is_rank0: bool) -> Callable[[str], None]:
+    """Rank 0's printer (tqdm.write: progress bars stay whole); the other ranks print nothing. A plain function,
+    so the trainer's parts can keep it without keeping the trainer alive."""
+    return tqdm.write if is_rank0 else _silent
 
 
 def resolve_model_config(model: ModelConfig, vocab_size: int) -> ModelConfig:

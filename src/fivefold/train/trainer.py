@@ -21,6 +21,7 @@ is tested against.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from pathlib import Path
 
@@ -48,7 +49,7 @@ from fivefold.train.final_sample import final_sample
 from fivefold.train.metrics import MetricsLogger, peak_tflops, plot_losses
 from fivefold.train.reporting import Reporter, TrainResult, completed_result
 from fivefold.train.routing_report import RoutingReport, describe_experts, plot_expert_load
-from fivefold.train.setup import cap_threads, prepare_data_once, resolve_device, resolve_model_config
+from fivefold.train.setup import cap_threads, prepare_data_once, rank0_printer, resolve_device, resolve_model_config
 
 
 class Trainer:
@@ -66,6 +67,9 @@ class Trainer:
         self.output_dir = Path(t.output_dir)
         self.supervisor = supervisor or Supervisor(config, self.output_dir, self.env.rank, self.env.world_size,
                                                    shared_attempt_id(distributed, self.mesh.trainer_group()))
+        # what the trainer's parts keep (its printer, the autocast factory) holds no bound method of it: a cycle back
+        # to the trainer would keep its model, optimizer and device memory after `del` until a garbage collection
+        self._print = rank0_printer(self.is_rank0)
         self.checkpoints = RunCheckpoints(config, self.mesh, self.env.rank, distributed, self.supervisor, self._print)
         self.supervisor.start(resumed_from=str(self.checkpoints.resumed_from or ""))
         self.data = data or prepare_data_once(config, self.env.world_size, self.is_rank0, self.supervisor.attempt_id,
@@ -79,7 +83,9 @@ class Trainer:
         t = config.train
         torch.manual_seed(t.seed)
         self.autocast_dtype = torch.bfloat16 if t.dtype == "bf16" else None
-        self.parallel = parallelize(build_model(self.model_config), self.mesh, config, self.device, self._autocast,
+        autocast = functools.partial(torch.autocast, self.device.type, dtype=self.autocast_dtype,
+                                     enabled=self.autocast_dtype is not None)
+        self.parallel = parallelize(build_model(self.model_config), self.mesh, config, self.device, autocast,
                                     pretrained=self.checkpoints.resumed_from is None)
         self.model, self.sync, self.step_fn = self.parallel.model, self.parallel.sync, self.parallel.step
         self.routing = RoutingReport(self.model, self.mesh.group("pp"), self.parallel.alltoall)
@@ -123,9 +129,6 @@ class Trainer:
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         return self.sync.optimizer
-
-    def _autocast(self):
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
 
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """This rank's (inputs, labels, positions) micro-batches of optimizer step `step` (after skipped data)."""
@@ -294,7 +297,3 @@ class Trainer:
         self._print(self.report.summary(final, val_loss, baseline, checkpoint, metrics_path, plot, sample,
                                         self.state.skipped_steps, self.state.rollbacks))
         return TrainResult(self.state.step, final, val_loss, baseline, checkpoint, metrics_path, plot, sample, losses)
-
-    def _print(self, text: str) -> None:
-        if self.is_rank0:
-            tqdm.write(text)
