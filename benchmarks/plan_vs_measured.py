@@ -30,6 +30,11 @@ parallel splits, communication, recomputation, the pipeline bubble.
     python benchmarks/plan_vs_measured.py --replay rows.json # predict an earlier run's --json again
     python benchmarks/plan_vs_measured.py --replay rows.json --fidelity flow  # ... simulating at flow level
     python benchmarks/plan_vs_measured.py --only single,ep2  # the named layouts only
+    python benchmarks/plan_vs_measured.py --rates passes     # priced with the rates shared_rates.py carries
+
+Each round also times rank 0 alone and a transformer's passes on every rank (shared_rates.py), so every run
+predicts the same steps with a second set of compute rates and prints that set's summary (`# with the ...
+rates instead`): the square matmul loop's by default, the passes' with --rates passes.
 
 Prints one row per layout (predicted, measured, error) and
 RESULT name=plan_vs_measured layouts=N efficiency=... overhead_us=... median_abs_error=...
@@ -158,6 +163,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
                                      measure_post, memory_gbs, optimizer_rate, oversubscribed_share, ranks_fitting)
     from fivefold.comm.measure import measure_cluster
     from fivefold.comm.p2p import Ranks
+    from shared_rates import alone_measurements, shared_rates
     from fivefold.train.trainer import Trainer
 
     import gc
@@ -172,8 +178,10 @@ def _measure(rank: int, world_size: int, job) -> dict:
     arrivals: list[dict] = []  # a tiny all-reduce after bursts of compute (the cluster's [arrival]), each batch
     posts: list[dict] = []  # a ring exchange's post on the rank's thread, beside compute (p2p_post_us), each batch
     samples: dict[str, list[float]] = {name: [] for name, _ in configs}
-    rates: dict[str, list[float]] = {"fp32": [], "bf16": []}
-    fitting: list[float] = []  # the fp32 rate with only as many ranks computing as the cores hold
+    rates: dict[str, list[float]] = {"fp32": [], "bf16": []}  # a square matmul loop on every rank at once
+    fitting: list[float] = []  # its fp32 rate with only as many ranks computing as the cores hold
+    carried: dict[str, list[float]] = {"fp32": [], "bf16": []}  # rank 0's alone, carried by passes (shared_rates.py)
+    efficiencies: list[float] = []  # the oversubscribed efficiency from the same passes
     bandwidths = []
     optimizer: list[tuple[float, float]] = []  # the runtime's AdamW: (GB/s of 28 bytes per parameter, us per tensor)
     codecs: list[tuple[dict, dict]] = []  # the gradient codecs' local work, ns per value (comm/bench.py codec_rates)
@@ -193,7 +201,12 @@ def _measure(rank: int, world_size: int, job) -> dict:
             if compressed:  # on the job's own parameters' shapes, with the batch's trainers alive; every round, as the
                 # rates below: one timing can land on a slow spell (sign 79 ns a value once, 30 on the run before)
                 codecs.append(codec_rates(torch.device("cpu"), list(compressed[0].model.parameters()), seconds=0.15))
+            by_one, one_pass = alone_measurements(torch.device("cpu"), cores)
+            shared, efficiency = shared_rates(torch.device("cpu"), cores, threads, by_one, one_pass) \
+                if world_size > 1 else (by_one, 1.0)
+            efficiencies.append(efficiency)
             for dtype in rates:
+                carried[dtype].append(shared[dtype])
                 rates[dtype].append(matmul_tflops(dtype, torch.device("cpu"), seconds=0.2))
             if world_size * threads > cores:
                 fitting.append(matmul_tflops("fp32", torch.device("cpu"), seconds=0.2, computing=ranks_fitting(cores, threads)))
@@ -223,6 +236,8 @@ def _measure(rank: int, world_size: int, job) -> dict:
             "post": fit_post([[size, statistics.median(p["measured"][i][1] for p in posts)]
                               for i, (size, _) in enumerate(posts[0]["measured"])]) if posts else {},
             "rates": {dtype: statistics.median(values) for dtype, values in rates.items()},
+            "passes_rates": {dtype: statistics.median(values) for dtype, values in carried.items()},
+            "passes_oversubscribed_efficiency": statistics.median(efficiencies),
             "memory_gbs": statistics.median(bandwidths),
             "optimizer_gbs": statistics.median(g for g, _ in optimizer),
             "optimizer_tensor_us": statistics.median(u for _, u in optimizer),
@@ -251,15 +266,18 @@ def _measure_solo(world_size: int, name: str, argv: list[str], out_root: Path, t
     return statistics.median(seconds[-timed:])
 
 
-def _cluster(world_size: int, measured: dict, collectives: str = "beside"):
+def _cluster(world_size: int, measured: dict, collectives: str = "beside", rates: str = "matmul"):
     """This machine as the planner sees it; collectives: the backend's collectives as timed beside compute (a step's)
-    or back to back (`alone`)."""
+    or back to back (`alone`); rates: a square matmul loop's on every rank at once (`matmul`, as `fivefold bench
+    comm` fits them) or one rank's alone carried to all by a transformer's passes (`passes`, shared_rates.py)."""
     from fivefold.plan.cluster import Accelerator, ArrivalSpec, ClusterSpec, LinkSpec, arrival_from_dict
 
+    prefix = "passes_" if rates == "passes" else ""
     link = LinkSpec.from_fit(measured["links"]["intra"] if measured["links"] else {"alpha": 1e-6, "beta": 1e-9})
     return ClusterSpec(f"this machine, {world_size} ranks",
-                       Accelerator("cpu rank", 8.0, measured["rates"], measured["memory_gbs"], shared_cores=measured["cores"],
-                                   oversubscribed_efficiency=measured["oversubscribed_efficiency"],
+                       Accelerator("cpu rank", 8.0, measured[f"{prefix}rates"], measured["memory_gbs"],
+                                   shared_cores=measured["cores"],
+                                   oversubscribed_efficiency=measured[f"{prefix}oversubscribed_efficiency"],
                                    optimizer_gbs=measured["optimizer_gbs"], optimizer_tensor_us=measured["optimizer_tensor_us"],
                                    codec_ns=measured.get("codec_ns", {}), codec_encode_ns=measured.get("codec_encode_ns", {}),
                                    p2p_post_us=measured.get("post", {}).get("p2p_post_us", 0.0),
@@ -308,6 +326,26 @@ def _profiled(rows: list[dict], efficiency: float) -> None:
           f"({sum(e <= 0.1 for e in errors)} within 10%, worst {100 * max(errors):.1f}%; simulator "
           f"{100 * statistics.median(sim_errors):.1f}%, {sum(e <= 0.1 for e in sim_errors)} within 10%), "
           f"{100 * statistics.median(model_errors):.1f}% modelled ({sum(e <= 0.1 for e in model_errors)} within 10%)")
+
+
+def _other_rates(rows: list[dict], efficiency: float, name: str) -> None:
+    """Summarise the same measured steps predicted with the run's other compute rates (same fitted constants)."""
+    from fivefold.plan.estimate import estimate
+
+    errors = {r["name"]: estimate(r["config"], r["world_size"], r["cluster_other_rates"], efficiency,
+                                  vocab_size=257).time.total / r["measured"] - 1 for r in rows}
+    top = max(r["world_size"] for r in rows)
+    four = [r for r in rows if r["world_size"] == top]
+    predicted = [(1 + errors[r["name"]]) * r["measured"] for r in four]
+    chosen = four[min(range(len(four)), key=predicted.__getitem__)]
+    multi = [abs(errors[r["name"]]) for r in rows if r["world_size"] > 1]
+    worst = max(errors, key=lambda k: abs(errors[k]))
+    print(f"# with the {name} rates instead: median {100 * statistics.median(abs(e) for e in errors.values()):.1f}%, "
+          f"multi-rank {100 * statistics.median(multi) if multi else 0.0:.1f}%, "
+          f"{sum(abs(e) <= 0.10 for e in errors.values())} within 10%, worst {100 * errors[worst]:+.1f}% ({worst}), "
+          f"tau {kendall_tau(predicted, [r['measured'] for r in four]):.3f}, predicted best ({chosen['name']}) "
+          f"{100 * (chosen['measured'] / min(r['measured'] for r in four) - 1):.1f}% over the measured best; "
+          f"by {top}-rank layout: " + ", ".join(f"{r['name']} {100 * errors[r['name']]:+.1f}%" for r in four))
 
 
 def fit_compute(rows: list[dict]) -> tuple[float, float, list[dict]]:
@@ -399,6 +437,11 @@ def main() -> int:
     parser.add_argument("--collectives", default="beside", choices=("beside", "alone"),
                         help="price the backend's collectives at their times beside compute (default: as a step makes "
                              "them) or back to back")
+    parser.add_argument("--rates", default="matmul", choices=("matmul", "passes"),
+                        help="the compute rate of a rank while all compute: a square matmul loop's on every rank at "
+                             "once (default, as `fivefold bench comm --cluster-file` measures it) or one rank's alone "
+                             "carried to all by a transformer's passes (benchmarks/shared_rates.py, an experiment); "
+                             "the other is predicted too and summarised")
     parser.add_argument("--fidelity", default="hybrid", choices=FIDELITIES,
                         help="how the simulator plays collectives (default hybrid, as `fivefold simulate`)")
     args = parser.parse_args()
@@ -437,8 +480,12 @@ def main() -> int:
             for name, config in configs:
                 chosen = stored[name].get("cluster_alone", stored[name]["cluster"]) if args.collectives == "alone" \
                     else stored[name]["cluster"]
+                other = stored[name].get("cluster_other_rates")  # runs before 2026-11-27 kept the matmul rates only
+                if other is not None and args.rates != stored[name].get("rates", "matmul"):
+                    chosen, other = other, stored[name]["cluster"]
                 rows.append({"world_size": world_size, "name": name, "config": config,
                              "cluster": cluster_from_dict(chosen), "measured": stored[name]["measured"],
+                             **({"cluster_other_rates": cluster_from_dict(other)} if other is not None else {}),
                              "cores": stored[name].get("cores", os.cpu_count() or 1), "machine": measured_on})
             continue
         together = [(name, config) for name, config in configs if name not in alone] or \
@@ -447,13 +494,18 @@ def main() -> int:
         for name, extra in alone.items():
             measured["times"][name] = _measure_solo(world_size, name, ["--config", str(ROOT / "configs" / "tiny.toml"),
                                                                        *base, *extra], out_root, args.steps, args.timeout)
-        cluster, other = _cluster(world_size, measured, args.collectives), _cluster(world_size, measured, "alone")
+        cluster = _cluster(world_size, measured, args.collectives, args.rates)
+        other = _cluster(world_size, measured, "alone", args.rates)
+        before = _cluster(world_size, measured, args.collectives, "matmul" if args.rates == "passes" else "passes")
         for name, config in configs:
             rows.append({"world_size": world_size, "name": name, "config": config, "cluster": cluster, "cluster_alone": other,
-                         "measured": measured["times"][name], "cores": measured["cores"], "machine": measured_on})
+                         "cluster_other_rates": before, "measured": measured["times"][name], "cores": measured["cores"],
+                         "machine": measured_on})
     efficiency, overhead, anchors = fit_compute(rows)
     for row in rows:  # the dispatch overhead is one thread's work: it slows once the ranks outnumber the cores
-        row["cluster"] = with_overhead(row["cluster"], overhead * max(1.0, row["world_size"] / row["cores"]), row["cores"])
+        for key in ("cluster", "cluster_other_rates"):
+            if key in row:
+                row[key] = with_overhead(row[key], overhead * max(1.0, row["world_size"] / row["cores"]), row["cores"])
     from fivefold.errors import ConfigError
     from fivefold.sim.step import simulate_step
 
@@ -490,12 +542,15 @@ def main() -> int:
     best_gap = chosen["measured"] / min(r["measured"] for r in four) - 1
     print(f"# {len(four)} layouts on {four[0]['world_size']} ranks: Kendall tau {tau:.3f} between predicted and measured "
           f"order; the predicted best ({chosen['name']}) measures {100 * best_gap:.1f}% over the measured best")
+    if all("cluster_other_rates" in r for r in rows):
+        _other_rates(rows, efficiency, "passes" if args.rates == "matmul" else "matmul")
     if args.plot:
         print(f"wrote {plot_scatter(rows, args.plot)}")
     if args.json:
-        Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k not in ("config", "cluster_alone")} |
-                                               {key: r[key].to_dict() for key in ("cluster", "cluster_alone") if key in r}
-                                               for r in rows], indent=2))
+        keys = ("cluster", "cluster_alone", "cluster_other_rates")
+        Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k not in ("config", *keys)} |
+                                               {key: r[key].to_dict() for key in keys if key in r} |
+                                               {"rates": args.rates} for r in rows], indent=2))
     median = statistics.median(errors) if errors else 0.0
     print(f"RESULT name=plan_vs_measured layouts={len(rows)} efficiency={efficiency:.4f} overhead_us={overhead:.1f} "
           f"median_abs_error={median:.4f} multi_rank_median_abs_error={statistics.median(multi) if multi else 0.0:.4f} "

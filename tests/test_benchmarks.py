@@ -67,6 +67,8 @@ def test_reliability_benchmark_runs_and_prints_result(script, args, expected):
     assert numbers and all(math.isfinite(v) and (v >= -1 if k == "kendall_tau" else v >= 0)
                            for k, v in numbers.items()), numbers
     assert numbers.get("kendall_tau", 0.0) <= 1
+    if script == "plan_vs_measured.py":  # the same steps predicted with the rates carried by a transformer's passes
+        assert "# with the passes rates instead: median" in out
 
 
 def test_the_benchmarks_name_the_cpu_their_figures_come_from():
