@@ -202,7 +202,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
                 # rates below: one timing can land on a slow spell (sign 79 ns a value once, 30 on the run before)
                 codecs.append(codec_rates(torch.device("cpu"), list(compressed[0].model.parameters()), seconds=0.15))
             by_one, one_pass = alone_measurements(torch.device("cpu"), cores)
-            shared, efficiency = shared_rates(torch.device("cpu"), cores, threads, by_one, one_pass) \
+            shared, efficiency = shared_rates(cores, threads, by_one, one_pass) \
                 if world_size > 1 else (by_one, 1.0)
             efficiencies.append(efficiency)
             for dtype in rates:
@@ -336,15 +336,13 @@ def _other_rates(rows: list[dict], efficiency: float, name: str) -> None:
                                   vocab_size=257).time.total / r["measured"] - 1 for r in rows}
     top = max(r["world_size"] for r in rows)
     four = [r for r in rows if r["world_size"] == top]
-    predicted = [(1 + errors[r["name"]]) * r["measured"] for r in four]
-    chosen = four[min(range(len(four)), key=predicted.__getitem__)]
+    tau, chosen, gap = rank_order(four, [(1 + errors[r["name"]]) * r["measured"] for r in four])
     multi = [abs(errors[r["name"]]) for r in rows if r["world_size"] > 1]
     worst = max(errors, key=lambda k: abs(errors[k]))
     print(f"# with the {name} rates instead: median {100 * statistics.median(abs(e) for e in errors.values()):.1f}%, "
           f"multi-rank {100 * statistics.median(multi) if multi else 0.0:.1f}%, "
           f"{sum(abs(e) <= 0.10 for e in errors.values())} within 10%, worst {100 * errors[worst]:+.1f}% ({worst}), "
-          f"tau {kendall_tau(predicted, [r['measured'] for r in four]):.3f}, predicted best ({chosen['name']}) "
-          f"{100 * (chosen['measured'] / min(r['measured'] for r in four) - 1):.1f}% over the measured best; "
+          f"tau {tau:.3f}, predicted best ({chosen['name']}) {100 * gap:.1f}% over the measured best; "
           f"by {top}-rank layout: " + ", ".join(f"{r['name']} {100 * errors[r['name']]:+.1f}%" for r in four))
 
 
@@ -385,6 +383,14 @@ def with_overhead(cluster, overhead_us: float, cores: int):
     """The cluster with the fitted pass overhead, its ranks sharing this machine's `cores`."""
     return dataclasses.replace(cluster, accelerator=dataclasses.replace(cluster.accelerator, pass_overhead_us=overhead_us,
                                                                         shared_cores=cores))
+
+
+def rank_order(rows: list[dict], predicted: list[float]) -> tuple[float, dict, float]:
+    """(Kendall's tau between `predicted` and the rows' measured steps, the predicted best row, how much slower it
+    measures than the measured best)."""
+    measured = [r["measured"] for r in rows]
+    chosen = rows[min(range(len(rows)), key=predicted.__getitem__)]
+    return kendall_tau(predicted, measured), chosen, chosen["measured"] / min(measured) - 1
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -537,9 +543,7 @@ def main() -> int:
     if args.profile:
         _profiled(rows, efficiency)
     four = [r for r in rows if r["world_size"] == max(w for w, _, _ in layouts)]
-    tau = kendall_tau([r["predicted"] for r in four], [r["measured"] for r in four])
-    chosen = min(four, key=lambda r: r["predicted"])
-    best_gap = chosen["measured"] / min(r["measured"] for r in four) - 1
+    tau, chosen, best_gap = rank_order(four, [r["predicted"] for r in four])
     print(f"# {len(four)} layouts on {four[0]['world_size']} ranks: Kendall tau {tau:.3f} between predicted and measured "
           f"order; the predicted best ({chosen['name']}) measures {100 * best_gap:.1f}% over the measured best")
     if all("cluster_other_rates" in r for r in rows):

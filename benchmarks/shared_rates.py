@@ -64,7 +64,7 @@ def pass_seconds(computing: int, repeats: int = 4) -> float:
     return float(total) / computing
 
 
-def shared_rates(device: torch.device, cores: int, threads: int, alone_rates: dict[str, float],
+def shared_rates(cores: int, threads: int, alone_rates: dict[str, float],
                  alone_pass: float, repeats: int = 4) -> tuple[dict[str, float], float]:
     """(TFLOP/s per dtype a rank achieves while every rank computes, the oversubscribed efficiency) from the
     matmul rates and the reference pass of rank 0 alone on every core (`alone_rates`, `alone_pass`: see

@@ -225,3 +225,35 @@ def test_plan_vs_gpu_refuses_bad_arguments(args, message):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_vs_gpu.py"), *args], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and message in done.stderr
+
+
+def test_plan_vs_measured_prices_with_the_rates_asked(tmp_path):
+    """Every run keeps its second set of compute rates (`cluster_other_rates`); a replay with --rates passes prices
+    with those when the run's table used the matmul loop's, and summarises the other set. The efficiency is fitted
+    on the one-rank layouts (both sets alike there, as measured); on 2 ranks the passes' rate here is half the
+    loop's, so the predicted compute-bound dp2 step is longer."""
+    import dataclasses
+    import json
+
+    from fivefold.plan.cluster import PRESETS
+
+    fast = PRESETS["h100-sxm"]
+    slow = dataclasses.replace(fast, accelerator=dataclasses.replace(
+        fast.accelerator, tflops={k: v / 2 for k, v in fast.accelerator.tflops.items()}))
+    rows = [{"world_size": w, "name": name, "cluster": fast.to_dict(), "rates": "matmul", "measured": 0.002,
+             "cluster_other_rates": (slow if w > 1 else fast).to_dict(), "cores": 2}
+            for w, name in ((1, "single"), (1, "single-6-layers"), (2, "dp2"))]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    out = {}
+    for rates in ("matmul", "passes"):
+        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_vs_measured.py"), "--replay",
+                               str(tmp_path / "rows.json"), "--rates", rates, "--json", str(tmp_path / f"{rates}.json")],
+                              capture_output=True, text=True, timeout=300, check=True)
+        other = "passes" if rates == "matmul" else "matmul"
+        assert f"# with the {other} rates instead: median" in done.stdout
+        out[rates] = {r["name"]: r for r in json.loads((tmp_path / f"{rates}.json").read_text())}
+    assert out["passes"]["single"]["predicted"] == pytest.approx(out["matmul"]["single"]["predicted"])
+    assert out["passes"]["dp2"]["predicted"] > 1.2 * out["matmul"]["dp2"]["predicted"]
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_vs_measured.py"), "--rates", "fast"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--rates: invalid choice: 'fast'" in done.stderr
