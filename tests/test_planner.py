@@ -484,6 +484,26 @@ def test_a_collectives_measured_times_are_read_at_the_ranks_they_were_timed_over
         calls * extra(4 * 128 * 256 * 4) + 3 * extra(4 * 128 * 4))
 
 
+def test_a_collectives_measured_times_are_read_nondecreasing_in_size():
+    """More bytes cannot take less time: a measured time below a smaller size's (a mean that met a stall) is pooled
+    with its neighbours into their mean (the least-squares nondecreasing fit), so the planner never prices a larger
+    call below a smaller one; times already rising are read as they are."""
+    from fivefold.comm.cost import Link, native_collective, nondecreasing
+
+    rising = ((16384.0, 1e-3), (65536.0, 2e-3), (262144.0, 3e-3))
+    assert nondecreasing(rising) == rising
+    # one run of this machine: 256 KB measured slower than 512 KB and 1 MB
+    noisy = ((16384.0, 1074e-6), (65536.0, 1751e-6), (262144.0, 3176e-6), (524288.0, 1237e-6), (1048576.0, 2208e-6),
+             (4194304.0, 5355e-6))
+    pooled = (3176e-6 + 1237e-6) / 2  # 2.2065 ms, still below 1 MB's 2.208
+    assert [t for _, t in nondecreasing(noisy)] == pytest.approx([1074e-6, 1751e-6, pooled, pooled, 2208e-6, 5355e-6])
+    assert nondecreasing(((1.0, 5.0), (2.0, 4.0), (3.0, 3.0))) == ((1.0, 4.0), (2.0, 4.0), (3.0, 4.0))
+    link = Link(alpha=600e-6, beta=1 / 1.1e9, measured=noisy, ranks=2)
+    times = [native_collective("all_reduce", n, 2, link) for n in (16384, 100000, 262144, 400000, 524288, 1 << 20, 4 << 20)]
+    assert times == sorted(times)
+    assert native_collective("all_reduce", 524288, 2, link) == pytest.approx(pooled)
+
+
 def test_parameter_server_layout_is_planned_as_the_runtime_builds_it():
     """data_parallel.mode = ps: workers hold the runtime's own model-state formula (fp32 weights and gradients,
     no optimizer); the largest server shard is the runtime's ServerLayout over the real model's parameters; the
