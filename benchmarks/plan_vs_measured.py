@@ -18,10 +18,11 @@ matmul_tflops, memory_gbs, optimizer_rate) measured again each round, the gradie
 matmul rate with only as many ranks computing as the cores hold (the cluster's oversubscribed_efficiency; its shared_cores are this
 machine's: ranks idle in a pipeline bubble lend their cores); a layout's time is the median over
 rounds of its slowest rank's step. Rounds put a slow spell of
-this shared machine on every layout alike. The planner predicts each config on that cluster with two
+this shared machine on every layout alike. The planner predicts each config on that cluster with
 compute constants fitted on the dense one-rank layouts only (`fit_compute`): the achieved share of the
-matmul rate (--efficiency) and a block pass's fixed host cost (accelerator.pass_overhead_us; one
-thread's work, so it grows by ranks / cores once the ranks outnumber the cores). Every multi-rank
+matmul rate (--efficiency), one per compute dtype (fp32, and bf16 on `single-bf16`), and a block pass's
+fixed host cost (accelerator.pass_overhead_us; one thread's work, so it grows by ranks / cores once the
+ranks outnumber the cores). Every multi-rank
 layout is predicted with no further fitting, so those rows check everything the planner adds:
 parallel splits, communication, recomputation, the pipeline bubble.
 
@@ -37,7 +38,7 @@ predicts the same steps with a second set of compute rates and prints that set's
 rates instead`): the square matmul loop's by default, the passes' with --rates passes.
 
 Prints one row per layout (predicted, measured, error) and
-RESULT name=plan_vs_measured layouts=N efficiency=... overhead_us=... median_abs_error=...
+RESULT name=plan_vs_measured layouts=N efficiency=... efficiency_bf16=... overhead_us=... median_abs_error=...
        multi_rank_median_abs_error=... within_10pct=... worst_abs_error=... kendall_tau=... best_gap=...
        sim_median_abs_error=... sim_worst_abs_error=... sim_within_10pct=...
 (the sim_ figures: `fivefold simulate`'s step, sim/step.py at --fidelity, default hybrid as the command's, on
@@ -97,6 +98,9 @@ LAYOUTS = [
     (1, "single-micro8", ["--train.micro_batch_size", "8"]),
     (1, "single-micro8-full", ["--train.micro_batch_size", "8", "--train.recompute", "full"]),
     (1, "single-6-layers", ["--model.n_layers", "6"]),
+    # bf16 compute (autocast): the one-rank row anchors the bf16 share of the bf16 matmul rate, the others check it
+    (1, "single-bf16", ["--train.dtype", "bf16"]),
+    (2, "dp2-bf16", ["--train.dtype", "bf16"]),
     (2, "dp2-seq256", ["--train.seq_len", "256"]),
     (2, "dp2-accum2", ["--train.grad_accum_steps", "2"]),
     (2, "dp2-selective", ["--train.recompute", "selective"]),
@@ -288,7 +292,7 @@ def _cluster(world_size: int, measured: dict, collectives: str = "beside", rates
                        arrival=arrival_from_dict(measured.get("arrival", {})) if collectives == "beside" else ArrivalSpec())
 
 
-def _profiled(rows: list[dict], efficiency: float) -> None:
+def _profiled(rows: list[dict], shares: dict[str, float]) -> None:
     """Predict every layout whose ranks' threads fit the cores again with its forward passes measured (`fivefold
     bench compute`: plan/profile.py, one rank alone at the job's shape and the threads a rank of it gets) instead
     of modelled, and print both errors: measured by as many processes at once as the layout has ranks
@@ -309,7 +313,7 @@ def _profiled(rows: list[dict], efficiency: float) -> None:
         if row["world_size"] * threads > row["cores"] or row["config"].data_parallel.mode == "ps":
             continue
         profile = measure_on_ranks(row["config"], row["world_size"], threads, 257, repeats=10)
-        chosen = Efficiency(efficiency, 0.0, profile)
+        chosen = Efficiency(efficiency_of(row, shares), 0.0, profile)
         predicted = estimate(row["config"], row["world_size"], row["cluster"], chosen, vocab_size=257).time.total
         try:
             simulated = simulate_step(row["config"], row["world_size"], row["cluster"], chosen, vocab_size=257,
@@ -328,11 +332,11 @@ def _profiled(rows: list[dict], efficiency: float) -> None:
           f"{100 * statistics.median(model_errors):.1f}% modelled ({sum(e <= 0.1 for e in model_errors)} within 10%)")
 
 
-def _other_rates(rows: list[dict], efficiency: float, name: str) -> None:
+def _other_rates(rows: list[dict], shares: dict[str, float], name: str) -> None:
     """Summarise the same measured steps predicted with the run's other compute rates (same fitted constants)."""
     from fivefold.plan.estimate import estimate
 
-    errors = {r["name"]: estimate(r["config"], r["world_size"], r["cluster_other_rates"], efficiency,
+    errors = {r["name"]: estimate(r["config"], r["world_size"], r["cluster_other_rates"], efficiency_of(r, shares),
                                   vocab_size=257).time.total / r["measured"] - 1 for r in rows}
     top = max(r["world_size"] for r in rows)
     four = [r for r in rows if r["world_size"] == top]
@@ -346,26 +350,59 @@ def _other_rates(rows: list[dict], efficiency: float, name: str) -> None:
           f"by {top}-rank layout: " + ", ".join(f"{r['name']} {100 * errors[r['name']]:+.1f}%" for r in four))
 
 
-def fit_compute(rows: list[dict]) -> tuple[float, float, list[dict]]:
-    """The planner's two compute constants, fitted on the dense one-rank layouts only: the achieved share e of the
-    matmul rate (--efficiency) and the fixed host cost o of a block's forward pass (the cluster's
-    accelerator.pass_overhead_us). The planner's one-rank step is linear in 1/e and o,
-    t = M / e + O o + R (M, O and R read off three estimates), so the relative errors' least squares
-    has a closed form. Multi-rank layouts then predict with no further fitting."""
-    from fivefold.plan.estimate import estimate
+def fit_compute(rows: list[dict]) -> tuple[dict[str, float], float, list[dict]]:
+    """The planner's compute constants, fitted on the dense one-rank layouts only: the achieved share e of the
+    matmul rate (--efficiency), one per compute dtype (`compute_dtype`: its peak is that dtype's matmul rate, and a
+    CPU's bf16 matmul loop can run 5x its fp32 one where a small model's bf16 step does not), and the fixed host
+    cost o of a block's forward pass (the cluster's accelerator.pass_overhead_us), fitted with the fp32 share on the
+    fp32 anchors. The planner's one-rank step is linear in 1/e and o, t = M / e + O o + R (M, O and R read off
+    three estimates), so the relative errors' least squares has a closed form. Multi-rank layouts then predict
+    with no further fitting; a dtype with no one-rank anchor (a replayed run from before 2026-11-27 evening) takes
+    the fp32 share."""
+    from fivefold.plan.estimate import compute_dtype
 
     anchors = [r for r in rows if r["world_size"] == 1 and not r["config"].model.n_experts] or rows[:1]
-    system = []
+    by_dtype: dict[str, list[dict]] = {}
     for row in anchors:
-        def at(e: float, o: float) -> float:
-            cluster = with_overhead(row["cluster"], o, row["cores"])
-            return estimate(row["config"], row["world_size"], cluster, e, vocab_size=257).time.total
-        base = at(1.0, 0.0)
-        matmuls, overhead = at(0.5, 0.0) - base, at(1.0, 1.0) - base  # seconds per unit of 1/e - 1, per us of o
-        system.append((matmuls, overhead, base - matmuls, row["measured"]))
+        by_dtype.setdefault(compute_dtype(row["config"]), []).append(row)
+    first = "fp32" if "fp32" in by_dtype else next(iter(by_dtype))
+    share, overhead = _fit_share_and_overhead([_linear_step(row) for row in by_dtype[first]])
+    shares = {first: share}
+    for dtype, group in by_dtype.items():  # the other dtypes' shares at that overhead
+        if dtype != first:
+            system = [_linear_step(row) for row in group]
+            x = sum(m * (t - r - v * overhead) / t**2 for m, v, r, t in system) / sum((m / t) ** 2 for m, v, r, t in system)
+            shares[dtype] = min(1.0, 1 / max(x, 1e-12))
+    shares.setdefault("fp32", share)
+    shares.setdefault("bf16", shares["fp32"])
+    return shares, overhead, anchors
+
+
+def efficiency_of(row: dict, shares: dict[str, float]) -> float:
+    """The fitted share for the row's compute dtype."""
+    from fivefold.plan.estimate import compute_dtype
+
+    return shares[compute_dtype(row["config"])]
+
+
+def _linear_step(row: dict) -> tuple[float, float, float, float]:
+    """(M, O, R, measured) of a one-rank layout whose predicted step is M / e + O o + R."""
+    from fivefold.plan.estimate import estimate
+
+    def at(e: float, o: float) -> float:
+        cluster = with_overhead(row["cluster"], o, row["cores"])
+        return estimate(row["config"], row["world_size"], cluster, e, vocab_size=257).time.total
+
+    base = at(1.0, 0.0)
+    matmuls, overhead = at(0.5, 0.0) - base, at(1.0, 1.0) - base  # seconds per unit of 1/e - 1, per us of o
+    return matmuls, overhead, base - matmuls, row["measured"]
+
+
+def _fit_share_and_overhead(system: list[tuple[float, float, float, float]]) -> tuple[float, float]:
+    """Least squares of the relative errors of t = M x + O o + R over x = 1/e and o >= 0."""
     if len(system) == 1:  # one layout: the share alone
         m, _, r, t = system[0]
-        return min(1.0, m / max(t - r, 1e-12)), 0.0, anchors
+        return min(1.0, m / max(t - r, 1e-12)), 0.0
     # minimise sum ((m x + v o + r - t) / t)^2 over x = 1/e and o
     sxx = sum((m / t) ** 2 for m, v, r, t in system)
     sxo = sum(m * v / t**2 for m, v, r, t in system)
@@ -376,7 +413,7 @@ def fit_compute(rows: list[dict]) -> tuple[float, float, list[dict]]:
     x, o = (sxy * soo - soy * sxo) / det, (soy * sxx - sxy * sxo) / det
     if o < 0:  # no fixed cost to find: the share alone
         x, o = sxy / sxx, 0.0
-    return min(1.0, 1 / max(x, 1e-12)), o, anchors
+    return min(1.0, 1 / max(x, 1e-12)), o
 
 
 def with_overhead(cluster, overhead_us: float, cores: int):
@@ -507,7 +544,7 @@ def main() -> int:
             rows.append({"world_size": world_size, "name": name, "config": config, "cluster": cluster, "cluster_alone": other,
                          "cluster_other_rates": before, "measured": measured["times"][name], "cores": measured["cores"],
                          "machine": measured_on})
-    efficiency, overhead, anchors = fit_compute(rows)
+    shares, overhead, anchors = fit_compute(rows)
     for row in rows:  # the dispatch overhead is one thread's work: it slows once the ranks outnumber the cores
         for key in ("cluster", "cluster_other_rates"):
             if key in row:
@@ -517,12 +554,14 @@ def main() -> int:
 
     errors, sim_errors, multi = [], [], []
     print(f"# measured on: {measured_on}")
-    print(f"# efficiency {efficiency:.3f}, block pass overhead {overhead:.0f} us (fitted on the {len(anchors)} dense one-rank "
+    print(f"# efficiency {shares['fp32']:.3f} (bf16 {shares['bf16']:.3f}), block pass overhead {overhead:.0f} us (fitted on "
+          f"the {len(anchors)} dense one-rank "
           f"layouts); seq {args.seq_len}, micro-batch {args.micro_batch}, "
           f"{args.layers} layers of tiny")
     print(f"# {'layout':<18}{'ranks':>6}{'predicted(s)':>14}{'simulated(s)':>14}{'measured(s)':>13}{'plan err':>10}"
           f"{'sim err':>9}")
     for row in rows:
+        efficiency = efficiency_of(row, shares)
         predicted = estimate(row["config"], row["world_size"], row["cluster"], efficiency, vocab_size=257).time.total
         try:
             simulated = simulate_step(row["config"], row["world_size"], row["cluster"], efficiency, args.fidelity,
@@ -541,13 +580,13 @@ def main() -> int:
         print(f"  {row['name']:<18}{row['world_size']:>6}{predicted:>14.4f}{sim_text[0]:>14}{row['measured']:>13.4f}"
               f"{100 * error:>9.1f}%{sim_text[1]:>9}")
     if args.profile:
-        _profiled(rows, efficiency)
+        _profiled(rows, shares)
     four = [r for r in rows if r["world_size"] == max(w for w, _, _ in layouts)]
     tau, chosen, best_gap = rank_order(four, [r["predicted"] for r in four])
     print(f"# {len(four)} layouts on {four[0]['world_size']} ranks: Kendall tau {tau:.3f} between predicted and measured "
           f"order; the predicted best ({chosen['name']}) measures {100 * best_gap:.1f}% over the measured best")
     if all("cluster_other_rates" in r for r in rows):
-        _other_rates(rows, efficiency, "passes" if args.rates == "matmul" else "matmul")
+        _other_rates(rows, shares, "passes" if args.rates == "matmul" else "matmul")
     if args.plot:
         print(f"wrote {plot_scatter(rows, args.plot)}")
     if args.json:
@@ -556,7 +595,8 @@ def main() -> int:
                                                {key: r[key].to_dict() for key in keys if key in r} |
                                                {"rates": args.rates} for r in rows], indent=2))
     median = statistics.median(errors) if errors else 0.0
-    print(f"RESULT name=plan_vs_measured layouts={len(rows)} efficiency={efficiency:.4f} overhead_us={overhead:.1f} "
+    print(f"RESULT name=plan_vs_measured layouts={len(rows)} efficiency={shares['fp32']:.4f} "
+          f"efficiency_bf16={shares['bf16']:.4f} overhead_us={overhead:.1f} "
           f"median_abs_error={median:.4f} multi_rank_median_abs_error={statistics.median(multi) if multi else 0.0:.4f} "
           f"within_10pct={sum(e <= 0.10 for e in errors)} worst_abs_error={max(errors, default=0.0):.4f} kendall_tau={tau:.4f} "
           f"best_gap={best_gap:.4f} sim_median_abs_error={statistics.median(sim_errors) if sim_errors else 0.0:.4f} "

@@ -257,3 +257,41 @@ def test_plan_vs_measured_prices_with_the_rates_asked(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_vs_measured.py"), "--rates", "fast"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--rates: invalid choice: 'fast'" in done.stderr
+
+
+def test_plan_vs_measured_fits_one_compute_share_per_dtype():
+    """`fit_compute` fits the share of the matmul rate per compute dtype (each dtype's peak is its own matmul
+    rate) and the pass overhead on the fp32 anchors: on steps made by the planner at known shares (fp32 0.5, bf16
+    0.2, 300 us a pass) it recovers all three, and a bf16 row (ZeRO's bf16 weights too) is priced at the bf16
+    share; a run with no bf16 anchor gives bf16 the fp32 share. One share for both (the fit before) would put the
+    bf16 step 2.5x off."""
+    import importlib.util
+
+    from fivefold.config import load_config
+    from fivefold.plan.cluster import PRESETS
+    from fivefold.plan.estimate import estimate
+
+    spec = importlib.util.spec_from_file_location("plan_vs_measured", ROOT / "benchmarks" / "plan_vs_measured.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cluster = PRESETS["h100-sxm"]
+    base = ["--model.preset", "tiny", "--model.vocab_size", "257", "--train.seq_len", "128", "--train.micro_batch_size", "4",
+            "--model.n_layers", "4"]
+    layouts = [(1, "single", []), (1, "single-6-layers", ["--model.n_layers", "6"]), (1, "single-micro8", ["--train.micro_batch_size", "8"]),
+               (1, "single-bf16", ["--train.dtype", "bf16"]),
+               (2, "dp2-zero3-bf16", ["--data_parallel.zero_stage", "3", "--data_parallel.shard", "2",
+                                      "--data_parallel.param_dtype", "bf16"])]
+    shares = {"fp32": 0.5, "bf16": 0.2}
+    rows = []
+    for world, name, extra in layouts:
+        config = load_config(None, [*base, *extra])
+        row = {"world_size": world, "name": name, "config": config, "cluster": cluster, "cores": 2}
+        truth = module.with_overhead(cluster, 300.0, 2)
+        row["measured"] = estimate(config, world, truth, module.efficiency_of(row, shares), vocab_size=257).time.total
+        rows.append(row)
+    fitted, overhead, anchors = module.fit_compute(rows)
+    assert fitted == pytest.approx(shares, rel=1e-6) and overhead == pytest.approx(300.0, rel=1e-6)
+    assert [r["name"] for r in anchors] == ["single", "single-6-layers", "single-micro8", "single-bf16"]
+    assert module.efficiency_of(rows[-1], fitted) == pytest.approx(0.2)
+    fp32_only, _, _ = module.fit_compute(rows[:3])
+    assert fp32_only["bf16"] == fp32_only["fp32"] == pytest.approx(0.5, rel=1e-6)

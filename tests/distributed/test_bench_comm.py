@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from fivefold.comm.bench import (ALGORITHMS, bus_factor, optimizer_constants, oversubscribed_share, parse_bytes,
-                                 ranks_fitting, sizes_between)
+from fivefold.comm.bench import (ALGORITHMS, bus_factor, matmul_size, optimizer_constants, oversubscribed_share,
+                                 parse_bytes, ranks_fitting, sizes_between)
 from fivefold.comm.cost import native_collective, nondecreasing
 
 
@@ -22,6 +22,15 @@ def test_bus_factors_are_nccl_tests():
     # 4 one-thread ranks on 2 cores, each at 0.03 while all compute, 0.12 when only 2 do: 0.12 / 0.24 of the throughput
     assert ranks_fitting(2, 1) == 2 and ranks_fitting(2, 4) == 1
     assert oversubscribed_share(4, 0.03, 2, 0.12) == pytest.approx(0.5) and oversubscribed_share(4, 0.1, 2, 0.1) == 1.0
+
+
+def test_the_matmul_rates_are_timed_where_the_backend_spreads_them_over_the_threads():
+    """fp32 on 512 x 512; bf16 on 2048 x 2048 (oneDNN ran a 512 bf16 matmul on one thread on an AMX Xeon), unless
+    one such call would take over half the timing: an AVX2 CPU emulates bf16, 0.2 s a 512 call (14 s at 2048)."""
+    assert matmul_size("fp32", 0.5, 0.5) == 512
+    assert matmul_size("bf16", 0.23e-3, 0.2) == 2048  # AMX: 15 ms a 2048 call
+    assert matmul_size("bf16", 0.22, 0.5) == 512
+    assert matmul_size("bf16", 2e-3, 0.2) == 512 and matmul_size("bf16", 1e-3, 0.2) == 2048  # 128 and 64 ms a call
 
 
 def test_optimizer_constants_recover_the_rate_and_the_cost_per_tensor():

@@ -333,10 +333,39 @@ def run(args: argparse.Namespace) -> dict:
             "rows": [asdict(r) | {"measured_over_predicted": r.ratio} for r in rows]}
 
 
-def matmul_tflops(dtype: str, device: torch.device, n: int = 512, seconds: float = 0.5, computing: int = 0) -> float:
-    """TFLOP/s of an n x n matmul on every rank at once, the slowest rank's (collective). computing > 0: only the
-    first `computing` ranks multiply while the others wait (a CPU host's rate when its cores are not shared)."""
+# the matmul each dtype's rate is timed on: large enough that the backend spreads it over a rank's threads. On the
+# AMX Xeon of 2026-11-27, oneDNN ran a 512 x 512 bf16 matmul at 1.19 TFLOP/s on one thread and 1.15 on two (2.23
+# on two at 2048), so a 512 bf16 rate said a rank of one thread computes as fast as a rank of two, where a small
+# model's bf16 step on two ranks of one thread took twice the one-rank step, as in fp32 (0.185 and 0.364 at 512)
+MATMUL_SIZE = {"fp32": 512, "bf16": 2048}
+SMALL_MATMUL = 512  # where a call of MATMUL_SIZE would take over half the timing (bf16 emulated on an AVX2 CPU)
+
+
+def matmul_size(dtype: str, small_call: float, seconds: float) -> int:
+    """The matmul a dtype's rate is timed on: its MATMUL_SIZE, unless one call of it, projected from a
+    SMALL_MATMUL call's `small_call` seconds (cubic in n), would take over half of the `seconds` of timing."""
+    n = MATMUL_SIZE[dtype]
+    return SMALL_MATMUL if n > SMALL_MATMUL and small_call * (n / SMALL_MATMUL) ** 3 > seconds / 2 else n
+
+
+def matmul_tflops(dtype: str, device: torch.device, n: int = 0, seconds: float = 0.5, computing: int = 0) -> float:
+    """TFLOP/s of an n x n matmul on every rank at once, the slowest rank's (collective). n = 0: the dtype's
+    MATMUL_SIZE, or SMALL_MATMUL where one call of it would take over half of `seconds` on some rank (read
+    off a SMALL_MATMUL call: an AVX2 CPU emulates bf16 at about a GFLOP/s, 14 s a 2048 call). computing > 0: only
+    the first `computing` ranks multiply while the others wait (a CPU host's rate when its cores are not shared)."""
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    if not n:
+        n = MATMUL_SIZE[dtype]
+        if n > SMALL_MATMUL:
+            x = torch.randn(SMALL_MATMUL, SMALL_MATMUL, device=device).to(torch_dtype)
+            x @ x  # warm up
+            _synchronize(device)
+            start = time.perf_counter()
+            x @ x
+            _synchronize(device)
+            slowest = torch.tensor(time.perf_counter() - start, dtype=torch.float64, device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank times the same size
+            n = matmul_size(dtype, float(slowest), seconds)
     a = torch.randn(n, n, device=device).to(torch_dtype)
     b = torch.randn(n, n, device=device).to(torch_dtype)
     a @ b  # warm up
@@ -346,14 +375,18 @@ def matmul_tflops(dtype: str, device: torch.device, n: int = 512, seconds: float
         while time.perf_counter() - start < seconds:
             a @ b
             calls += 1
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
         value = 2 * n**3 * calls / (time.perf_counter() - start) / 1e12
     else:
         value = math.inf
     rate = torch.tensor(value, dtype=torch.float64, device=device)
     dist.all_reduce(rate, op=dist.ReduceOp.MIN)
     return float(rate)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def ranks_fitting(cores: int, threads: int) -> int:
