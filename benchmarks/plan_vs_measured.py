@@ -33,6 +33,10 @@ parallel splits, communication, recomputation, the pipeline bubble.
     python benchmarks/plan_vs_measured.py --only single,ep2  # the named layouts only
     python benchmarks/plan_vs_measured.py --rates passes     # priced with the rates shared_rates.py carries
 
+Each round also times the fp32 matmul rate per rank over equal work between barriers (comm/bench.py
+matmul_tflops_together), beside the slowest rank's rate it prices with; both are printed per world size and
+stored (`fp32_tflops`, `fp32_tflops_together`), not priced.
+
 Each round also times rank 0 alone and a transformer's passes on every rank (shared_rates.py), so every run
 predicts the same steps with a second set of compute rates and prints that set's summary (`# with the ...
 rates instead`): the square matmul loop's by default, the passes' with --rates passes.
@@ -163,7 +167,8 @@ def _measure(rank: int, world_size: int, job) -> dict:
     import torch
     import torch.distributed as dist
 
-    from fivefold.comm.bench import (codec_rates, fit_post, matmul_tflops, measure_arrival, measure_native_links,
+    from fivefold.comm.bench import (codec_rates, fit_post, matmul_tflops, matmul_tflops_together, measure_arrival,
+                                     measure_native_links,
                                      measure_post, memory_gbs, optimizer_rate, oversubscribed_share, ranks_fitting)
     from fivefold.comm.measure import measure_cluster
     from fivefold.comm.p2p import Ranks
@@ -183,6 +188,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
     posts: list[dict] = []  # a ring exchange's post on the rank's thread, beside compute (p2p_post_us), each batch
     samples: dict[str, list[float]] = {name: [] for name, _ in configs}
     rates: dict[str, list[float]] = {"fp32": [], "bf16": []}  # a square matmul loop on every rank at once
+    together: list[float] = []  # its fp32 rate per rank over equal work between barriers (recorded, not priced)
     fitting: list[float] = []  # its fp32 rate with only as many ranks computing as the cores hold
     carried: dict[str, list[float]] = {"fp32": [], "bf16": []}  # rank 0's alone, carried by passes (shared_rates.py)
     efficiencies: list[float] = []  # the oversubscribed efficiency from the same passes
@@ -212,6 +218,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
             for dtype in rates:
                 carried[dtype].append(shared[dtype])
                 rates[dtype].append(matmul_tflops(dtype, torch.device("cpu"), seconds=0.2))
+            together.append(matmul_tflops_together("fp32", torch.device("cpu"), rates["fp32"][-1]))
             if world_size * threads > cores:
                 fitting.append(matmul_tflops("fp32", torch.device("cpu"), seconds=0.2, computing=ranks_fitting(cores, threads)))
             bandwidths.append(memory_gbs(torch.device("cpu"), seconds=0.2))
@@ -240,6 +247,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
             "post": fit_post([[size, statistics.median(p["measured"][i][1] for p in posts)]
                               for i, (size, _) in enumerate(posts[0]["measured"])]) if posts else {},
             "rates": {dtype: statistics.median(values) for dtype, values in rates.items()},
+            "together_tflops": statistics.median(together),
             "passes_rates": {dtype: statistics.median(values) for dtype, values in carried.items()},
             "passes_oversubscribed_efficiency": statistics.median(efficiencies),
             "memory_gbs": statistics.median(bandwidths),
@@ -529,7 +537,9 @@ def main() -> int:
                 rows.append({"world_size": world_size, "name": name, "config": config,
                              "cluster": cluster_from_dict(chosen), "measured": stored[name]["measured"],
                              **({"cluster_other_rates": cluster_from_dict(other)} if other is not None else {}),
-                             "cores": stored[name].get("cores", os.cpu_count() or 1), "machine": measured_on})
+                             "cores": stored[name].get("cores", os.cpu_count() or 1), "machine": measured_on,
+                             **{key: stored[name][key] for key in ("fp32_tflops", "fp32_tflops_together")
+                                if key in stored[name]}})
             continue
         together = [(name, config) for name, config in configs if name not in alone] or \
             [("_fit", load_config(ROOT / "configs" / "tiny.toml", [*base, "--train.output_dir", str(out_root / "_fit")]))]
@@ -543,7 +553,8 @@ def main() -> int:
         for name, config in configs:
             rows.append({"world_size": world_size, "name": name, "config": config, "cluster": cluster, "cluster_alone": other,
                          "cluster_other_rates": before, "measured": measured["times"][name], "cores": measured["cores"],
-                         "machine": measured_on})
+                         "machine": measured_on, "fp32_tflops": measured["rates"]["fp32"],
+                         "fp32_tflops_together": measured["together_tflops"]})
     shares, overhead, anchors = fit_compute(rows)
     for row in rows:  # the dispatch overhead is one thread's work: it slows once the ranks outnumber the cores
         for key in ("cluster", "cluster_other_rates"):
@@ -585,6 +596,11 @@ def main() -> int:
     tau, chosen, best_gap = rank_order(four, [r["predicted"] for r in four])
     print(f"# {len(four)} layouts on {four[0]['world_size']} ranks: Kendall tau {tau:.3f} between predicted and measured "
           f"order; the predicted best ({chosen['name']}) measures {100 * best_gap:.1f}% over the measured best")
+    for world_size in sorted({r["world_size"] for r in rows if "fp32_tflops_together" in r}):
+        row = next(r for r in rows if r["world_size"] == world_size and "fp32_tflops_together" in r)
+        print(f"# {world_size} ranks, fp32 matmul per rank while all compute: the slowest rank's {row['fp32_tflops']:.4f} "
+              f"TFLOP/s (priced), equal work between barriers {row['fp32_tflops_together']:.4f} "
+              f"({100 * (row['fp32_tflops_together'] / row['fp32_tflops'] - 1):+.1f}%; recorded, not priced)")
     if all("cluster_other_rates" in r for r in rows):
         _other_rates(rows, shares, "passes" if args.rates == "matmul" else "matmul")
     if args.plot:

@@ -140,3 +140,22 @@ def test_bench_comm_table_and_json(tmp_path, world_size):
     assert (here.accelerator.p2p_post_us, here.accelerator.p2p_post_gbs) == (post["p2p_post_us"], post["p2p_post_gbs"])
     assert here.accelerator.post_seconds(1 << 20) > 0 and "ring exchange posted" in run.stdout
     assert "arrival skew" in run.stdout
+
+
+def test_the_equal_work_matmul_rate_sizes_its_work_from_the_rate_given(monkeypatch):
+    """`matmul_tflops_together` runs on every rank the matmuls `rate` does in about `seconds`, from a barrier to the
+    last rank's end, and gives the FLOPs of those calls over that wall time (a one-rank gloo group; a clock that
+    reads 0.5 s between the barriers): 0.1 TFLOP/s for 0.2 s is 75 calls of a 512 x 512 matmul."""
+    import torch
+    import torch.distributed as dist
+
+    from fivefold.comm import bench
+
+    ticks = iter([10.0, 10.5])
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(ticks))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        rate = bench.matmul_tflops_together("fp32", torch.device("cpu"), rate=0.1, seconds=0.2)
+    finally:
+        dist.destroy_process_group()
+    assert rate == pytest.approx(2 * 512**3 * 75 / 0.5 / 1e12)

@@ -384,6 +384,30 @@ def matmul_tflops(dtype: str, device: torch.device, n: int = 0, seconds: float =
     return float(rate)
 
 
+def matmul_tflops_together(dtype: str, device: torch.device, rate: float, seconds: float = 0.2, n: int = 0) -> float:
+    """TFLOP/s per rank of the same number of n x n matmuls on every rank, from a barrier until the last rank is done
+    (collective): the rate a step's ranks achieve together, where `matmul_tflops` gives the slowest rank's over a
+    fixed window. `rate` (TFLOP/s, e.g. that slowest rate) sizes the work to about `seconds`. On accelerators the
+    two agree; ranks time-sliced on shared cores catch up on each other at the barrier, so the slowest rank's rate
+    can lie well below (2026-11-27, 4 one-thread ranks on 2 cores: 0.0727 against 0.0860)."""
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    n = n or SMALL_MATMUL
+    a = torch.randn(n, n, device=device).to(torch_dtype)
+    b = torch.randn(n, n, device=device).to(torch_dtype)
+    calls = max(1, round(seconds * rate * 1e12 / (2 * n**3)))
+    a @ b  # warm up
+    _synchronize(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        a @ b
+    _synchronize(device)
+    dist.barrier()
+    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return 2 * n**3 * calls / float(elapsed) / 1e12
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
