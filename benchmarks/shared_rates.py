@@ -70,13 +70,15 @@ def shared_rates(cores: int, threads: int, alone_rates: dict[str, float],
     matmul rates and the reference pass of rank 0 alone on every core (`alone_rates`, `alone_pass`: see
     `alone_measurements`), the pass timed now on every rank at once with `threads` threads each and, where the
     ranks' threads outnumber the `cores`, on only as many ranks as the cores hold."""
+    from fivefold.comm.bench import oversubscribed_share, ranks_fitting
+
     p = dist.get_world_size()
     shared = pass_seconds(p, repeats)
     rates = {dtype: rate * alone_pass / shared for dtype, rate in alone_rates.items()}
     if p * threads <= cores:
         return rates, 1.0
-    fitting = max(1, cores // threads)
-    return rates, min(1.0, p * pass_seconds(fitting, repeats) / (fitting * shared))
+    fitting = ranks_fitting(cores, threads)
+    return rates, oversubscribed_share(p, 1 / shared, fitting, 1 / pass_seconds(fitting, repeats))
 
 
 def alone_measurements(device: torch.device, cores: int, dtypes: tuple[str, ...] = ("fp32", "bf16"),

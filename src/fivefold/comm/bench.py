@@ -348,27 +348,32 @@ def matmul_size(dtype: str, small_call: float, seconds: float) -> int:
     return SMALL_MATMUL if n > SMALL_MATMUL and small_call * (n / SMALL_MATMUL) ** 3 > seconds / 2 else n
 
 
+def _square_operands(dtype: str, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two random n x n matrices in `dtype`, multiplied once (warm-up)."""
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    a = torch.randn(n, n, device=device).to(torch_dtype)
+    b = torch.randn(n, n, device=device).to(torch_dtype)
+    a @ b
+    _synchronize(device)
+    return a, b
+
+
 def matmul_tflops(dtype: str, device: torch.device, n: int = 0, seconds: float = 0.5, computing: int = 0) -> float:
     """TFLOP/s of an n x n matmul on every rank at once, the slowest rank's (collective). n = 0: the dtype's
     MATMUL_SIZE, or SMALL_MATMUL where one call of it would take over half of `seconds` on some rank (read
     off a SMALL_MATMUL call: an AVX2 CPU emulates bf16 at about a GFLOP/s, 14 s a 2048 call). computing > 0: only
     the first `computing` ranks multiply while the others wait (a CPU host's rate when its cores are not shared)."""
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     if not n:
         n = MATMUL_SIZE[dtype]
         if n > SMALL_MATMUL:
-            x = torch.randn(SMALL_MATMUL, SMALL_MATMUL, device=device).to(torch_dtype)
-            x @ x  # warm up
-            _synchronize(device)
+            a, b = _square_operands(dtype, SMALL_MATMUL, device)
             start = time.perf_counter()
-            x @ x
+            a @ b
             _synchronize(device)
             slowest = torch.tensor(time.perf_counter() - start, dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank times the same size
             n = matmul_size(dtype, float(slowest), seconds)
-    a = torch.randn(n, n, device=device).to(torch_dtype)
-    b = torch.randn(n, n, device=device).to(torch_dtype)
-    a @ b  # warm up
+    a, b = _square_operands(dtype, n, device)
     dist.barrier()
     calls, start = 0, time.perf_counter()
     if not computing or dist.get_rank() < computing:
@@ -384,19 +389,15 @@ def matmul_tflops(dtype: str, device: torch.device, n: int = 0, seconds: float =
     return float(rate)
 
 
-def matmul_tflops_together(dtype: str, device: torch.device, rate: float, seconds: float = 0.2, n: int = 0) -> float:
+def matmul_tflops_together(dtype: str, device: torch.device, rate: float, seconds: float = 0.2,
+                           n: int = SMALL_MATMUL) -> float:
     """TFLOP/s per rank of the same number of n x n matmuls on every rank, from a barrier until the last rank is done
     (collective): the rate a step's ranks achieve together, where `matmul_tflops` gives the slowest rank's over a
     fixed window. `rate` (TFLOP/s, e.g. that slowest rate) sizes the work to about `seconds`. On accelerators the
     two agree; ranks time-sliced on shared cores catch up on each other at the barrier, so the slowest rank's rate
     can lie well below (2026-11-27, 4 one-thread ranks on 2 cores: 0.0727 against 0.0860)."""
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    n = n or SMALL_MATMUL
-    a = torch.randn(n, n, device=device).to(torch_dtype)
-    b = torch.randn(n, n, device=device).to(torch_dtype)
+    a, b = _square_operands(dtype, n, device)
     calls = max(1, round(seconds * rate * 1e12 / (2 * n**3)))
-    a @ b  # warm up
-    _synchronize(device)
     dist.barrier()
     start = time.perf_counter()
     for _ in range(calls):
