@@ -24,6 +24,7 @@ A cluster file is TOML, read without running anything:
     memory_gib = 80
     tflops = {fp32 = 67, bf16 = 989.5}
     memory_bandwidth_gbs = 3350      # optional: memory-bound work (kept activations, the optimizer step)
+    memory_efficiency = 0.74         # optional (default 1): the share of it memory-bound kernels reach
     pass_overhead_us = 0             # optional: fixed host cost of a dense block's forward (backward: twice)
     shared_cores = 0                 # optional: a CPU host's cores that all its ranks share (0: none)
     oversubscribed_efficiency = 1.0  # optional: its throughput with more threads than cores, over with as many
@@ -148,6 +149,16 @@ class Accelerator:
     # `fivefold bench comm --cluster-file` (comm/bench.py measure_post)
     p2p_post_us: float = 0.0
     p2p_post_gbs: float = 0.0
+    # the share of memory_bandwidth_gbs that PyTorch's memory-bound kernels reach (fused AdamW, the foreach norm,
+    # scaling and copies, elementwise work): 1 where the figure is itself a measured rate (`fivefold bench comm
+    # --cluster-file` times a streaming copy), `STREAMING_SHARE` on the GPU presets, whose figure is the data
+    # sheet's peak
+    memory_efficiency: float = 1.0
+
+    @property
+    def streaming_bytes_per_second(self) -> float:
+        """Bytes per second memory-bound work moves (`memory_bandwidth_gbs` x `memory_efficiency`; 0: not modelled)."""
+        return self.memory_bandwidth_gbs * 1e9 * self.memory_efficiency
 
     def post_seconds(self, nbytes: float) -> float:
         """Seconds a rank's thread spends posting one send/receive pair of `nbytes` each (`p2p_post_us`)."""
@@ -155,15 +166,15 @@ class Accelerator:
 
     def optimizer_seconds(self, params: float, tensors: int) -> float:
         """Seconds of one AdamW step over `params` parameters in `tensors` tensors (0 when no rate is known)."""
-        rate = (self.optimizer_gbs or self.memory_bandwidth_gbs) * 1e9
+        rate = self.optimizer_gbs * 1e9 if self.optimizer_gbs else self.streaming_bytes_per_second
         return (28 * params / rate if rate else 0.0) + tensors * self.optimizer_tensor_us * 1e-6
 
     def clip_seconds(self, params: float, clipping: bool) -> float:
         """The gradient norm before each update over a rank's `params` gradients (parallel/gradient_sync.py: one
         foreach norm, reading 4 bytes each) and, when clipping is on, their scaling (read and write, 8 more; counted
         whenever train.max_grad_norm > 0: an upper bound for steps whose norm stays below it), at the memory
-        bandwidth (0 when none is known)."""
-        rate = self.memory_bandwidth_gbs * 1e9
+        bandwidth (`streaming_bytes_per_second`; 0 when none is known)."""
+        rate = self.streaming_bytes_per_second
         return (12 if clipping else 4) * params / rate if rate else 0.0
 
     def codec_seconds(self, codec: str, values: float, ranks: int) -> float:
@@ -177,7 +188,7 @@ class Accelerator:
         if codec not in CODEC_BYTES or not self.memory_bandwidth_gbs:
             return 0.0
         whole, encode = CODEC_BYTES[codec]
-        return (whole - encode * (1 - 1 / ranks)) * values / (self.memory_bandwidth_gbs * 1e9)
+        return (whole - encode * (1 - 1 / ranks)) * values / self.streaming_bytes_per_second
 
     def peak_flops(self, dtype: str) -> float:
         if dtype not in self.tflops:
@@ -360,10 +371,17 @@ class ClusterSpec:
         return asdict(self)
 
 
+# The share of the data sheet's memory bandwidth PyTorch's memory-bound kernels reach, measured on an H200
+# (2026-11-27, torch.profiler over training steps of 1.2B and 3.1B parameters: fused AdamW 0.70 and 0.73, the
+# gradients' foreach norm 0.73 and 0.74, their foreach scaling 0.76 and 0.77, the MoE experts' bf16 stack copy
+# 0.74; the median, 0.74) and taken for every GPU preset (measured on no other GPU)
+STREAMING_SHARE = 0.74
+
+
 def _gpu(name: str, memory_gib: float, hbm: float, fp32: float, bf16: float, fp8: float, nvlink: float, nic: float,
          pcie: float, source: str) -> ClusterSpec:
     return ClusterSpec(name, Accelerator(name, memory_gib, {"fp32": fp32, "bf16": bf16, "fp8": fp8} if fp8 else
-                                         {"fp32": fp32, "bf16": bf16}, hbm),
+                                         {"fp32": fp32, "bf16": bf16}, hbm, memory_efficiency=STREAMING_SHARE),
                        8, LinkSpec(nvlink, 3.0), LinkSpec(nic, 6.0), source=source, host_bandwidth_gbs=pcie)
 
 
@@ -457,6 +475,10 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
     if oversubscribed > 1:
         raise ConfigError(f"cluster file {source}: accelerator.oversubscribed_efficiency = {oversubscribed!r}: must be in "
                           "(0, 1] (a host's throughput with more threads than cores, over with as many)")
+    streaming = _number(acc, "memory_efficiency", "accelerator") if "memory_efficiency" in acc else 1.0
+    if streaming > 1:
+        raise ConfigError(f"cluster file {source}: accelerator.memory_efficiency = {streaming!r}: must be in (0, 1] (the "
+                          "share of memory_bandwidth_gbs memory-bound kernels reach; 1 where that figure is measured)")
     optimizer = {key: _number(acc, key, "accelerator", positive=False) if key in acc else 0.0
                  for key in ("optimizer_gbs", "optimizer_tensor_us", "p2p_post_us", "p2p_post_gbs")}
     codecs = {key: _codec_rates(acc, key, source) for key in ("codec_ns", "codec_encode_ns")}
@@ -472,7 +494,8 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
     fitted = {k: _collective_spec(v, f"collectives.{k}") for k, v in collectives.items()}
     return ClusterSpec(str(data.get("name", Path(source).stem)),
                        Accelerator(str(acc.get("name", "accelerator")), _number(acc, "memory_gib", "accelerator"), rates,
-                                   bandwidth, overhead, shared, oversubscribed, **optimizer, **codecs),
+                                   bandwidth, overhead, shared, oversubscribed, **optimizer, **codecs,
+                                   memory_efficiency=streaming),
                        per_node, links["intra"], links["inter"], nodes, str(data.get("source", source)),
                        _number(data, "host_bandwidth_gbs", "(top level)") if "host_bandwidth_gbs" in data else 32.0,
                        _number(data, "nvme_bandwidth_gbs", "(top level)") if "nvme_bandwidth_gbs" in data else 25.0,
@@ -543,6 +566,7 @@ def cluster_toml(spec: ClusterSpec) -> str:
         f"nvme_bandwidth_gbs = {spec.nvme_bandwidth_gbs!r}",
         "", "[accelerator]", f"name = {json.dumps(acc.name)}", f"memory_gib = {acc.memory_gib!r}", f"tflops = {{{rates}}}",
         f"memory_bandwidth_gbs = {acc.memory_bandwidth_gbs!r}",
+        f"memory_efficiency = {acc.memory_efficiency!r}",
         f"pass_overhead_us = {acc.pass_overhead_us!r}",
         f"shared_cores = {acc.shared_cores!r}",
         f"oversubscribed_efficiency = {acc.oversubscribed_efficiency!r}",

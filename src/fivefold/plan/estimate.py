@@ -744,7 +744,7 @@ def server_update_seconds(config: JobConfig, elements: int, tensors: int, worker
     """One server's work per step on its shard (`_parameter_server_time`): bsp sums the W pushes, clips and steps
     once; asp / ssp step once per push."""
     bsp = config.parameter_server.sync == "bsp"
-    bandwidth = accelerator.memory_bandwidth_gbs * 1e9
+    bandwidth = accelerator.streaming_bytes_per_second
     summing = 4 * workers * elements / bandwidth if bandwidth else 0.0
     clip = accelerator.clip_seconds(elements, config.train.max_grad_norm > 0) if bsp else 0.0
     return summing + clip + (1 if bsp else workers) * accelerator.optimizer_seconds(elements, tensors)
@@ -905,7 +905,7 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
     tokens, seq = t.micro_batch_size * t.seq_len, t.seq_len
     core_flops = _attention_core_flops(model, tokens, seq, d)
     core = core_flops / (peak * eff.core_share(core_narrowest(model)))
-    bandwidth = cluster.accelerator.memory_bandwidth_gbs * 1e9
+    bandwidth = cluster.accelerator.streaming_bytes_per_second
     written = _written_per_block(model, config, d) if bandwidth else {}
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
     overhead = cluster.accelerator.pass_overhead_us * 1e-6  # a dense block's; a MoE block's by its operators
