@@ -12,7 +12,7 @@ work; with --half-width, every GEMM is priced by the width law at that half widt
 fitted on two rows: benchmarks/sim_published.py).
 
     python benchmarks/plan_published.py                      # the single-share table of docs/planner.md
-    python benchmarks/plan_published.py --half-width 306     # the width law at the simulator's fit
+    python benchmarks/plan_published.py --half-width 320.6   # the width law at the simulator's fit
     python benchmarks/plan_published.py --rows 3             # the first three rows (the test's run)
 
 Prints one row per published run and
