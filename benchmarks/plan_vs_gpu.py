@@ -20,15 +20,19 @@ in a process of its own so that no job's memory shows in another's peak:
              head on the device, then `fivefold plan --profile` prices the step by them
   simulated  `fivefold simulate --profile` (sim/step.py): the same job played out by the simulator
   memory     the planner's bytes per rank against the measured peak
+  kernels    (--kernels, CUDA) the memory-bound kernels' share of the preset's memory bandwidth over two
+             profiled steps: fused AdamW, the gradient norm, clipping's scaling, the MoE experts' bf16 stack
+             (what the presets' accelerator.memory_efficiency, 0.74, was measured from)
 
     python benchmarks/plan_vs_gpu.py                         # the table of docs/planner.md (CUDA)
     python benchmarks/plan_vs_gpu.py --jobs 1b,3b --json out.json
+    python benchmarks/plan_vs_gpu.py --jobs 1b,moe --kernels      # the streaming shares of docs/planner.md run 8
     python benchmarks/plan_vs_gpu.py --device cpu --cluster cluster.toml --jobs tiny,tiny-full  # the test's run
 
 Prints one row per job and
 RESULT name=plan_vs_gpu jobs=N failed=N device=... modelled_median_abs_error=... one_fit_median_abs_error=...
        one_fit_worst_abs_error=... profiled_median_abs_error=... simulated_median_abs_error=...
-       memory_median_abs_error=...
+       memory_median_abs_error=... [streaming_share_median=... with --kernels]
 The peer is the measurement itself: every figure is a prediction against the runtime's own step.
 """
 
@@ -69,6 +73,13 @@ JOBS = {
 DEFAULT_JOBS = ("1b,1b-full,1b-selective,1b-accum2,1b-seq4096,1b-compile,1b-chunked,3b,small,small-compile,"
                 "moe,moe-loop,moe-full")
 # a device name's preset (docs/planner.md's table)
+# The memory-bound kernels of a step whose bytes are known (docs/planner.md "Run 6"): the optimizer's fused AdamW
+# (28 bytes a parameter), the gradients' foreach norm (4) and clipping's foreach scaling (8), and the grouped MoE
+# kernel's bf16 stack of its experts' fp32 weights (6 bytes an expert weight): op -> (label, bytes, what they count)
+STREAMING_KERNELS = {"aten::_fused_adamw_": ("fused AdamW", 28, "parameters"),
+                     "aten::_foreach_norm": ("gradient norm", 4, "parameters"),
+                     "aten::_foreach_mul_": ("clipping's scaling", 8, "parameters"),
+                     "aten::_foreach_copy_": ("experts' bf16 stack", 6, "expert_weights")}
 DEVICE_PRESETS = (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80gb"), ("B200", "b200"))
 
 
@@ -93,8 +104,32 @@ def job_config(name: str, device: str, warmup: int, steps: int):
     return config
 
 
-def measure_step(config, warmup: int, steps: int) -> dict:
-    """The trainer's step: median seconds of `steps` after `warmup`, and the peak bytes of the timed steps."""
+def streaming_shares(device_seconds: dict[str, float], counts: dict[str, int], bandwidth_gbs: float) -> dict[str, float]:
+    """Each memory-bound kernel of `STREAMING_KERNELS` found: its bytes per step (bytes per unit x `counts` of that
+    unit) over its GPU seconds per step, as a share of `bandwidth_gbs` (the preset's memory_bandwidth_gbs): the
+    measurement `Accelerator.memory_efficiency` stands for."""
+    return {label: per * counts[unit] / seconds / (bandwidth_gbs * 1e9)
+            for name, (label, per, unit) in STREAMING_KERNELS.items()
+            if (seconds := device_seconds.get(name, 0.0)) > 0 and counts.get(unit)}
+
+
+def kernel_seconds(trainer, steps: int = 2) -> dict[str, float]:
+    """GPU seconds per step of each op of `STREAMING_KERNELS` (its kernels' time, torch.profiler) over `steps`
+    more steps of `trainer`."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            trainer.train_step()
+        torch.cuda.synchronize()
+    return {event.key: event.device_time_total * 1e-6 / steps for event in prof.key_averages()
+            if event.key in STREAMING_KERNELS}
+
+
+def measure_step(config, warmup: int, steps: int, kernels: bool = False) -> dict:
+    """The trainer's step: median seconds of `steps` after `warmup`, and the peak bytes of the timed steps;
+    kernels (CUDA): then each memory-bound kernel's GPU seconds per step (`kernel_seconds`) and what it counts."""
     import torch
 
     from fivefold.train.trainer import Trainer
@@ -118,8 +153,14 @@ def measure_step(config, warmup: int, steps: int) -> dict:
             if index >= warmup:
                 times.append(time.perf_counter() - start)
         peak = torch.cuda.max_memory_allocated() if cuda else None
+        found = {}
+        if kernels and cuda:
+            named = list(trainer.model.named_parameters())
+            found = {"kernel_seconds": kernel_seconds(trainer),
+                     "kernel_counts": {"parameters": sum(p.numel() for _, p in named),
+                                       "expert_weights": sum(p.numel() for n, p in named if ".feed_forward.experts." in n)}}
         return {"step_s": statistics.median(times), "peak_bytes": peak, "loss": loss,
-                "vocab_size": trainer.model_config.vocab_size, "tokens": trainer.tokens_per_step}
+                "vocab_size": trainer.model_config.vocab_size, "tokens": trainer.tokens_per_step, **found}
     finally:
         trainer.close()
         del trainer
@@ -139,7 +180,8 @@ def affine_efficiency(step_at, efficiency: float, measured: float) -> float | No
     return fitted if fitted <= 1 else None
 
 
-def measure_job(name: str, device: str, cluster_name: str, warmup: int, steps: int, repeats: int) -> dict:
+def measure_job(name: str, device: str, cluster_name: str, warmup: int, steps: int, repeats: int,
+                kernels: bool = False) -> dict:
     """One job, in this process: its measured step and profile, and every prediction."""
     from fivefold.plan.cluster import load_cluster
     from fivefold.plan.efficiency import Efficiency
@@ -149,7 +191,10 @@ def measure_job(name: str, device: str, cluster_name: str, warmup: int, steps: i
 
     config = job_config(name, device, warmup, steps)
     cluster = load_cluster(cluster_name)
-    measured = measure_step(config, warmup, steps)
+    measured = measure_step(config, warmup, steps, kernels)
+    if "kernel_seconds" in measured:
+        measured["streaming_shares"] = streaming_shares(measured["kernel_seconds"], measured["kernel_counts"],
+                                                        cluster.accelerator.memory_bandwidth_gbs)
     vocab = measured["vocab_size"]
     profile = measure_profile(config, vocab, repeats, device)
 
@@ -191,7 +236,8 @@ def measure_alone(args: argparse.Namespace, name: str) -> dict:
     """One job in a process of its own (a job measured after another in one process reads the other's
     allocator state into its peak)."""
     command = [sys.executable, __file__, "--row", name, "--device", args.device, "--cluster", args.cluster,
-               "--warmup", str(args.warmup), "--steps", str(args.steps), "--repeats", str(args.repeats)]
+               "--warmup", str(args.warmup), "--steps", str(args.steps), "--repeats", str(args.repeats),
+               *(["--kernels"] if args.kernels else [])]
     out = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -245,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=10, help="timed passes of each profiled part")
+    parser.add_argument("--kernels", action="store_true",
+                        help="(CUDA) also profile two steps and print the share of the preset's memory bandwidth its "
+                             "memory-bound kernels reach (AdamW, the gradient norm, clipping, the MoE weight stack)")
     parser.add_argument("--json", help="also write the rows and the summary here")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: one job, its row printed as JSON
     args = parser.parse_args(argv)
@@ -255,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--warmup, --steps and --repeats must be at least 1")
     import torch
 
+    if args.kernels and not args.device.startswith("cuda"):
+        parser.error("--kernels times the GPU's kernels: it needs --device cuda")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible here (docs/planner.md has the last run on one); "
                      "--device cpu --cluster FILE runs the same code on this host")
@@ -272,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if args.row:
         with contextlib.redirect_stdout(sys.stderr):  # the trainer's lines; stdout is the row alone
-            row = measure_job(args.row, args.device, args.cluster, args.warmup, args.steps, args.repeats)
+            row = measure_job(args.row, args.device, args.cluster, args.warmup, args.steps, args.repeats, args.kernels)
         print(json.dumps(row))
         return 0
     rows, failed = [], []
@@ -292,6 +343,16 @@ def main(argv: list[str] | None = None) -> int:
     fitted = one_fit(rows, args.device, args.cluster, args.warmup, args.steps)
     summary = summarise(rows)
     print_table(rows, device_name, args.cluster, fitted)
+    shares = [share for row in rows for share in row.get("streaming_shares", {}).values()]
+    if shares:
+        bandwidth = load_cluster(args.cluster).accelerator.memory_bandwidth_gbs
+        print(f"memory-bound kernels' share of the preset's {bandwidth:,.0f} GB/s (median {statistics.median(shares):.3f}; "
+              f"the presets price such work at accelerator.memory_efficiency):")
+        for row in rows:
+            if row.get("streaming_shares"):
+                print(f"  {row['job']:<13} " + ", ".join(f"{label} {share:.3f}" for label, share in
+                                                         row["streaming_shares"].items()))
+        summary["streaming_share_median"] = statistics.median(shares)
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device_name, "torch": torch.__version__, "cluster":
                                                args.cluster, "one_fit_efficiency": fitted, "rows": rows,
@@ -304,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"failed: {','.join(failed)}")
     print(f"RESULT name=plan_vs_gpu jobs={len(rows)} failed={len(failed)} device={device_name.replace(' ', '_')} "
           + " ".join(f"{key}={fmt(value)}" for key, value in summary.items()
-                     if key.endswith("median_abs_error") or key == "one_fit_worst_abs_error"))
+                     if key.endswith("median_abs_error") or key in ("one_fit_worst_abs_error", "streaming_share_median")))
     return 1 if failed else 0
 
 

@@ -213,10 +213,30 @@ def test_plan_vs_gpu_runs_its_jobs_on_the_cpu_and_fits_one_efficiency(tmp_path):
     assert rows[1]["modelled_s"] > rows[0]["modelled_s"]  # full recomputation's extra forward
 
 
+def test_plan_vs_gpu_streaming_shares_are_each_kernels_bytes_over_its_time_and_the_bandwidth():
+    """--kernels reports, for each memory-bound kernel the profiler found, its known bytes per step (28, 4, 8 per
+    parameter; 6 per expert weight) over its GPU seconds per step as a share of the preset's bandwidth; a kernel
+    not found (no MoE stack on a dense model) or a count of zero is left out."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_vs_gpu", ROOT / "benchmarks" / "plan_vs_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    params = 10**9
+    seconds = {"aten::_fused_adamw_": 28 * params / 2000e9,  # 2,000 GB/s on a 4,000 GB/s part: 0.5
+               "aten::_foreach_norm": 4 * params / 3000e9, "aten::_foreach_mul_": 8 * params / 2800e9,
+               "aten::_foreach_copy_": 0.01, "aten::mm": 1.0}
+    shares = module.streaming_shares(seconds, {"parameters": params, "expert_weights": 0}, 4000.0)
+    assert shares == pytest.approx({"fused AdamW": 0.5, "gradient norm": 0.75, "clipping's scaling": 0.7})
+    with_experts = module.streaming_shares(seconds, {"parameters": params, "expert_weights": 2 * 10**9}, 4000.0)
+    assert with_experts["experts' bf16 stack"] == pytest.approx(6 * 2e9 / 0.01 / 4000e9)
+
+
 @pytest.mark.parametrize("args,message", [(["--jobs", "tiny,huge"], "unknown job(s) ['huge']"),
                                           (["--device", "cuda"], "no CUDA GPU is visible here"),
                                           (["--device", "cpu", "--cluster", "nowhere.toml"], "nowhere.toml"),
-                                          (["--steps", "0"], "must be at least 1")])
+                                          (["--steps", "0"], "must be at least 1"),
+                                          (["--device", "cpu", "--cluster", "h100-sxm", "--kernels"], "needs --device cuda")])
 def test_plan_vs_gpu_refuses_bad_arguments(args, message):
     import torch
 
