@@ -72,7 +72,6 @@ JOBS = {
 }
 DEFAULT_JOBS = ("1b,1b-full,1b-selective,1b-accum2,1b-seq4096,1b-compile,1b-chunked,3b,small,small-compile,"
                 "moe,moe-loop,moe-full")
-# a device name's preset (docs/planner.md's table)
 # The memory-bound kernels of a step whose bytes are known (docs/planner.md "Run 6"): the optimizer's fused AdamW
 # (28 bytes a parameter), the gradients' foreach norm (4) and clipping's foreach scaling (8), and the grouped MoE
 # kernel's bf16 stack of its experts' fp32 weights (6 bytes an expert weight): op -> (label, bytes, what they count)
@@ -80,6 +79,7 @@ STREAMING_KERNELS = {"aten::_fused_adamw_": ("fused AdamW", 28, "parameters"),
                      "aten::_foreach_norm": ("gradient norm", 4, "parameters"),
                      "aten::_foreach_mul_": ("clipping's scaling", 8, "parameters"),
                      "aten::_foreach_copy_": ("experts' bf16 stack", 6, "expert_weights")}
+# a device name's preset (docs/planner.md's table)
 DEVICE_PRESETS = (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80gb"), ("B200", "b200"))
 
 

@@ -831,7 +831,7 @@ def test_optimizer_step_is_priced_at_the_accelerators_optimizer_rate(tmp_path):
         return estimate(config, gpus, cluster).time.optimizer - _scalars(config, gpus, cluster)
 
     psi = rank_parameters(model, layers, True, True).total
-    clip = 12 / H100_STREAMED  # seconds per gradient: its norm (4 bytes) and scaling (8) at the share of the H100's memory bandwidth kernels reach
+    clip = 12 / H100_STREAMED  # seconds per gradient: its norm (4 bytes) and scaling (8), as the H100 preset streams
     ddp = update(tiny(), 2, cpu)
     assert ddp == pytest.approx(28 * psi / 10e9 + rank_tensors(model, layers, True, True) * 20e-6 + clip * psi)
     unclipped = update(tiny("--train.max_grad_norm", "0"), 2, cpu)

@@ -151,8 +151,8 @@ class Accelerator:
     p2p_post_gbs: float = 0.0
     # the share of memory_bandwidth_gbs that PyTorch's memory-bound kernels reach (fused AdamW, the foreach norm,
     # scaling and copies, elementwise work): 1 where the figure is itself a measured rate (`fivefold bench comm
-    # --cluster-file` times a streaming copy), `STREAMING_SHARE` on the GPU presets, whose figure is the data
-    # sheet's peak
+    # --cluster-file` times an in-place add on every rank, comm/bench.py memory_gbs), `STREAMING_SHARE` on the GPU
+    # presets, whose figure is the data sheet's peak
     memory_efficiency: float = 1.0
 
     @property
