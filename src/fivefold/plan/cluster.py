@@ -86,7 +86,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from fivefold.comm.cost import NATIVE_COLLECTIVES, Cluster, Link
+from fivefold.comm.cost import NATIVE_COLLECTIVES, Cluster, Link, nondecreasing
 from fivefold.errors import ConfigError
 from fivefold.sim.names import ROUTINGS, TOPOLOGY_KINDS
 
@@ -231,12 +231,10 @@ class ArrivalSpec:
 
     def at(self, compute: float) -> float:
         """Seconds of the measured call after `compute` seconds of compute: linear between points, flat beyond;
-        each point raised to the largest time before it (more compute cannot bring the ranks closer: a dip is
-        a noisy mean)."""
-        points, top, us = [], 0.0, compute * 1e6
-        for c, t in self.measured:
-            top = max(top, t)
-            points.append((c, top))
+        the points read through the least-squares nondecreasing fit (comm/cost.py `nondecreasing`, as the
+        collectives' measured times are): more compute cannot bring the ranks closer, so a dip is a noisy mean,
+        and it and the points before it it undercuts are read at their mean."""
+        points, us = nondecreasing(self.measured), compute * 1e6
         if us <= points[0][0]:
             return points[0][1] * 1e-6
         for (a, ta), (b, tb) in zip(points, points[1:]):
