@@ -378,9 +378,7 @@ def fit_compute(rows: list[dict]) -> tuple[dict[str, float], float, list[dict]]:
     shares = {first: share}
     for dtype, group in by_dtype.items():  # the other dtypes' shares at that overhead
         if dtype != first:
-            system = [_linear_step(row) for row in group]
-            x = sum(m * (t - r - v * overhead) / t**2 for m, v, r, t in system) / sum((m / t) ** 2 for m, v, r, t in system)
-            shares[dtype] = min(1.0, 1 / max(x, 1e-12))
+            shares[dtype] = _fit_share([_linear_step(row) for row in group], overhead)
     shares.setdefault("fp32", share)
     shares.setdefault("bf16", shares["fp32"])
     return shares, overhead, anchors
@@ -406,11 +404,16 @@ def _linear_step(row: dict) -> tuple[float, float, float, float]:
     return matmuls, overhead, base - matmuls, row["measured"]
 
 
+def _fit_share(system: list[tuple[float, float, float, float]], overhead: float) -> float:
+    """Least squares of the relative errors of t = M x + O o + R over x = 1/e alone, o given; the share e."""
+    x = sum(m * (t - r - v * overhead) / t**2 for m, v, r, t in system) / sum((m / t) ** 2 for m, v, r, t in system)
+    return min(1.0, 1 / max(x, 1e-12))
+
+
 def _fit_share_and_overhead(system: list[tuple[float, float, float, float]]) -> tuple[float, float]:
     """Least squares of the relative errors of t = M x + O o + R over x = 1/e and o >= 0."""
     if len(system) == 1:  # one layout: the share alone
-        m, _, r, t = system[0]
-        return min(1.0, m / max(t - r, 1e-12)), 0.0
+        return _fit_share(system, 0.0), 0.0
     # minimise sum ((m x + v o + r - t) / t)^2 over x = 1/e and o
     sxx = sum((m / t) ** 2 for m, v, r, t in system)
     sxo = sum(m * v / t**2 for m, v, r, t in system)
@@ -420,7 +423,7 @@ def _fit_share_and_overhead(system: list[tuple[float, float, float, float]]) -> 
     det = sxx * soo - sxo**2
     x, o = (sxy * soo - soy * sxo) / det, (soy * sxx - sxy * sxo) / det
     if o < 0:  # no fixed cost to find: the share alone
-        x, o = sxy / sxx, 0.0
+        return _fit_share(system, 0.0), 0.0
     return min(1.0, 1 / max(x, 1e-12)), o
 
 

@@ -239,6 +239,10 @@ def test_the_memory_efficiency_scales_every_memory_bound_term_and_is_read_from_a
     path.write_text(cluster_toml(at(0.5)).replace("memory_efficiency = 0.5", "memory_efficiency = 1.5"))
     with pytest.raises(ConfigError, match=r"accelerator.memory_efficiency = 1.5: must be in \(0, 1\]"):
         load_cluster(str(path))
+    for bad in ("nan", "inf", "0", "-0.5", "true"):
+        path.write_text(cluster_toml(at(0.5)).replace("memory_efficiency = 0.5", f"memory_efficiency = {bad}"))
+        with pytest.raises(ConfigError, match=r"accelerator.memory_efficiency = .*: must be a positive finite number"):
+            load_cluster(str(path))
     path.write_text(cluster_toml(at(0.5)).replace("memory_efficiency = 0.5\n", ""))
     assert load_cluster(str(path)).accelerator.memory_efficiency == 1.0  # a measured bandwidth is reached
 
