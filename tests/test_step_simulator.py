@@ -130,7 +130,7 @@ def test_expert_exchanges_are_priced_as_the_planner_prices_them(overrides):
     model = config.model
     sp = config.tensor_parallel.sequence_parallel
     group = 8 // (1 if sp else config.tensor_parallel.degree)
-    report = native_collective("all_reduce", len(model.moe_layers) * (model.n_experts + 4) * 8, group,
+    report = native_collective("all_reduce", len(model.moe_layers) * (model.n_experts * (1 + config.expert_parallel.degree) + 4) * 8, group,
                                H100.collective_link("all_reduce", 8 if sp else 8 - config.tensor_parallel.degree + 1))
     assert planned.ep > report > 0
     assert run.breakdown()["ep"] == pytest.approx(planned.ep, rel=1e-9)
@@ -197,7 +197,7 @@ def test_planner_prices_a_measured_expert_load_as_the_simulator_plays_it(gpus, o
     sp = config.tensor_parallel.sequence_parallel
     tp = config.tensor_parallel.degree
     group = gpus // (1 if sp else tp)
-    report = native_collective("all_reduce", len(model.moe_layers) * (model.n_experts + 4) * 8, group,
+    report = native_collective("all_reduce", len(model.moe_layers) * (model.n_experts * (1 + config.expert_parallel.degree) + 4) * 8, group,
                                H100.collective_link("all_reduce", gpus if sp else gpus - tp + 1))
     phases = run.breakdown()
     assert planned.ep > report > 0
@@ -221,6 +221,74 @@ def test_plan_cli_prices_a_runs_expert_load(tmp_path, capsys):
     assert json.loads((tmp_path / "plan.json").read_text())["expert_imbalance"] == pytest.approx(2.4)
     assert main([*argv, "--expert-load", str(tmp_path), "--search"]) == 2
     assert "--expert-load prices one layout" in capsys.readouterr().err
+
+
+def test_routing_that_differs_from_rank_to_rank():
+    """A load per expert-parallel position (a run's moe_load_by_ep_rank): EP rank i sends EP rank j position i's
+    share of its rows for j's experts, so the dispatch matrix differs row by row; the busiest receiver is the sum
+    of its column; the planner prices it as the simulator plays it. Identical positions are the one-list load
+    exactly; a run with fewer positions than the layout's EP ranks repeats them (i mod positions), one with more
+    averages the positions p = i mod ep; a bad position is refused."""
+    from fivefold.plan.estimate import degrees_of, dispatch_rows, model_for
+    from fivefold.plan.expert_load import expert_rows_by_load
+
+    config = _config(*MOE4)
+    model, d = model_for(config, 257), degrees_of(config, 4)
+    rows, row = dispatch_rows(model, config, d), model.dim * 4
+    hot, even = [8, 8, 0, 0, 0, 0, 0, 0], [1] * 8  # position 0's tokens all choose EP rank 0's experts
+    positions = {str(layer): [hot, even, even, even] for layer in model.moe_layers}
+    run = simulate_step(config, 4, H100, vocab_size=257, expert_load=positions)
+    quarter = round(rows / 4) * row
+    dispatch = ((rows * row, 0, 0, 0),) + ((quarter,) * 4,) * 3
+    for rank in range(4):
+        uneven = [matrix for _, _, _, _, matrix in run.workload.log[rank] if matrix is not None]
+        assert uneven == [dispatch, tuple(zip(*dispatch))] * (2 * len(model.moe_layers) * 2)
+    assert run.workload.expert_imbalance == pytest.approx((rows + 3 * rows / 4) / rows)  # EP rank 0's column
+    planned = estimate(config, 4, H100, vocab_size=257, expert_load=positions).time
+    assert run.breakdown()["ep"] == pytest.approx(planned.ep, rel=1e-9)
+    assert run.breakdown()["compute"] == pytest.approx(planned.compute, rel=1e-9)
+    skew = [8, 1, 1, 1, 1, 1, 1, 1]
+    one = simulate_step(config, 4, H100, vocab_size=257, expert_load=_moe_load(model, skew))
+    same = simulate_step(config, 4, H100, vocab_size=257,
+                         expert_load={str(layer): [skew] * 4 for layer in model.moe_layers})
+    assert same.time == one.time
+    two = expert_rows_by_load(model, config, d, {str(layer): [hot, even] for layer in model.moe_layers})
+    assert two[0][2] == two[0][0] and two[0][3] == two[0][1] != two[0][0]
+    eight = expert_rows_by_load(model, config, d, {str(layer): [hot, even, even, even, even, even, even, even]
+                                                  for layer in model.moe_layers})
+    # EP rank 0 averages positions 0 (hot) and 4 (even): half its rows as the hot position sends them
+    assert eight[0][0] == pytest.approx([rows * (1 + 1 / 4) / 2, rows / 8, rows / 8, rows / 8])
+    assert eight[0][1] == pytest.approx([rows / 4] * 4)
+    for bad, message in [([hot, [1] * 7], "8 experts"), ([hot, even[:7] + [float("nan")]], "finite"),
+                         ([hot, [0] * 8], "not all zero"), ([hot, [True] * 8], "8 experts")]:
+        with pytest.raises(ConfigError, match=message):
+            simulate_step(config, 4, H100, vocab_size=257, expert_load={str(layer): bad for layer in model.moe_layers})
+
+
+def test_expert_load_reads_each_positions_load_where_the_run_recorded_it(tmp_path, capsys):
+    """`--expert-load RUN` replays moe_load_by_ep_rank (each position's mean over the last 10 logged steps) where
+    the run has it and its mean moe_load where not; a table that is not one list per position is refused."""
+    from fivefold.cli import main
+    from fivefold.parallel.expert_placement import routing_from_metrics
+
+    config = _config(*MOE4)
+    layers = config.model.moe_layers
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 1, "moe_load": _moe_load(config.model, [1] * 8)}) + "\n")
+    assert routing_from_metrics(tmp_path) == _moe_load(config.model, [1.0] * 8)
+    records = [{"step": s, "moe_load": _moe_load(config.model, [1] * 8),
+                "moe_load_by_ep_rank": {str(layer): [[s] * 8, [1] * 8] for layer in layers}} for s in (2, 4)]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert routing_from_metrics(tmp_path) == {str(layer): [[3.0] * 8, [1.0] * 8] for layer in layers}
+    argv = ["simulate", "--cluster", "h100-sxm", "--config", "configs/tiny.toml", *SMALL, *MOE4, "--gpus", "4", "--vocab-size", "257"]
+    hot = [[8, 8, 0, 0, 0, 0, 0, 0], [1] * 8]
+    metrics.write_text(json.dumps({"step": 1, "moe_load_by_ep_rank": {str(layer): hot for layer in layers}}) + "\n")
+    assert main([*argv, "--expert-load", str(tmp_path)]) == 0
+    # EP rank 0 receives all of position 0's (and 2's) rows and a quarter of 1's and 3's: 2.5 of the 4 ranks' rows
+    assert "the busiest expert-parallel rank receives 2.50 x the mean rows" in capsys.readouterr().out
+    metrics.write_text(json.dumps({"step": 1, "moe_load_by_ep_rank": {str(layer): [[1] * 8] for layer in layers}}) + "\n")
+    assert main([*argv, "--expert-load", str(tmp_path)]) == 2
+    assert "moe_load_by_ep_rank of layer 0 is not one list" in capsys.readouterr().err
 
 
 def test_measured_expert_load_under_a_capacity_factor_and_bad_loads():
@@ -496,8 +564,8 @@ def test_replicated_experts_sum_their_gradients_over_their_holders(tmp_path, mon
     assert plans["eplb"].time.dp - estimate(eplb, 4, H100, 0.5, vocab_size=257).time.dp == pytest.approx(price, rel=1e-9)
     rows = expert_rows_by_load(model_for(eplb, 257), eplb, d, {str(i): load for i in range(4)})
     contiguous = expert_rows_by_load(model_for(plain, 257), plain, d, {str(i): load for i in range(4)})
-    assert max(rows[0]) / min(rows[0]) < max(contiguous[0]) / min(contiguous[0])
-    assert sum(rows[0]) == pytest.approx(sum(contiguous[0]))
+    assert max(rows[0][0]) / min(rows[0][0]) < max(contiguous[0][0]) / min(contiguous[0][0])
+    assert sum(rows[0][0]) == pytest.approx(sum(contiguous[0][0]))
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -197,3 +197,66 @@ def test_simulated_step_sends_what_the_runtime_sends(job, tmp_path, world_size):
             assert run.result.pair_bytes == dict(runtime_pairs), name
             checked_pairs.append(name)
     assert checked_pairs, "no layout sent only point to point"
+
+
+UNEVEN = {
+    2: {"moe-ep2-pairwise": dict(model=MOE, expert_parallel={"degree": 2, "alltoall": "pairwise"})},
+    4: {"moe-ep4-pairwise-switch": dict(model={**MOE, "moe_aux_loss": "switch"},
+                                        expert_parallel={"degree": 4, "alltoall": "pairwise"})},
+}
+
+
+def _record_routing(rank, world_size, configs):
+    """_record, and the recorded step's metrics (a logged step: its moe_load_by_ep_rank)."""
+    from fivefold.sim.observe import recording_traffic
+    from fivefold.train.trainer import Trainer
+
+    out = []
+    for config in configs:
+        trainer = Trainer(config)
+        trainer.train_step()
+        calls: list = []
+        with recording_traffic(calls):
+            metrics = trainer.train_step()
+        trainer.close()
+        out.append((calls, metrics))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_routing_a_step_recorded_replays_as_the_messages_it_sent(job, tmp_path, world_size):
+    """Per-rank routing (`--expert-load`, plan/expert_load.py) checked against a running MoE job byte for byte: the
+    expert dispatch goes point to point (expert_parallel.alltoall = pairwise, one expert-parallel group), the step
+    is logged, and the simulator, given that step's moe_load_by_ep_rank (each position's assignments per expert),
+    sends every message the runtime sent, each pair's rows out and home, with every other call as before.
+    Balanced routing (the simulator's default) misses those messages, and so does the step's mean load
+    (moe_load) where the ranks routed differently."""
+    from fivefold.plan.cluster import PRESETS
+    from fivefold.sim.workload import build_workload
+
+    layouts = UNEVEN[world_size]
+    configs = [with_changes(c, train={"log_every": 1, "grad_accum_steps": 1})
+               for c in _configs(job, tmp_path, layouts)]
+    recorded = run_distributed(_record_routing, world_size, configs, timeout=600)
+    for index, name in enumerate(layouts):
+        metrics = recorded[0][index][1]
+        positions = metrics["moe_load_by_ep_rank"]
+        for layer, table in positions.items():  # the positions' loads add up to the step's load
+            assert len(table) == world_size and [sum(c) for c in zip(*table)] == metrics["moe_load"][layer], name
+        assert any(table[0] != table[1] for table in positions.values()), f"{name}: the ranks routed alike"
+        replayed = build_workload(configs[index], world_size, PRESETS["h100-sxm"], fidelity="flow",
+                                  expert_load=positions)
+        balanced = build_workload(configs[index], world_size, PRESETS["h100-sxm"], fidelity="flow")
+        mean = build_workload(configs[index], world_size, PRESETS["h100-sxm"], fidelity="flow",
+                              expert_load=metrics["moe_load"])
+        misses = Counter()
+        for rank in range(world_size):
+            runtime = Counter(call for call in recorded[rank][index][0] if call[2] > SCALARS)
+            simulated = Counter(call for call in replayed.calls(rank) if call[2] > SCALARS)
+            assert any(kind == "send" for kind, _, _ in runtime), f"{name}: no point-to-point dispatch recorded"
+            assert simulated == runtime, (f"{name} rank {rank}: only the runtime {dict(runtime - simulated)}, "
+                                          f"only the simulator {dict(simulated - runtime)}")
+            for other, work in (("balanced", balanced), ("mean", mean)):
+                misses[other] += Counter(call for call in work.calls(rank) if call[2] > SCALARS) != runtime
+        assert misses["balanced"] and misses["mean"], f"{name}: {dict(misses)} (the check could not fail)"

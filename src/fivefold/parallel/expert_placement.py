@@ -84,6 +84,41 @@ def contiguous_placement(n_experts: int, ep: int) -> list[list[int]]:
 def load_from_metrics(path: str | Path, last: int = 10, setting: str = "expert_parallel.load_from") -> dict[str, list[float]]:
     """Each MoE layer's mean load over the last `last` logged steps of a run's metrics.jsonl (`setting`: the
     option that named it, for the errors)."""
+    records = _records(path, setting, "moe_load")
+    if not records:
+        raise ConfigError(f"{setting} = {path} holds no moe_load records (log a MoE run first)")
+    records = records[-last:]
+    out = {}
+    for layer in records[-1]:
+        rows = [r[layer] for r in records if layer in r]
+        if not all(_is_load(row) and len(row) == len(rows[0]) for row in rows):
+            raise ConfigError(f"{setting} = {path}: the moe_load of layer {layer} is not one list of finite, "
+                              "non-negative counts per expert in every record: use an unedited metrics.jsonl")
+        out[layer] = [sum(values) / len(rows) for values in zip(*rows)]
+    return out
+
+
+def routing_from_metrics(path: str | Path, last: int = 10, setting: str = "--expert-load") -> dict[str, list]:
+    """A run's routing as `fivefold plan/simulate --expert-load` replays it (plan/expert_load.py): per MoE layer
+    one load list per expert-parallel position (`moe_load_by_ep_rank`, the mean of the last `last` logged steps),
+    where the run recorded them (expert parallelism, 2026-11-28 on); else `load_from_metrics`' mean load."""
+    records = _records(path, setting, "moe_load_by_ep_rank")[-last:]
+    if not records:
+        return load_from_metrics(path, last, setting)
+    out = {}
+    for layer in records[-1]:
+        tables = [r[layer] for r in records if layer in r]
+        if not all(isinstance(t, list) and len(t) == len(tables[0]) >= 2 and all(_is_load(row) and
+                   len(row) == len(tables[0][0]) for row in t) for t in tables):
+            raise ConfigError(f"{setting} = {path}: the moe_load_by_ep_rank of layer {layer} is not one list of "
+                              "finite, non-negative counts per expert for each of two or more expert-parallel "
+                              "positions in every record: use an unedited metrics.jsonl")
+        out[layer] = [[sum(values) / len(tables) for values in zip(*rows)] for rows in zip(*tables)]
+    return out
+
+
+def _records(path: str | Path, setting: str, key: str) -> list[dict]:
+    """The `key` entries (dicts) of a run's metrics.jsonl, in order (`path`: the file or the run's folder)."""
     path = Path(path)
     if path.is_dir():
         path = path / "metrics.jsonl"
@@ -100,19 +135,9 @@ def load_from_metrics(path: str | Path, last: int = 10, setting: str = "expert_p
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("moe_load"), dict):
-            records.append(record["moe_load"])
-    if not records:
-        raise ConfigError(f"{setting} = {path} holds no moe_load records (log a MoE run first)")
-    records = records[-last:]
-    out = {}
-    for layer in records[-1]:
-        rows = [r[layer] for r in records if layer in r]
-        if not all(_is_load(row) and len(row) == len(rows[0]) for row in rows):
-            raise ConfigError(f"{setting} = {path}: the moe_load of layer {layer} is not one list of finite, "
-                              "non-negative counts per expert in every record: use an unedited metrics.jsonl")
-        out[layer] = [sum(values) / len(rows) for values in zip(*rows)]
-    return out
+        if isinstance(record, dict) and isinstance(record.get(key), dict):
+            records.append(record[key])
+    return records
 
 
 def _is_load(row: object) -> bool:

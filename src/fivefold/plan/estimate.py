@@ -867,12 +867,12 @@ def dispatch_rows(model: ModelConfig, config: JobConfig, d: Degrees) -> int:
 
 
 def _expert_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, element: int,
-                           cluster: ClusterSpec, rows_to: list[float] | None = None) -> tuple[float, float]:
+                           cluster: ClusterSpec, rows_to: list[list[float]] | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of one MoE block's exchanges (parallel/expert_parallel.py), balanced routing:
     the per-expert counts (forward only) and the rows (k per token this rank holds) out and home over the EP
     group; with etp > 1 the count tables gathered (forward only) and the rows gathered and reduce-scattered over
-    the ETP group (etp x the rows each way). rows_to (a measured load, plan/expert_load.py): the rows every rank
-    sends each EP rank; the row exchanges are then uneven (priced as the runtime's pairwise exchange) and the
+    the ETP group (etp x the rows each way). rows_to (a measured load, plan/expert_load.py): [i][j] the rows EP
+    rank i sends EP rank j; the row exchanges are then uneven (priced as the runtime's pairwise exchange) and the
     ETP exchanges carry the busiest EP rank's rows."""
     if not model.n_experts or d.ep * d.etp == 1:
         return 0.0, 0.0
@@ -972,8 +972,8 @@ def profiled_costs(profile, modelled: PassCosts, at_profile: PassCosts) -> PassC
 
 def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]], cluster: ClusterSpec,
               efficiency: float | Efficiency, runs: PipelineRuns | None = None,
-              expert_rows: dict[int, list[float]] | None = None) -> StepTime:
-    """expert_rows: per MoE layer the rows every rank sends each EP rank under a measured load
+              expert_rows: dict[int, list[list[float]]] | None = None) -> StepTime:
+    """expert_rows: per MoE layer the rows each EP rank sends each EP rank under a measured load
     (plan/expert_load.py `expert_rows_by_load`); None: balanced routing."""
     from fivefold.parallel.pipeline.simulate import Costs
 
@@ -1186,20 +1186,22 @@ class RoutingCollectives:
     replicas_backward: float = 0.0
     report_link: Link | None = None  # the distinct-token ranks' all-reduce link
     token_ranks: int = 1
-    experts: int = 0
+    report_values: int = 0  # float64 per MoE layer in the report: E loads, 4 sums, with ep > 1 E per EP position
 
     def report(self, layers: int) -> float:
-        """The routing report of a pipeline rank holding `layers` MoE layers: (E + 4) float64 each, one all-reduce."""
+        """The routing report of a pipeline rank holding `layers` MoE layers: `report_values` float64 each, one
+        all-reduce."""
         if not layers or self.report_link is None:
             return 0.0
-        return native_collective("all_reduce", layers * (self.experts + 4) * 8, self.token_ranks, self.report_link)
+        return native_collective("all_reduce", layers * self.report_values * 8, self.token_ranks, self.report_link)
 
 
 def _routing_collectives(config: JobConfig, model: ModelConfig, d: Degrees, cluster: ClusterSpec) -> RoutingCollectives:
     """The switch loss all-reduces the layer's expert counts (E float64) over the ranks holding the micro-batch's
     distinct tokens (dp x cp, x tp under sequence parallelism), the sequence loss each sequence's counts (b x E
-    float32) over the sequence's ranks (cp, x tp under SP); the report sends E + 4 float64 per layer over the
-    distinct-token ranks, in one all-reduce per pipeline rank."""
+    float32) over the sequence's ranks (cp, x tp under SP); the report sends E + 4 float64 per layer (and with
+    ep > 1 the loads by EP position, E x ep more) over the distinct-token ranks, in one all-reduce per pipeline
+    rank."""
     if not model.n_experts:
         return RoutingCollectives()
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
@@ -1222,8 +1224,9 @@ def _routing_collectives(config: JobConfig, model: ModelConfig, d: Degrees, clus
         weights = ([model.shared_hidden_dim * model.dim] * 3 if model.shared_hidden_dim else []) + \
             ([model.dim] if model.shared_hidden_dim and model.moe_shared_gate else []) + [model.n_experts * model.dim]
         replicas = sum(all_reduce(n * element, d.tp, d.tp) for n in weights)
+    by_position = model.n_experts * d.ep if d.ep > 1 else 0
     return RoutingCollectives(statistics, replicas, cluster.collective_link("all_reduce", token_span), tokens,
-                              model.n_experts)
+                              model.n_experts + 4 + by_position)
 
 
 @dataclass(frozen=True)
@@ -1651,10 +1654,11 @@ def _zero_pp_times(config: JobConfig, params: int, d: Degrees, cluster: ClusterS
 def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency = 0.5,
              vocab_size: int = 0,
              runs: PipelineRuns | None = None, time_if_over: bool = True, simulate: bool = True,
-             expert_load: dict[str, list[float]] | None = None) -> Estimate:
+             expert_load: dict[str, list] | None = None) -> Estimate:
     """Memory and step time of `config` on `gpus` accelerators of `cluster` (ConfigError if it cannot run).
 
-    expert_load: each MoE layer's measured assignments per expert (a run's moe_load): the expert exchanges
+    expert_load: each MoE layer's measured assignments per expert (a run's moe_load), or one such list per EP
+    position (moe_load_by_ep_rank; plan/expert_load.py): the expert exchanges
     and the busiest rank's routed experts priced under that routing (plan/expert_load.py), else balanced.
 
     runs: pipeline simulations (and model FLOP counts) to share between estimates (a search's); simulate=False prices the

@@ -1,15 +1,18 @@
 """Uneven expert routing from a measured load: the rows each rank sends each expert-parallel rank, and
 what that costs a MoE block.
 
-Input is a run's `moe_load` (metrics.jsonl: each MoE layer's assignments per expert over a step, as
-parallel/expert_placement.py `load_from_metrics` reads it). A rank's tokens are taken to choose the
-experts in that proportion, under the runtime's contiguous placement of experts on EP ranks, so every
-rank sends EP rank j the load's share of its k rows per token for j's experts (capped by the capacity
-factor). The row exchanges of parallel/expert_parallel.py then carry a bytes-per-pair matrix (out to
-the experts, and its transpose home), priced as the runtime's pairwise exchange (comm/cost.py
+Input is a run's routing (metrics.jsonl, parallel/expert_placement.py `load_from_metrics`): per MoE layer
+either one list, the assignments per expert of the whole step (`moe_load`), which every rank's tokens are
+taken to follow, or one list per expert-parallel position (`moe_load_by_ep_rank`: the assignments made by
+the tokens of the ranks at EP position i), so that the routing differs from rank to rank. EP rank i of a
+layout routes by position i's list (i mod the positions recorded when the run had fewer; when it had more,
+the mean of the positions p with p mod ep = i). Under the runtime's contiguous placement of experts on EP
+ranks, rank i sends EP rank j its list's share of its k rows per token for j's experts (capped by the
+capacity factor). The row exchanges of parallel/expert_parallel.py then carry a bytes-per-pair matrix (out
+to the experts, and its transpose home), priced as the runtime's pairwise exchange (comm/cost.py
 `uneven_all_to_all`), and the routed experts of the busiest EP rank compute its rows. The planner
-(`fivefold plan --expert-load`) and the simulator (`fivefold simulate --expert-load`) read the same
-rows from here.
+(`fivefold plan --expert-load`) and the simulator (`fivefold simulate --expert-load`) read the same rows
+from here.
 """
 
 from __future__ import annotations
@@ -32,13 +35,17 @@ def routed_rows(model: ModelConfig, config: JobConfig, d) -> int:
     return model.moe_top_k * t.micro_batch_size * (t.seq_len // d.cp) // (d.tp if sp else 1)
 
 
+Rows = list[list[float]]  # [i][j] the rows EP rank i sends EP rank j (one MoE layer, one micro-batch)
+
+
 def expert_rows_by_load(model: ModelConfig, config: JobConfig, d,
-                        load: dict[str, list[float]]) -> dict[int, list[float]]:
-    """Per MoE layer, the rows one rank sends each expert-parallel rank when its tokens choose experts in
-    proportion to `load` (layer -> assignments per expert). A rank holds k rows per token; with a capacity
-    factor no expert takes more than its capacity's share of them (model/moe.py `expert_capacity`, per
-    whole sequence), which balanced routing never reaches. With EPLB's replicas (`expert_parallel.replicas`) the
-    experts sit where the runtime places them and each replicated expert's rows split evenly over its copies."""
+                        load: dict[str, list]) -> dict[int, Rows]:
+    """Per MoE layer, the rows each EP rank i sends each EP rank j when its tokens choose experts in proportion
+    to `load` (layer -> assignments per expert, or one such list per EP position of the measured run: see the
+    module docstring). A rank holds k rows per token; with a capacity factor no expert takes more than its
+    capacity's share of them (model/moe.py `expert_capacity`, per whole sequence), which balanced routing never
+    reaches. With EPLB's replicas (`expert_parallel.replicas`) the experts sit where the runtime places them and
+    each replicated expert's rows split evenly over its copies."""
     from fivefold.model.moe import expert_capacity
     from fivefold.parallel.expert_placement import contiguous_placement, expected_rank_load, placements_for
 
@@ -54,31 +61,65 @@ def expert_rows_by_load(model: ModelConfig, config: JobConfig, d,
     cap = wanted * capacity / (model.moe_top_k * seq) if capacity else float("inf")
     out = {}
     for layer in model.moe_layers:
-        values = load.get(str(layer))
-        if values is None or len(values) != model.n_experts or not all(0 <= v < math.inf for v in values) \
-                or not sum(values) > 0:
-            raise ConfigError(f"--expert-load has no load of {model.n_experts} experts for MoE layer {layer} (finite, "
-                              "not negative, not all zero): use the metrics of a run of the same model (moe_load records)")
-        per_expert = [min(wanted * v / sum(values), cap) for v in values]
+        sources = _sources(load.get(str(layer)), model.n_experts, layer)
         placement = placements[layer] if placements else contiguous_placement(model.n_experts, d.ep)
-        # EPLB: an expert's rows are spread evenly over its replicas (the runtime's (k + rank) mod replicas)
-        out[layer] = expected_rank_load(per_expert, placement)
+        rows = []
+        for values in _by_rank(sources, d.ep):
+            per_expert = [min(wanted * v / sum(values), cap) for v in values]
+            # EPLB: an expert's rows are spread evenly over its replicas (the runtime's (k + rank) mod replicas)
+            rows.append(expected_rank_load(per_expert, placement))
+        out[layer] = rows
     return out
 
 
-def exchange_matrices(rows_to: list[float], row_bytes: int) -> tuple[Matrix, Matrix]:
-    """The bytes [i][j] EP rank i sends EP rank j: out to the experts (every rank sends `rows_to[j]` rows to j),
-    and home (its transpose)."""
-    sent = tuple(round(r) * row_bytes for r in rows_to)
-    out = (sent,) * len(rows_to)
+def _sources(values: object, experts: int, layer: int) -> list[list[float]]:
+    """A layer's load as a list of per-source lists (one list: every rank routes by it)."""
+    sources = values if isinstance(values, list) and values and all(isinstance(v, list) for v in values) \
+        else [values]
+    for row in sources:
+        if not isinstance(row, list) or len(row) != experts or \
+                not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf for v in row) or not sum(row) > 0:
+            raise ConfigError(f"--expert-load has no load of {experts} experts for MoE layer {layer} (finite, not "
+                              "negative, not all zero, for the layer or for each expert-parallel position): use the "
+                              "metrics of a run of the same model (moe_load, moe_load_by_ep_rank records)")
+    return sources
+
+
+def _by_rank(sources: list[list[float]], ep: int) -> list[list[float]]:
+    """The list EP rank i routes by: position i mod len(sources), or with more positions than ranks the mean of
+    the positions p with p mod ep = i (each position's list scaled to one rank's rows first, by the proportion)."""
+    if len(sources) <= ep:
+        return [sources[i % len(sources)] for i in range(ep)]
+    out = []
+    for i in range(ep):
+        picked = [[v / sum(row) for v in row] for row in sources[i::ep]]
+        out.append([sum(column) / len(picked) for column in zip(*picked)])
+    return out
+
+
+def exchange_matrices(rows: Rows, row_bytes: int) -> tuple[Matrix, Matrix]:
+    """The bytes [i][j] EP rank i sends EP rank j: out to the experts (`rows[i][j]` rows), and home (its
+    transpose)."""
+    out = tuple(tuple(round(r) * row_bytes for r in source) for source in rows)
     return out, tuple(zip(*out))
 
 
-def busiest_received(rows_to: list[float], row_bytes: int) -> int:
-    """Bytes the busiest EP rank receives in one dispatch (every rank sends it the same share)."""
-    return len(rows_to) * max(round(r) * row_bytes for r in rows_to)
+def received_rows(rows: Rows) -> list[float]:
+    """The rows each EP rank receives in one dispatch (its column's sum)."""
+    return [sum(column) for column in zip(*rows)]
 
 
-def imbalance(rows: dict[int, list[float]]) -> float:
+def busiest_received(rows: Rows, row_bytes: int) -> int:
+    """Bytes the busiest EP rank receives in one dispatch."""
+    out, _ = exchange_matrices(rows, row_bytes)
+    return max(sum(column) for column in zip(*out))
+
+
+def imbalance(rows: dict[int, Rows]) -> float:
     """The most rows an EP rank receives over the mean, the worst MoE layer's (1 for balanced routing)."""
-    return max((max(r) * len(r) / sum(r) for r in rows.values() if sum(r)), default=1.0)
+    worst = 1.0
+    for layer_rows in rows.values():
+        received = received_rows(layer_rows)
+        if sum(received):
+            worst = max(worst, max(received) * len(received) / sum(received))
+    return worst

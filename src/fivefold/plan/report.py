@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", help="also write the result as JSON here")
     parser.add_argument("--expert-load", metavar="RUN",
                         help="a MoE run's folder or metrics.jsonl: price the expert exchanges and the busiest rank's "
-                             "experts under its measured load (moe_load, last 10 logged steps; default: balanced)")
+                             "experts under its measured routing (each expert-parallel position's load, "
+                             "moe_load_by_ep_rank, or else moe_load; last 10 logged steps; default: balanced)")
     parser.add_argument("--plot", help="draw the memory per rank by component (PNG)")
     parser.add_argument("--search", action="store_true", help="rank every feasible layout on --gpus")
     parser.add_argument("--global-batch", type=int, default=0,
@@ -155,9 +156,9 @@ def run(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec) -> in
         return _sharding_degrees(args, config, cluster, out)
     load = None
     if args.expert_load:
-        from fivefold.parallel.expert_placement import load_from_metrics
+        from fivefold.parallel.expert_placement import routing_from_metrics
 
-        load = load_from_metrics(args.expert_load, setting="--expert-load")
+        load = routing_from_metrics(args.expert_load)
     efficiency = efficiency_from(args)
     found = estimate(config, args.gpus, cluster, efficiency, args.vocab_size, expert_load=load)
     print(format_estimate(found, cluster, "layout"))

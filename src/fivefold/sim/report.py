@@ -33,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     step.add_argument("--vocab-size", type=int, default=0, help="for a model whose vocabulary comes from the tokenizer")
     step.add_argument("--plot", help="draw the simulated timeline of the first ranks (PNG)")
     step.add_argument("--expert-load", metavar="RUN",
-                      help="a MoE run's folder or metrics.jsonl: its measured expert load (moe_load, last 10 logged "
-                           "steps) routes the rows unevenly, as they went in that run (default: balanced routing)")
+                      help="a MoE run's folder or metrics.jsonl: its measured routing (each expert-parallel position's "
+                           "load, moe_load_by_ep_rank, or else moe_load; last 10 logged steps) routes the rows "
+                           "unevenly, as they went in that run (default: balanced routing)")
     one = parser.add_argument_group("one collective (--ranks)")
     one.add_argument("--collective", default="all_reduce", choices=collectives)
     one.add_argument("--algorithm", default="ring", choices=algorithms,
@@ -117,9 +118,9 @@ def run_step(args: argparse.Namespace, overrides: list[str]) -> int:
     efficiency = efficiency_from(args)
     load = None
     if args.expert_load:
-        from fivefold.parallel.expert_placement import load_from_metrics
+        from fivefold.parallel.expert_placement import routing_from_metrics
 
-        load = load_from_metrics(args.expert_load, setting="--expert-load")
+        load = routing_from_metrics(args.expert_load)
     run_ = simulate_step(config, args.gpus, cluster, efficiency, args.fidelity, args.vocab_size,
                          record_spans=bool(args.trace or args.plot), congestion=args.congestion, expert_load=load)
     phases = run_.breakdown()

@@ -98,10 +98,11 @@ def shared_cores(config: JobConfig, workload: Workload, cluster: ClusterSpec) ->
 
 def simulate_step(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency = 0.5,
                   fidelity: str = "hybrid", vocab_size: int = 0, record_spans: bool = True,
-                  congestion: str = "none", expert_load: dict[str, list[float]] | None = None) -> StepRun:
+                  congestion: str = "none", expert_load: dict[str, list] | None = None) -> StepRun:
     """Simulate one optimizer step of `config` on `gpus` accelerators of `cluster` (see workload.py);
     record_spans=False keeps each stream's seconds per label (the breakdown) but not every span (the trace);
-    expert_load: each MoE layer's measured assignments per expert (uneven dispatch), default balanced."""
+    expert_load: each MoE layer's measured assignments per expert, or one such list per EP position
+    (uneven dispatch, plan/expert_load.py), default balanced."""
     start = time.perf_counter()
     router = cluster_router(cluster, gpus)
     if fidelity == "analytical" and congestion != "none":

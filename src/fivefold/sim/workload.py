@@ -336,7 +336,7 @@ class _ZeroPart:
 class _Builder:
     def __init__(self, config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency,
                  fidelity: str, vocab_size: int, router: Router | None = None,
-                 expert_load: dict[str, list[float]] | None = None, slice_order: list[int] | None = None,
+                 expert_load: dict[str, list] | None = None, slice_order: list[int] | None = None,
                  steps: int = 0, push_orders: dict[int, list[int]] | None = None):
         from fivefold.parallel.pipeline.stages import plan_stages
 
@@ -638,8 +638,8 @@ class _Builder:
         loss are all-reduced over the ranks sharing the micro-batch (or the sequence) in a forward that keeps
         the graph (with full recomputation only its re-run does). Balanced routing: every rank sends and
         receives k tokens' rows (fewer if the capacity factor drops some). Under a measured load
-        (`expert_rows`) the row exchanges are uneven: each rank sends every EP rank the rows bound for its
-        experts and gets its own rows back the same way, and the routed experts' compute (`scale` x
+        (`expert_rows`, the same for or different from rank to rank) the row exchanges are uneven: each rank
+        sends every EP rank the rows bound for its experts and gets its own rows back the same way, and the routed experts' compute (`scale` x
         `costs.routed` at balanced routing) follows the rows this rank receives."""
         ep, etp = self.expert_groups["ep"][rank], self.expert_groups["etp"][rank]
         rows, counts = self.dispatch_bytes, 8 * self.model.n_experts  # int64 per (EP rank, slot)
@@ -648,7 +648,8 @@ class _Builder:
         there = received = rows  # the bytes this rank sends to the experts, and receives (and sends back)
         if layer in self.expert_rows and rows:
             out, home = exchange_matrices(self.expert_rows[layer], self.model.dim * self.element)
-            there, received = sum(out[0]), len(ep) * out[0][ep.index(rank)]
+            me = ep.index(rank)
+            there, received = sum(out[me]), sum(source[me] for source in out)
             seconds += scale * self.costs.routed * (received / rows - 1)
         gathered = received * len(etp)
         if not backward:
@@ -688,12 +689,13 @@ class _Builder:
 
     def routing_report(self, rank: int) -> None:
         """train/routing_report.py: after the step, the stage's MoE layers' loads and counts ((E + 4) float64
-        each) in one all-reduce over the ranks holding its distinct tokens."""
+        each, and with ep > 1 E more per EP position: the loads by position) in one all-reduce over the ranks
+        holding its distinct tokens."""
         stages = range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp)
         layers = sum(unit.moe for s in stages for unit in self.units[s])
         if layers:
-            self.collective(rank, COMPUTE, "all_reduce", self.token_group(rank), layers * (self.model.n_experts + 4) * 8,
-                            "ep")
+            per_layer = self.model.n_experts * (1 + (self.d.ep if self.d.ep > 1 else 0)) + 4
+            self.collective(rank, COMPUTE, "all_reduce", self.token_group(rank), layers * per_layer * 8, "ep")
 
     def overlapped_half(self, rank: int, half: str, forward: float, core: float, scale: float, label: str,
                         backward: bool) -> None:
@@ -1393,7 +1395,7 @@ def _refuse_unmodelled(config: JobConfig, d: Degrees) -> None:
 
 def build_workload(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: float | Efficiency = 0.5,
                    fidelity: str = "hybrid", vocab_size: int = 0, router: Router | None = None,
-                   expert_load: dict[str, list[float]] | None = None, slice_order: list[int] | None = None,
+                   expert_load: dict[str, list] | None = None, slice_order: list[int] | None = None,
                    steps: int = 0, push_orders: dict[int, list[int]] | None = None) -> Workload:
     """Every simulated rank's program for one optimizer step of `config` on `gpus` accelerators of `cluster`
     (router: the fabric the programs will run on, for the aggregate fidelity's latencies; default the

@@ -8,6 +8,9 @@ moves towards even load (every rank of the stage computes the same update from t
 logged steps the stages' summaries are gathered to rank 0 for metrics.jsonl:
 
     moe_load          {layer: assignments per expert}, over the step (before drops)
+    moe_load_by_ep_rank   with expert parallelism: {layer: [assignments per expert made by the tokens of the ranks
+                      at EP position i, summed over the expert-parallel groups] for each position i}, the routing
+                      that differs from rank to rank (what `fivefold simulate/plan --expert-load` replays)
     moe_imbalance     max over layers of (max expert load / mean expert load)
     moe_dropped       fraction of assignments dropped by capacity, over all layers
     moe_aux_loss      balancing loss, mean over layers and micro-batches (the value its coefficient multiplies)
@@ -27,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from fivefold.model.moe import MoE, load_expert_biases
-from fivefold.parallel.expert_parallel import AllToAllMeter, dispatch_bound_bytes, moe_layers
+from fivefold.parallel.expert_parallel import AllToAllMeter, ExpertParallelDispatch, dispatch_bound_bytes, moe_layers
 
 
 def describe_experts(model, config, dims) -> str:
@@ -62,11 +65,17 @@ class RoutingReport:
         summaries = {}
         if self.layers:
             taken = [m.stats.take() for m in self.layers]
-            width = self.layers[0].n_experts + 4
-            packed = torch.zeros(len(taken), width, dtype=torch.float64)
+            experts = self.layers[0].n_experts
+            ep, position = self.expert_position()
+            # per layer: the load, four sums, then with ep > 1 this rank's own load in its EP position's slot, so that
+            # the all-reduce also sums each position's load over the expert-parallel groups
+            packed = torch.zeros(len(taken), experts + 4 + (experts * ep if ep > 1 else 0), dtype=torch.float64)
             for row, st in zip(packed, taken):
                 row[: st.experts] = st.load
-                row[st.experts :] = torch.tensor([st.dropped, st.assignments, st.aux_loss, st.z_loss])
+                row[st.experts : st.experts + 4] = torch.tensor([st.dropped, st.assignments, st.aux_loss, st.z_loss])
+                if ep > 1:
+                    start = experts + 4 + position * experts
+                    row[start : start + experts] = st.load
             group = self.layers[0].groups.tokens
             if group is not None:
                 dist.all_reduce(packed, group=group)
@@ -75,9 +84,11 @@ class RoutingReport:
                 if update_bias and m.config.moe_bias_update_rate:
                     m.update_bias(load)
                 micro = max(st.micro_batches, 1)
-                summaries[str(m.layer_id)] = {"load": load.tolist(), "dropped": float(row[-4]),
-                                              "assignments": float(row[-3]), "aux": float(row[-2]) / micro,
-                                              "z": float(row[-1]) / micro, "max_received": st.max_received}
+                sums = row[experts : experts + 4].tolist()
+                summaries[str(m.layer_id)] = {"load": load.tolist(), "dropped": sums[0], "assignments": sums[1],
+                                              "aux": sums[2] / micro, "z": sums[3] / micro,
+                                              "max_received": st.max_received,
+                                              "by_ep_rank": row[experts + 4 :].view(ep, experts).tolist() if ep > 1 else None}
         seconds, sent, _ = self.meter.take() if self.meter is not None else (0.0, 0, 0)
         if not logged:
             return {}
@@ -90,13 +101,20 @@ class RoutingReport:
         layers = [summaries[k] for k in sorted(summaries, key=int)]
         imbalance = max(max(s["load"]) / (sum(s["load"]) / len(s["load"])) if sum(s["load"]) else 1.0 for s in layers)
         assignments = sum(s["assignments"] for s in layers)
+        by_ep_rank = {k: summaries[k]["by_ep_rank"] for k in sorted(summaries, key=int) if summaries[k]["by_ep_rank"]}
         return {"moe_load": {k: summaries[k]["load"] for k in sorted(summaries, key=int)},
+                **({"moe_load_by_ep_rank": by_ep_rank} if by_ep_rank else {}),
                 "moe_imbalance": imbalance,
                 "moe_dropped": sum(s["dropped"] for s in layers) / assignments if assignments else 0.0,
                 "moe_aux_loss": sum(s["aux"] for s in layers) / len(layers),
                 "moe_z_loss": sum(s["z"] for s in layers) / len(layers),
                 "moe_alltoall_ms": seconds * 1e3, "moe_alltoall_bytes": sent,
                 "moe_max_received": max(s["max_received"] for s in layers)}
+
+    def expert_position(self) -> tuple[int, int]:
+        """(ep, this rank's place in its expert-parallel group); (1, 0) where the experts stay on the rank."""
+        dispatch = self.layers[0].dispatch if self.layers else None
+        return (dispatch.ep, dispatch.ep_rank) if isinstance(dispatch, ExpertParallelDispatch) else (1, 0)
 
     def biases(self) -> dict[str, list[float]]:
         """Every stage's layers' balancing biases (collective over the pipeline group)."""
