@@ -218,6 +218,7 @@ def test_plan_cli_prices_a_runs_expert_load(tmp_path, capsys):
     assert main([*argv, "--expert-load", str(tmp_path), "--json", str(tmp_path / "plan.json")]) == 0
     text = capsys.readouterr().out
     assert "the busiest expert-parallel rank receives 2.40x the mean rows" in text
+    assert "every rank routing by its mean load per expert (moe_load)" in text
     assert json.loads((tmp_path / "plan.json").read_text())["expert_imbalance"] == pytest.approx(2.4)
     assert main([*argv, "--expert-load", str(tmp_path), "--search"]) == 2
     assert "--expert-load prices one layout" in capsys.readouterr().err
@@ -285,7 +286,9 @@ def test_expert_load_reads_each_positions_load_where_the_run_recorded_it(tmp_pat
     metrics.write_text(json.dumps({"step": 1, "moe_load_by_ep_rank": {str(layer): hot for layer in layers}}) + "\n")
     assert main([*argv, "--expert-load", str(tmp_path)]) == 0
     # EP rank 0 receives all of position 0's (and 2's) rows and a quarter of 1's and 3's: 2.5 of the 4 ranks' rows
-    assert "the busiest expert-parallel rank receives 2.50 x the mean rows" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "each of its 2 expert-parallel positions routing by its own load" in text
+    assert "the busiest expert-parallel rank receives 2.50 x the mean rows" in text
     metrics.write_text(json.dumps({"step": 1, "moe_load_by_ep_rank": {str(layer): [[1] * 8] for layer in layers}}) + "\n")
     assert main([*argv, "--expert-load", str(tmp_path)]) == 2
     assert "moe_load_by_ep_rank of layer 0 is not one list" in capsys.readouterr().err

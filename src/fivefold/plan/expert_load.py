@@ -72,6 +72,18 @@ def expert_rows_by_load(model: ModelConfig, config: JobConfig, d,
     return out
 
 
+def load_positions(load: dict[str, list]) -> int:
+    """How many expert-parallel positions a load describes (1: one list per layer, every rank routes by it)."""
+    return max((len(v) if v and all(isinstance(row, list) for row in v) else 1 for v in load.values()), default=1)
+
+
+def describe_routing(load: dict[str, list]) -> str:
+    """Which routing a report replays: the positions' own loads, or the step's load for every rank."""
+    positions = load_positions(load)
+    return (f"each of its {positions} expert-parallel positions routing by its own load (moe_load_by_ep_rank)"
+            if positions > 1 else "every rank routing by its mean load per expert (moe_load)")
+
+
 def _sources(values: object, experts: int, layer: int) -> list[list[float]]:
     """A layer's load as a list of per-source lists (one list: every rank routes by it)."""
     sources = values if isinstance(values, list) and values and all(isinstance(v, list) for v in values) \

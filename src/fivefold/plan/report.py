@@ -166,9 +166,12 @@ def run(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec) -> in
         print(f"compute: {efficiency.describe()} (--profile {args.profile})")
     out["estimate"] = found.to_dict()
     if found.expert_imbalance is not None:
+        from fivefold.plan.expert_load import describe_routing, load_positions
+
         out["expert_load"], out["expert_imbalance"] = args.expert_load, found.expert_imbalance
-        print(f"experts routed as measured in {args.expert_load}: the busiest expert-parallel rank receives "
-              f"{found.expert_imbalance:.2f}x the mean rows")
+        out["expert_load_positions"] = load_positions(load)
+        print(f"experts routed as measured in {args.expert_load} ({describe_routing(load)}): the busiest "
+              f"expert-parallel rank receives {found.expert_imbalance:.2f}x the mean rows")
     if args.plot:
         print(f"wrote {plot_memory([(found.degrees.describe(), found)], args.plot)}")
     _write_json(args, out)

@@ -109,6 +109,7 @@ def run_step(args: argparse.Namespace, overrides: list[str]) -> int:
     from fivefold.config import load_config
     from fivefold.plan.estimate import model_for
     from fivefold.plan.gemms import core_narrowest
+    from fivefold.plan.expert_load import describe_routing, load_positions
     from fivefold.sim.step import PHASES, simulate_step
 
     if args.gpus < 1:
@@ -133,7 +134,7 @@ def run_step(args: argparse.Namespace, overrides: list[str]) -> int:
         "efficiency": efficiency.matmul, "attention_efficiency": efficiency.core_share(core_narrowest(model_for(config, args.vocab_size))),
         "half_width": efficiency.half_width, "seconds": run_.time,
         "phases_seconds": phases, "expert_load": args.expert_load or "balanced",
-        "expert_imbalance": work.expert_imbalance,
+        "expert_imbalance": work.expert_imbalance, "expert_load_positions": load_positions(load) if load else 0,
         "slowest_rank": run_.slowest_rank, "simulated_ranks": len(work.simulated),
         "collectives_as_messages": work.recorded, "collectives_by_formula": work.analytical,
         "bytes_sent": sum(run_.result.pair_bytes.values()), "busiest_links": links[:args.top_links],
@@ -153,8 +154,8 @@ def run_step(args: argparse.Namespace, overrides: list[str]) -> int:
     print(f"  step         {run_.time * 1e3:.3f} ms   (slowest rank {run_.slowest_rank}; "
           f"{len(work.simulated)} ranks simulated)")
     if args.expert_load:
-        print(f"  experts      routed as measured in {args.expert_load}: the busiest expert-parallel rank receives "
-              f"{work.expert_imbalance:.2f} x the mean rows")
+        print(f"  experts      routed as measured in {args.expert_load} ({describe_routing(load)}): the busiest "
+              f"expert-parallel rank receives {work.expert_imbalance:.2f} x the mean rows")
     if work.slices:
         print(f"  priority     {len(work.slices)} gradient slices reduced in the order the runtime's rule picks (found in "
               f"{run_.order_passes} simulation(s)); the second of two steps reported")
