@@ -1,7 +1,7 @@
 """Uneven expert routing from a measured load: the rows each rank sends each expert-parallel rank, and
 what that costs a MoE block.
 
-Input is a run's routing (metrics.jsonl, parallel/expert_placement.py `load_from_metrics`): per MoE layer
+Input is a run's routing (metrics.jsonl, parallel/expert_placement.py `routing_from_metrics`): per MoE layer
 either one list, the assignments per expert of the whole step (`moe_load`), which every rank's tokens are
 taken to follow, or one list per expert-parallel position (`moe_load_by_ep_rank`: the assignments made by
 the tokens of the ranks at EP position i), so that the routing differs from rank to rank. EP rank i of a
