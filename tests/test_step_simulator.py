@@ -266,6 +266,23 @@ def test_routing_that_differs_from_rank_to_rank():
             simulate_step(config, 4, H100, vocab_size=257, expert_load={str(layer): bad for layer in model.moe_layers})
 
 
+@pytest.mark.parametrize("load", [[1, 1, 1, 1, 1, 1, 8, 1], [[1] * 8, [1] * 7 + [8]]])
+def test_the_analytical_fidelity_finds_the_busiest_expert_parallel_rank(load):
+    """`analytical` simulates one rank per pipeline stage; under a measured load the EP ranks differ, so it simulates
+    the whole EP group of that rank: with the hot experts on EP rank 3 (a hot expert 6, or one position sending rank
+    3 most of its rows) it gives the step the other fidelities give (until 2026-11-28 it simulated EP rank 0 alone,
+    which received the fewest rows, and put the step 41% short here)."""
+    config = _config(*MOE4)
+    loads = {str(layer): load for layer in config.model.moe_layers}
+    steps = {f: simulate_step(config, 4, H100, vocab_size=257, expert_load=loads, fidelity=f)
+             for f in ("analytical", "hybrid")}
+    assert len(steps["analytical"].workload.simulated) == 4
+    assert steps["analytical"].time == pytest.approx(steps["hybrid"].time, rel=1e-9)
+    assert steps["analytical"].time > simulate_step(config, 4, H100, vocab_size=257, fidelity="analytical").time
+    assert estimate(config, 4, H100, vocab_size=257, expert_load=loads).time.total == pytest.approx(
+        steps["hybrid"].time, rel=1e-3)
+
+
 def test_expert_load_reads_each_positions_load_where_the_run_recorded_it(tmp_path, capsys):
     """`--expert-load RUN` replays moe_load_by_ep_rank (each position's mean over the last 10 logged steps) where
     the run has it and its mean moe_load where not; a table that is not one list per position is refused."""

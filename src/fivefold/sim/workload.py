@@ -388,7 +388,11 @@ class _Builder:
         self.server_ranks = tuple(range(d.dp, d.dp + config.parameter_server.servers)) if self.ps else ()
         self.loads = server_loads(self.model, config.parameter_server.servers, d.dp) if self.ps else []
         if fidelity == "analytical" and not self.ps:
-            self.simulated = tuple(self.grid.rank(pp=p) for p in range(d.pp))
+            firsts = [self.grid.rank(pp=p) for p in range(d.pp)]
+            # under a measured expert load the EP ranks compute different rows and wait for each other: the whole
+            # expert-parallel group of each stage's first rank is simulated (the busiest among them)
+            self.simulated = tuple(sorted({r for first in firsts for r in self.expert_groups["ep"][first]})) \
+                if self.expert_rows else tuple(firsts)
         else:
             self.simulated = tuple(range(self.grid.size)) + self.server_ranks
         self._simulated = set(self.simulated)
