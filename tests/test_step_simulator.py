@@ -206,6 +206,12 @@ def test_planner_prices_a_measured_expert_load_as_the_simulator_plays_it(gpus, o
     # the load moves the step by as much in both (their other phases, data parallelism's overlap, differ alike)
     even = simulate_step(config, gpus, H100, vocab_size=257)
     assert run.time - even.time == pytest.approx(planned.total - balanced.total, rel=1e-3)
+    # routing that differs by position: the slowest simulated rank may wait where the busiest computes, so the
+    # phases split differently, but the step is the planner's
+    positions = {str(layer): [[8, 1, 1, 1, 1, 1, 1, 1], [1] * 7 + [8], [1, 1, 1, 1, 8, 8, 1, 1], [1] * 8]
+                 for layer in model.moe_layers}
+    assert simulate_step(config, gpus, H100, vocab_size=257, expert_load=positions).time == pytest.approx(
+        estimate(config, gpus, H100, vocab_size=257, expert_load=positions).time.total, rel=5e-3)
 
 
 def test_plan_cli_prices_a_runs_expert_load(tmp_path, capsys):
