@@ -317,6 +317,26 @@ def test_expert_load_reads_each_positions_load_where_the_run_recorded_it(tmp_pat
     assert "moe_load_by_ep_rank of layer 0 is not one list" in capsys.readouterr().err
 
 
+def test_measured_expert_load_prices_the_busiest_ranks_activations():
+    """Under `--expert-load` a MoE layer's kept tensors are the busiest EP rank's: an even load is the balanced
+    memory exactly; under 8:1:...:1 at ep 4 EP rank 0 receives 4 x 9/15 of one rank's rows, and each MoE layer keeps
+    (received - balanced) x (h + 4 f_e + 4) more elements (model/moe.py, `moe_mlp_elements`: the rows' input, the
+    SwiGLU's four tensors, the regrouping index; checked against the runtime's saved tensors at the rows each rank
+    received in tests/distributed/test_activation_memory.py), in fp32, for the one micro-batch in flight."""
+    from fivefold.plan.estimate import degrees_of, dispatch_rows, model_for
+
+    config = _config(*MOE4)
+    model = model_for(config, 257)
+    balanced = estimate(config, 4, H100, vocab_size=257)
+    assert estimate(config, 4, H100, vocab_size=257, expert_load=_moe_load(model, [3] * 8)).memory == balanced.memory
+    skewed = estimate(config, 4, H100, vocab_size=257, expert_load=_moe_load(model, [8, 1, 1, 1, 1, 1, 1, 1]))
+    rows = dispatch_rows(model, config, degrees_of(config, 4))
+    busiest = 4 * round(rows * 9 / 15)
+    grown = skewed.memory.activations - balanced.memory.activations
+    assert grown == 4 * len(model.moe_layers) * (busiest - rows) * (model.dim + 4 * model.expert_hidden_dim + 4) > 0
+    assert skewed.memory.model_states == balanced.memory.model_states
+
+
 def test_measured_expert_load_under_a_capacity_factor_and_bad_loads():
     """With a capacity factor no expert takes more than its capacity, so a hot expert's rows are dropped; a load
     without every MoE layer, of the wrong width, or on a layout without expert parallelism is refused."""

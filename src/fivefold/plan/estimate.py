@@ -435,6 +435,17 @@ def expert_rows(config: JobConfig, model: ModelConfig, d: Degrees) -> ExpertRows
     return ExpertRows(assignments, assignments * d.etp, d.ep, d.etp, kernel)
 
 
+def busiest_expert_rows(config: JobConfig, model: ModelConfig, d: Degrees, by_load: dict[int, list[list[float]]]) -> ExpertRows:
+    """`expert_rows` under a measured load (plan/expert_load.py `expert_rows_by_load`): the most assignments one EP
+    rank routes and the most rows one EP rank's experts receive (etp x them after the ETP gather), each the worst
+    over the MoE layers, so that the memory is the busiest EP rank's."""
+    balanced = expert_rows(config, model, d)
+    sent = max(round(sum(source)) for rows in by_load.values() for source in rows)  # k per token, less drops
+    # received: whole rows per pair, as `exchange_matrices` sends them
+    received = max(sum(round(r) for r in column) for rows in by_load.values() for column in zip(*rows))
+    return dataclasses.replace(balanced, assignments=sent, rows=received * d.etp)
+
+
 class PipelineRuns:
     """The schedules' instruction streams and their simulations, shared by the estimates of one search (with the
     search's model FLOP count, pipeline ranks' parameter counts and explicit stage splits).
@@ -592,7 +603,9 @@ def final_norm_bytes(tokens: int, dim: int, held: int, sp_degree: int = 1) -> in
 
 
 def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: list[list[int]],
-                    runs: PipelineRuns | None = None) -> list[RankMemory]:
+                    runs: PipelineRuns | None = None, routed: ExpertRows | None = None) -> list[RankMemory]:
+    """Every rank's memory by component. routed: what a MoE layer keeps and computes per micro-batch on every rank
+    (default `expert_rows`, balanced routing; under a measured load `busiest_expert_rows`)."""
     t = config.train
     runs = runs or PipelineRuns()
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
@@ -602,7 +615,7 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     # the last stage keeps each finished micro-batch's fp32 log-probabilities until its backward (GPipe: all m
     # of them), and two logits-sized gradients are live while a loss's backward runs
     held = t.grad_accum_steps if d.pp > 1 and config.pipeline_parallel.schedule == "gpipe" else 1
-    rows = expert_rows(config, model, d)
+    rows = routed or expert_rows(config, model, d)
     # bytes per block; under bf16 autocast an eager block's fp32 tensors and per-matmul casts on top
     # (`autocast_extra_elements`, a MoE block's `moe_autocast_extra_elements`; under context parallelism too), not under
     # train.compile, whose fused kernels keep what inductor's partitioner picks (on an H200 a compiled 1B step's
@@ -1658,7 +1671,8 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
     """Memory and step time of `config` on `gpus` accelerators of `cluster` (ConfigError if it cannot run).
 
     expert_load: each MoE layer's measured assignments per expert (a run's moe_load), or one such list per EP
-    position (moe_load_by_ep_rank; plan/expert_load.py): the expert exchanges
+    position (moe_load_by_ep_rank; plan/expert_load.py): the MoE layers' activations are the busiest EP rank's
+    (`busiest_expert_rows`) on every rank, and the expert exchanges
     and the busiest rank's routed experts priced under that routing (plan/expert_load.py), else balanced.
 
     runs: pipeline simulations (and model FLOP counts) to share between estimates (a search's); simulate=False prices the
@@ -1674,7 +1688,9 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
     split = shared.stage_split(model, t.seq_len, d.pp * pipe.virtual, pipe.layers_per_stage, pipe.balance) \
         if d.pp > 1 else [list(range(model.n_layers))]
     runs = shared if simulate else None
-    memory = memory_per_rank(config, model, d, split, shared)
+    rows = expert_rows_by_load(model, config, d, expert_load) if expert_load is not None else None
+    memory = memory_per_rank(config, model, d, split, shared,
+                             busiest_expert_rows(config, model, d, rows) if rows is not None else None)
     first_of: dict[int, int] = {}  # ranks of alike memory share one object: price each once, first rank first
     for rank, held in enumerate(memory):
         first_of.setdefault(id(held), rank)
@@ -1688,7 +1704,6 @@ def estimate(config: JobConfig, gpus: int, cluster: ClusterSpec, efficiency: flo
         shard = max(elements for elements, _ in loads)
         server = server_memory(config, shard, d.dp)
         over = over or server.total > cluster.memory_bytes
-    rows = expert_rows_by_load(model, config, d, expert_load) if expert_load is not None else None
     time = None if over and not time_if_over else step_time(config, model, d, split, cluster, efficiency, runs, rows)
     if time is not None and server is not None:
         push_pull, clip, update = _parameter_server_time(config, loads, d.dp, gpus, cluster)

@@ -171,7 +171,8 @@ def run(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec) -> in
         out["expert_load"], out["expert_imbalance"] = args.expert_load, found.expert_imbalance
         out["expert_load_positions"] = load_positions(load)
         print(f"experts routed as measured in {args.expert_load} ({describe_routing(load)}): the busiest "
-              f"expert-parallel rank receives {found.expert_imbalance:.2f}x the mean rows")
+              f"expert-parallel rank receives {found.expert_imbalance:.2f}x the mean rows (the memory above keeps its MoE "
+              "activations on every rank)")
     if args.plot:
         print(f"wrote {plot_memory([(found.degrees.describe(), found)], args.plot)}")
     _write_json(args, out)
