@@ -335,6 +335,8 @@ def test_measured_expert_load_prices_the_busiest_ranks_activations():
     grown = skewed.memory.activations - balanced.memory.activations
     assert grown == 4 * len(model.moe_layers) * (busiest - rows) * (model.dim + 4 * model.expert_hidden_dim + 4) > 0
     assert skewed.memory.model_states == balanced.memory.model_states
+    # the dispatch buffers (rows in and out, fp32) hold its received rows too
+    assert skewed.memory.buffers - balanced.memory.buffers == 2 * (busiest - rows) * model.dim * 4
 
 
 def test_measured_expert_load_under_a_capacity_factor_and_bad_loads():

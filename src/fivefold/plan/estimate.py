@@ -616,6 +616,7 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
     # of them), and two logits-sized gradients are live while a loss's backward runs
     held = t.grad_accum_steps if d.pp > 1 and config.pipeline_parallel.schedule == "gpipe" else 1
     rows = routed or expert_rows(config, model, d)
+    received = routed.rows // routed.etp if routed is not None and routed.rows else 0  # busiest EP rank's dispatch
     # bytes per block; under bf16 autocast an eager block's fp32 tensors and per-matmul casts on top
     # (`autocast_extra_elements`, a MoE block's `moe_autocast_extra_elements`; under context parallelism too), not under
     # train.compile, whose fused kernels keep what inductor's partitioner picks (on an H200 a compiled 1B step's
@@ -670,7 +671,7 @@ def memory_per_rank(config: JobConfig, model: ModelConfig, d: Degrees, split: li
             layers = layers if layers is not None else [layer for s in stages for layer in split[s]]
         if key not in states:
             params = runs.rank_parameters(config, model, key, layers, first, last, d)
-            states[key] = (*_model_states(params, config, d), _buffers(config, model, d, layers, moe, sp, first, last),
+            states[key] = (*_model_states(params, config, d), _buffers(config, model, d, layers, moe, sp, first, last, received),
                            params.total,
                            ddp_bucket_bytes(config, model, params, d))
         # with interleaving a rank's peak (micro-batch, stage) pairs spread over its stages: the largest bounds each
@@ -797,9 +798,10 @@ def codec_state_bytes(config: JobConfig, model: ModelConfig, d: Degrees, values:
 
 
 def _buffers(config: JobConfig, model: ModelConfig, d: Degrees, layers: list[int], moe: list[int], sp: bool,
-             first: bool, last: bool) -> int:
+             first: bool, last: bool, received: int = 0) -> int:
     """ZeRO-3's gathered weights: the current and the prefetched block, and the rest of the model (embedding,
-    final norm, head: gathered before the forward, freed after the step); and the MoE dispatch rows in and out."""
+    final norm, head: gathered before the forward, freed after the step); and the MoE dispatch rows in and out
+    (k per token, or `received`: the busiest EP rank's under a measured load)."""
     t, buffers = config.train, 0
     if config.data_parallel.mode == "ps":  # the step's flat push (gradients) and pull (new weights) copies
         buffers += 2 * 4 * rank_parameters(model, layers, True, True).total
@@ -814,7 +816,7 @@ def _buffers(config: JobConfig, model: ModelConfig, d: Degrees, layers: list[int
             blocks = sum(block_parameters(model, layer, d.tp, d.ep, d.etp, d.replicas).total for layer in layers)
             buffers += weight * blocks // config.data_parallel.hpz_partition
     if moe and d.ep * d.etp > 1:
-        rows = model.moe_top_k * t.micro_batch_size * (t.seq_len // d.cp) // (d.tp if sp else 1)
+        rows = received or model.moe_top_k * t.micro_batch_size * (t.seq_len // d.cp) // (d.tp if sp else 1)
         buffers += 2 * rows * model.dim * 4
     return buffers
 
