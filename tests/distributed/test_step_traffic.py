@@ -61,6 +61,7 @@ LAYOUTS = {
         "cp2-ring": dict(context_parallel={"degree": 2}),
         "cp2-ulysses": dict(context_parallel={"degree": 2, "method": "ulysses"}),
         "moe-ep2": dict(model=MOE, expert_parallel={"degree": 2}),
+        "moe-ep2-no-positions": dict(model=MOE, expert_parallel={"degree": 2}, logging={"moe_load_by_rank": False}),
         "moe-ep2-eplb": dict(model=MOE, expert_parallel={"degree": 2, "replicas": 1, "load_from": EXPERT_LOAD}),
         "moe-dp2-zero2-accum2": dict(model=MOE, data_parallel={"zero_stage": 1, "shard": 2}, train={"grad_accum_steps": 2}),
     },

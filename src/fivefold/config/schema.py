@@ -225,6 +225,8 @@ class LoggingConfig:
     """Tokens generated for that sample."""
     pipeline_trace: bool = False
     """With pipeline_parallel.degree > 1: write a Chrome trace of the last step's measured compute and communication per stage (<output_dir>/pipeline_trace.json)."""
+    moe_load_by_rank: bool = True
+    """With expert parallelism: record each expert-parallel position's load per MoE layer (moe_load_by_ep_rank in metrics.jsonl, what `fivefold simulate/plan --expert-load` replays rank by rank); costs experts x ep float64 per MoE layer in the step's routing all-reduce and as many numbers per logged step."""
 
     def validate(self) -> None:
         if self.sample_tokens < 0:

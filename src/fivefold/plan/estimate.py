@@ -1239,7 +1239,7 @@ def _routing_collectives(config: JobConfig, model: ModelConfig, d: Degrees, clus
         weights = ([model.shared_hidden_dim * model.dim] * 3 if model.shared_hidden_dim else []) + \
             ([model.dim] if model.shared_hidden_dim and model.moe_shared_gate else []) + [model.n_experts * model.dim]
         replicas = sum(all_reduce(n * element, d.tp, d.tp) for n in weights)
-    by_position = model.n_experts * d.ep if d.ep > 1 else 0
+    by_position = model.n_experts * d.ep if d.ep > 1 and config.logging.moe_load_by_rank else 0
     return RoutingCollectives(statistics, replicas, cluster.collective_link("all_reduce", token_span), tokens,
                               model.n_experts + 4 + by_position)
 

@@ -693,12 +693,14 @@ class _Builder:
 
     def routing_report(self, rank: int) -> None:
         """train/routing_report.py: after the step, the stage's MoE layers' loads and counts ((E + 4) float64
-        each, and with ep > 1 E more per EP position: the loads by position) in one all-reduce over the ranks
+        each, and with ep > 1 E more per EP position: the loads by position, unless logging.moe_load_by_rank is
+        off) in one all-reduce over the ranks
         holding its distinct tokens."""
         stages = range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp)
         layers = sum(unit.moe for s in stages for unit in self.units[s])
         if layers:
-            per_layer = self.model.n_experts * (1 + (self.d.ep if self.d.ep > 1 else 0)) + 4
+            positions = self.d.ep if self.d.ep > 1 and self.config.logging.moe_load_by_rank else 0
+            per_layer = self.model.n_experts * (1 + positions) + 4
             self.collective(rank, COMPUTE, "all_reduce", self.token_group(rank), layers * per_layer * 8, "ep")
 
     def overlapped_half(self, rank: int, half: str, forward: float, core: float, scale: float, label: str,

@@ -54,9 +54,11 @@ def describe_experts(model, config, dims) -> str:
 class RoutingReport:
     """Per-step routing statistics and bias updates of this rank's MoE layers."""
 
-    def __init__(self, model: torch.nn.Module, pp_group: dist.ProcessGroup | None, meter: AllToAllMeter | None):
+    def __init__(self, model: torch.nn.Module, pp_group: dist.ProcessGroup | None, meter: AllToAllMeter | None,
+                 by_rank: bool = True):
         self.layers: list[MoE] = moe_layers(model)
         self.pp_group, self.meter = pp_group, meter
+        self.by_rank = by_rank  # logging.moe_load_by_rank
         # every rank of a MoE model takes part (a pipeline stage may hold no MoE layer), none of a dense one
         self.active = bool(model.config.n_experts)
 
@@ -112,8 +114,9 @@ class RoutingReport:
                 "moe_max_received": max(s["max_received"] for s in layers)}
 
     def expert_position(self) -> tuple[int, int]:
-        """(ep, this rank's place in its expert-parallel group); (1, 0) where the experts stay on the rank."""
-        dispatch = self.layers[0].dispatch if self.layers else None
+        """(ep, this rank's place in its expert-parallel group); (1, 0) where the experts stay on the rank or the
+        positions are not recorded (logging.moe_load_by_rank off)."""
+        dispatch = self.layers[0].dispatch if self.layers and self.by_rank else None
         return (dispatch.ep, dispatch.ep_rank) if isinstance(dispatch, ExpertParallelDispatch) else (1, 0)
 
     def biases(self) -> dict[str, list[float]]:

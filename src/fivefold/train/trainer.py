@@ -88,7 +88,8 @@ class Trainer:
         self.parallel = parallelize(build_model(self.model_config), self.mesh, config, self.device, autocast,
                                     pretrained=self.checkpoints.resumed_from is None)
         self.model, self.sync, self.step_fn = self.parallel.model, self.parallel.sync, self.parallel.step
-        self.routing = RoutingReport(self.model, self.mesh.group("pp"), self.parallel.alltoall)
+        self.routing = RoutingReport(self.model, self.mesh.group("pp"), self.parallel.alltoall,
+                                     config.logging.moe_load_by_rank)
         self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * self.dims.dp * t.seq_len
         state = self.checkpoints.restore(self.parallel) or TrainerState(0, 0, t.seed)
         self.routing.load_biases(state.expert_bias)
