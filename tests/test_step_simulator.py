@@ -226,8 +226,8 @@ def test_plan_cli_prices_a_runs_expert_load(tmp_path, capsys):
     assert "the busiest expert-parallel rank receives 2.40x the mean rows" in text
     assert "every rank routing by its mean load per expert (moe_load)" in text
     assert json.loads((tmp_path / "plan.json").read_text())["expert_imbalance"] == pytest.approx(2.4)
-    assert main([*argv, "--expert-load", str(tmp_path), "--search"]) == 2
-    assert "--expert-load prices one layout" in capsys.readouterr().err
+    assert main([*argv, "--expert-load", str(tmp_path), "--sharding-degrees"]) == 2
+    assert "leave out --tokens and --sharding-degrees" in capsys.readouterr().err
 
 
 def test_routing_that_differs_from_rank_to_rank():
@@ -337,6 +337,63 @@ def test_measured_expert_load_prices_the_busiest_ranks_activations():
     assert skewed.memory.model_states == balanced.memory.model_states
     # the dispatch buffers (rows in and out, fp32) hold its received rows too
     assert skewed.memory.buffers - balanced.memory.buffers == 2 * (busiest - rows) * model.dim * 4
+
+
+def test_search_ranks_layouts_under_a_measured_expert_load(tmp_path, capsys):
+    """`fivefold plan --search --expert-load RUN`: every layout with expert parallelism is priced under the run's
+    routing (its uneven exchanges, busiest rank's experts and memory), the others as before; a load that does not
+    route the model's MoE layers, or a dense model, is refused before the search."""
+    from fivefold.cli import main
+    from fivefold.plan.search import load_for, search
+
+    config = _config("--model.n_experts", "8")
+    load = {str(layer): [[8, 8, 1, 1, 1, 1, 1, 1], [1] * 8] for layer in config.model.moe_layers}
+    measured = search(config, 4, H100, 8, 0.5, 257, refine=10, expert_load=load)
+    for candidate, found in measured.ranked[:10]:  # the refined ones: each the estimate of its layout
+        again = estimate(candidate, 4, H100, 0.5, 257, expert_load=load_for(candidate, load))
+        assert found.time.total == pytest.approx(again.time.total, rel=1e-12)
+        assert (found.expert_imbalance is None) == (candidate.expert_parallel.degree == 1)
+    # the first pass alone (no layout refined), balanced and measured: layout by layout
+    balanced, measured = (search(config, 4, H100, 8, 0.5, 257, refine=0, expert_load=routing) for routing in (None, load))
+    assert len(measured.ranked) == len(balanced.ranked)
+    times = {repr(c): e for c, e in balanced.ranked}
+    slower = 0
+    for candidate, found in measured.ranked:
+        even = times[repr(candidate)]
+        if candidate.expert_parallel.degree == 1:
+            assert found.time.total == pytest.approx(even.time.total, rel=1e-12)
+        else:
+            slower += found.time.total > even.time.total
+    assert slower > 0
+    for bad, message in [({}, "MoE layer 0"), ({str(layer): [1] * 4 for layer in config.model.moe_layers}, "8 experts")]:
+        with pytest.raises(ConfigError, match=message):
+            search(config, 4, H100, 8, 0.5, 257, expert_load=bad)
+    with pytest.raises(ConfigError, match="has no experts"):
+        search(_config(), 4, H100, 8, 0.5, 257, expert_load=load)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "moe_load_by_ep_rank": load}) + "\n")
+    argv = ["plan", "--config", "configs/tiny.toml", *SMALL, "--model.n_experts", "8", "--gpus", "4", "--vocab-size",
+            "257", "--expert-load", str(tmp_path)]
+    assert main([*argv, "--search", "--global-batch", "8", "--top", "3", "--workers", "1"]) == 0
+    assert "routed as measured in" in capsys.readouterr().out
+    assert main([*argv, "--tokens", "1e9"]) == 2
+    assert "leave out --tokens and --sharding-degrees" in capsys.readouterr().err
+
+
+def test_sharding_degrees_leave_the_experts_plain_zero_over_their_group():
+    """The runtime shards routed experts by plain ZeRO at the job's stage over their expert-data-parallel group
+    (parallel/parallelize.py), whatever data_parallel.shard_* say for the dense part. The planner applied those
+    degrees to the experts too, so a layout whose shard_optim (4) exceeds the EDP group (2) raised in every search
+    of a MoE model that met it (until 2026-11-28); it is priced now, its experts as without the overrides."""
+    from fivefold.plan.search import degree_options
+
+    config = _config("--model.n_experts", "8", "--expert_parallel.degree", "2", "--data_parallel.zero_stage", "1",
+                     "--data_parallel.shard", "4")
+    options = {o.data_parallel.shard_grads: o for o in degree_options(config, 4, H100) if o.data_parallel.zero_stage == 2}
+    amsp = options[4]  # stage 2 over 4 ranks for the dense part: shard_grads = shard_optim = 4
+    assert (amsp.data_parallel.shard_grads, amsp.data_parallel.shard_optim) == (4, 4)
+    plain = _config("--model.n_experts", "8", "--expert_parallel.degree", "2", "--data_parallel.zero_stage", "2",
+                    "--data_parallel.shard", "4")
+    assert estimate(amsp, 4, H100, vocab_size=257).time.dp == pytest.approx(estimate(plain, 4, H100, vocab_size=257).time.dp)
 
 
 def test_measured_expert_load_under_a_capacity_factor_and_bad_loads():

@@ -229,7 +229,8 @@ class Estimate:
                 "step_seconds": dataclasses.asdict(self.time) | {"total": self.time.total},
                 "tokens_per_step": self.tokens_per_step, "tokens_per_second": self.tokens_per_second,
                 "mfu": self.mfu, "notes": self.notes} | \
-            ({"server_memory_bytes": dataclasses.asdict(self.server) | {"total": self.server.total}} if self.server else {})
+            ({"server_memory_bytes": dataclasses.asdict(self.server) | {"total": self.server.total}} if self.server else {}) | \
+            ({"expert_imbalance": self.expert_imbalance} if self.expert_imbalance is not None else {})
 
 
 def model_for(config: JobConfig, vocab_size: int = 0) -> ModelConfig:
@@ -1495,10 +1496,10 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
         return m * (hidden_behind(forward_gather, forward) + hidden_behind(backward_gather + scatter, backward))
     time = _sharded_time(zero_degrees(config, d), d, cluster, weight_bytes, grad_bytes, m, forward, backward, buckets,
                          once_behind) if group > 1 else 0.0
-    if routed and experts > 1:  # plain ZeRO at the same stage over the EDP group
-        from fivefold.parallel.shard_layout import stage_degrees
+    if routed and experts > 1:  # plain ZeRO at the same stage over the EDP group (the runtime's: no shard_* override)
+        from fivefold.parallel.shard_layout import ShardDegrees
 
-        time += _sharded_time(stage_degrees(z, experts, experts), d, cluster, routed * element,
+        time += _sharded_time(ShardDegrees.resolve(z.zero_stage, experts, experts), d, cluster, routed * element,
                               routed * grad_element, m, forward, backward, buckets, once_behind)
     return time
 

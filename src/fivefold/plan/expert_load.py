@@ -72,6 +72,15 @@ def expert_rows_by_load(model: ModelConfig, config: JobConfig, d,
     return out
 
 
+def check_expert_load(model: ModelConfig, load: dict[str, list]) -> None:
+    """ConfigError unless `load` routes every MoE layer of `model` (before a search prices layouts under it)."""
+    if not model.n_experts:
+        raise ConfigError("--expert-load routes a mixture-of-experts model's rows: the model has no experts "
+                          "(set model.n_experts, or leave out --expert-load)")
+    for layer in model.moe_layers:
+        _sources(load.get(str(layer)), model.n_experts, layer)
+
+
 def load_positions(load: dict[str, list]) -> int:
     """How many expert-parallel positions a load describes (1: one list per layer, every rank routes by it)."""
     return max((len(v) if v and all(isinstance(row, list) for row in v) else 1 for v in load.values()), default=1)

@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-load", metavar="RUN",
                         help="a MoE run's folder or metrics.jsonl: price the expert exchanges and the busiest rank's "
                              "experts under its measured routing (each expert-parallel position's load, "
-                             "moe_load_by_ep_rank, or else moe_load; last 10 logged steps; default: balanced)")
+                             "moe_load_by_ep_rank, or else moe_load; last 10 logged steps; default: balanced); "
+                             "with --search, every layout with expert parallelism")
     parser.add_argument("--plot", help="draw the memory per rank by component (PNG)")
     parser.add_argument("--search", action="store_true", help="rank every feasible layout on --gpus")
     parser.add_argument("--global-batch", type=int, default=0,
@@ -143,22 +144,22 @@ def run(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec) -> in
     if args.workers < 0:
         raise ConfigError(f"--workers {args.workers}: a number of processes (0: one per usable core, at most 8)")
     out: dict = {"cluster": cluster.to_dict()}
-    if args.expert_load and (args.tokens or args.search or args.sharding_degrees):
-        raise ConfigError("--expert-load prices one layout's expert exchanges: leave out --tokens, --search and "
-                          "--sharding-degrees")
+    if args.expert_load and (args.tokens or args.sharding_degrees):
+        raise ConfigError("--expert-load prices a layout's expert exchanges (one, or each that --search ranks): leave "
+                          "out --tokens and --sharding-degrees")
     if args.tokens:
         return _calculator(args, config, cluster, out)
     if args.gpus < 1:
         raise ConfigError("fivefold plan needs --gpus N (the accelerators of the job)")
-    if args.search:
-        return _search(args, config, cluster, out)
-    if args.sharding_degrees:
-        return _sharding_degrees(args, config, cluster, out)
     load = None
     if args.expert_load:
         from fivefold.parallel.expert_placement import routing_from_metrics
 
         load = routing_from_metrics(args.expert_load)
+    if args.search:
+        return _search(args, config, cluster, out, load)
+    if args.sharding_degrees:
+        return _sharding_degrees(args, config, cluster, out)
     efficiency = efficiency_from(args)
     found = estimate(config, args.gpus, cluster, efficiency, args.vocab_size, expert_load=load)
     print(format_estimate(found, cluster, "layout"))
@@ -179,7 +180,8 @@ def run(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec) -> in
     return 0
 
 
-def _search(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec, out: dict) -> int:
+def _search(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec, out: dict,
+            load: dict[str, list] | None = None) -> int:
     import time
 
     from fivefold.config import config_toml
@@ -190,8 +192,12 @@ def _search(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec, o
     workers = args.workers or default_workers()
     start = time.perf_counter()
     result = search(config, args.gpus, cluster, batch, efficiency_from(args), args.vocab_size, not args.no_offload,
-                    workers=workers)
+                    workers=workers, expert_load=load)
     seconds = time.perf_counter() - start
+    if load is not None:
+        from fivefold.plan.expert_load import describe_routing
+
+        print(f"layouts with expert parallelism routed as measured in {args.expert_load} ({describe_routing(load)})")
     print(f"searched {result.considered:,} layouts of {args.gpus} x {cluster.accelerator.name} for a global batch of "
           f"{batch} sequences in {seconds:.1f} s ({result.workers} process{'es' if result.workers > 1 else ''}): "
           f"{len(result.ranked):,} feasible"
@@ -208,7 +214,7 @@ def _search(args: argparse.Namespace, config: JobConfig, cluster: ClusterSpec, o
     print("\n" + format_estimate(best, cluster, "best"))
     out["search"] = {"considered": result.considered, "rebalanced": result.rebalanced, "seconds": seconds, "workers": result.workers,
                      "degree_options": result.degree_options, "placements": result.placements,
-                     "global_batch": batch,
+                     "global_batch": batch, "expert_load": args.expert_load or "balanced",
                      "rejected": dict(result.rejected), "examples": result.examples,
                      "top": [{"layout": describe_layout(c), **e.to_dict()} for c, e in result.ranked[:args.top]]}
     if args.write_best:

@@ -153,7 +153,8 @@ def _member(family: JobConfig, pp: int, recompute: str, micro: int, accum: int, 
 
 
 def fit_stages(config: JobConfig, found: Estimate, gpus: int, cluster: ClusterSpec, efficiency: float = 0.5,
-               vocab_size: int = 0, runs: PipelineRuns | None = None) -> tuple[JobConfig, Estimate] | None:
+               vocab_size: int = 0, runs: PipelineRuns | None = None,
+               expert_load: dict[str, list] | None = None) -> tuple[JobConfig, Estimate] | None:
     """Pipeline planning under a memory cap: move blocks, one at a time, off the pipeline rank furthest over the
     accelerator's memory (1F1B's first ranks hold the most micro-batches in flight, the last the logits) to the
     neighbouring stage whose rank has the most room, until every rank fits. With interleaving (v virtual stages
@@ -179,11 +180,18 @@ def fit_stages(config: JobConfig, found: Estimate, gpus: int, cluster: ClusterSp
         split[stage] -= 1
         split[to] += 1
         moved = dataclasses.replace(config, pipeline_parallel=dataclasses.replace(pipe, layers_per_stage=list(split)))
-        found = estimate(moved, gpus, cluster, efficiency, vocab_size, runs, time_if_over=False, simulate=False)
+        found = estimate(moved, gpus, cluster, efficiency, vocab_size, runs, time_if_over=False, simulate=False,
+                         expert_load=load_for(moved, expert_load))
         if found.fits:
             return moved, found
         ranks = found.per_pp_rank
     return None
+
+
+def load_for(config: JobConfig, expert_load: dict[str, list] | None) -> dict[str, list] | None:
+    """A measured expert load (plan/expert_load.py) for the layouts it changes: those with expert parallelism
+    (the others exchange no rows)."""
+    return expert_load if expert_load is not None and config.expert_parallel.degree > 1 else None
 
 
 def _rank_key(pair: tuple[JobConfig, Estimate]) -> tuple[float, int]:
@@ -282,18 +290,19 @@ class _Priced:
 
 
 def _price(share: list[tuple[int, JobConfig]], gpus: int, cluster: ClusterSpec, efficiency: float, vocab_size: int,
-           runs: PipelineRuns) -> _Priced:
+           runs: PipelineRuns, expert_load: dict[str, list] | None = None) -> _Priced:
     """The first pass over a share of the candidates: the runtime's checks, memory, a split moved to fit
     (`fit_stages`), and the step time with the pipeline's closed-form bubble."""
     out = _Priced()
     for place, config in share:
         try:
-            found = estimate(config, gpus, cluster, efficiency, vocab_size, runs, time_if_over=False, simulate=False)
+            found = estimate(config, gpus, cluster, efficiency, vocab_size, runs, time_if_over=False, simulate=False,
+                             expert_load=load_for(config, expert_load))
         except ConfigError as exc:
             out.reject(place, reason_of(str(exc)), str(exc))
             continue
         if not found.fits:
-            moved = fit_stages(config, found, gpus, cluster, efficiency, vocab_size, runs)
+            moved = fit_stages(config, found, gpus, cluster, efficiency, vocab_size, runs, expert_load)
             if moved is not None:
                 out.rebalanced += 1
                 out.ranked.append((place, *moved))
@@ -306,13 +315,15 @@ def _price(share: list[tuple[int, JobConfig]], gpus: int, cluster: ClusterSpec, 
 
 
 def search(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: int, efficiency: float = 0.5,
-           vocab_size: int = 0, offload: bool = True, refine: int = 50, workers: int = 1) -> SearchResult:
+           vocab_size: int = 0, offload: bool = True, refine: int = 50, workers: int = 1,
+           expert_load: dict[str, list] | None = None) -> SearchResult:
     """Rank every feasible layout by predicted step time (fastest first).
 
     A first pass prices pipelines by the closed-form ideal bubble; the `refine` best are then estimated
     again with the schedule simulator and re-ranked, so the top of the list carries simulated times.
     workers: processes that share the first pass (plan/workers.py; forked on Linux); the result is the same
-    for any number."""
+    for any number. expert_load: a MoE run's measured routing (`fivefold plan --expert-load`), which prices every
+    layout with expert parallelism under it (`load_for`): its uneven exchanges, busiest rank's experts and memory."""
     from fivefold.plan.workers import map_shares
 
     if global_batch < 1:
@@ -322,6 +333,10 @@ def search(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: int, 
     if base.data_parallel.mode == "ps":
         raise ConfigError("--search ranks all-reduce layouts (every fold, ZeRO 0-3); data_parallel.mode = ps has one "
                           "layout per server count: plan it without --search, or set data_parallel.mode = ddp")
+    if expert_load is not None:
+        from fivefold.plan.expert_load import check_expert_load
+
+        check_expert_load(model_for(base, vocab_size), expert_load)
     result, runs, priced, todo = SearchResult([]), PipelineRuns(), _Priced(), []
     for place, config in enumerate(candidates(base, gpus, cluster, global_batch, offload, vocab_size)):
         if isinstance(config, Refused):
@@ -330,7 +345,8 @@ def search(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: int, 
         else:
             result.considered += 1
             todo.append((place, config))
-    shares = map_shares(lambda share: _price(share, gpus, cluster, efficiency, vocab_size, runs), todo, workers)
+    shares = map_shares(lambda share: _price(share, gpus, cluster, efficiency, vocab_size, runs, expert_load), todo,
+                        workers)
     for share in shares:
         priced.merge(share)
     result.workers = len(shares)
@@ -344,12 +360,14 @@ def search(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: int, 
         raise ConfigError(f"no layout of {gpus} accelerators splits a global batch of {global_batch} sequences: "
                           "make --global-batch a multiple of a data-parallel degree (e.g. of --gpus)")
     result.ranked.sort(key=_rank_key)
-    best = [(config, estimate(config, gpus, cluster, efficiency, vocab_size, runs)) for config, _ in result.ranked[:refine]]
+    best = [(config, estimate(config, gpus, cluster, efficiency, vocab_size, runs, expert_load=load_for(config, expert_load)))
+            for config, _ in result.ranked[:refine]]
     for config, _ in list(best):  # the best ZeRO layouts again with other P/G/OS sharding degrees (AMSP, MiCS)
         for option in degree_options(config, gpus, cluster):
             result.considered += 1
             result.degree_options += 1
-            found = estimate(option, gpus, cluster, efficiency, vocab_size, runs, time_if_over=False)
+            found = estimate(option, gpus, cluster, efficiency, vocab_size, runs, time_if_over=False,
+                             expert_load=load_for(option, expert_load))
             if found.fits:
                 best.append((option, found))
             else:
@@ -358,6 +376,7 @@ def search(base: JobConfig, gpus: int, cluster: ClusterSpec, global_batch: int, 
         for option in placement_options(config, gpus, cluster):
             result.considered += 1
             result.placements += 1
-            best.append((option, estimate(option, gpus, cluster, efficiency, vocab_size, runs)))
+            best.append((option, estimate(option, gpus, cluster, efficiency, vocab_size, runs,
+                                          expert_load=load_for(option, expert_load))))
     result.ranked[:refine] = sorted(best, key=_rank_key)
     return result
