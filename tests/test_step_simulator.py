@@ -289,6 +289,19 @@ def test_the_analytical_fidelity_finds_the_busiest_expert_parallel_rank(load):
         steps["hybrid"].time, rel=1e-3)
 
 
+def test_replicated_experts_rows_are_dealt_as_the_runtime_deals_them():
+    """Under EPLB a rank's k-th row for an expert with R copies goes to copy (k + rank) mod R (parallel/
+    expert_parallel.py `physical_slots`), so 3 rows of an expert held by ranks 0 and 1 go 2 + 1 from rank 0 and
+    1 + 2 from rank 1, whole rows, where an even split said 1.5 each (the byte-exact check in
+    tests/distributed/test_step_traffic.py, `moe-ep2-eplb-pairwise`, failed by one row per pair that way)."""
+    from fivefold.plan.expert_load import _dealt
+
+    placement = [[0, 1], [0, 2]]  # expert 0 on both ranks, 1 on rank 0, 2 on rank 1
+    assert _dealt([3, 4, 5], placement, 0) == [2 + 4, 1 + 5]
+    assert _dealt([3, 4, 5], placement, 1) == [1 + 4, 2 + 5]
+    assert _dealt([2.6, 0, 0], placement, 0) == [2, 1]  # whole rows: 2.6 is 3
+
+
 def test_expert_load_reads_each_positions_load_where_the_run_recorded_it(tmp_path, capsys):
     """`--expert-load RUN` replays moe_load_by_ep_rank (each position's mean over the last 10 logged steps) where
     the run has it and its mean moe_load where not; a table that is not one list per position is refused."""

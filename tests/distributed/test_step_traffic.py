@@ -201,7 +201,9 @@ def test_simulated_step_sends_what_the_runtime_sends(job, tmp_path, world_size):
 
 
 UNEVEN = {
-    2: {"moe-ep2-pairwise": dict(model=MOE, expert_parallel={"degree": 2, "alltoall": "pairwise"})},
+    2: {"moe-ep2-pairwise": dict(model=MOE, expert_parallel={"degree": 2, "alltoall": "pairwise"}),
+        "moe-ep2-eplb-pairwise": dict(model=MOE, expert_parallel={"degree": 2, "alltoall": "pairwise", "replicas": 1,
+                                                                  "load_from": EXPERT_LOAD})},
     4: {"moe-ep4-pairwise-switch": dict(model={**MOE, "moe_aux_loss": "switch"},
                                         expert_parallel={"degree": 4, "alltoall": "pairwise"})},
 }

@@ -45,7 +45,7 @@ def expert_rows_by_load(model: ModelConfig, config: JobConfig, d,
     module docstring). A rank holds k rows per token; with a capacity factor no expert takes more than its
     capacity's share of them (model/moe.py `expert_capacity`, per whole sequence), which balanced routing never
     reaches. With EPLB's replicas (`expert_parallel.replicas`) the experts sit where the runtime places them and
-    each replicated expert's rows split evenly over its copies."""
+    each replicated expert's rows are dealt over its copies as the runtime deals them (`_dealt`)."""
     from fivefold.model.moe import expert_capacity
     from fivefold.parallel.expert_placement import contiguous_placement, expected_rank_load, placements_for
 
@@ -64,10 +64,9 @@ def expert_rows_by_load(model: ModelConfig, config: JobConfig, d,
         sources = _sources(load.get(str(layer)), model.n_experts, layer)
         placement = placements[layer] if placements else contiguous_placement(model.n_experts, d.ep)
         rows = []
-        for values in _by_rank(sources, d.ep):
+        for rank, values in enumerate(_by_rank(sources, d.ep)):
             per_expert = [min(wanted * v / sum(values), cap) for v in values]
-            # EPLB: an expert's rows are spread evenly over its replicas (the runtime's (k + rank) mod replicas)
-            rows.append(expected_rank_load(per_expert, placement))
+            rows.append(_dealt(per_expert, placement, rank) if placements else expected_rank_load(per_expert, placement))
         out[layer] = rows
     return out
 
@@ -79,6 +78,21 @@ def check_expert_load(model: ModelConfig, load: dict[str, list]) -> None:
                           "(set model.n_experts, or leave out --expert-load)")
     for layer in model.moe_layers:
         _sources(load.get(str(layer)), model.n_experts, layer)
+
+
+def _dealt(per_expert: list[float], placement: list[list[int]], rank: int) -> list[float]:
+    """The rows EP rank `rank` sends each EP rank under EPLB's placement, dealt as the runtime deals them
+    (parallel/expert_parallel.py `physical_slots`): its k-th row for an expert with R copies goes to copy
+    (k + rank) mod R, the copies in rank order; each expert's rows are whole (rounded) first."""
+    from fivefold.parallel.expert_placement import replica_holders
+
+    out = [0.0] * len(placement)
+    for expert, holders in replica_holders(placement).items():
+        n, copies = round(per_expert[expert]), len(holders)
+        for c, holder in enumerate(holders):
+            first = (c - rank) % copies  # the first k with (k + rank) mod copies = c
+            out[holder] += (n - 1 - first) // copies + 1 if first < n else 0
+    return out
 
 
 def load_positions(load: dict[str, list]) -> int:
