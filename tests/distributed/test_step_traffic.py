@@ -205,7 +205,9 @@ UNEVEN = {
         "moe-ep2-eplb-pairwise": dict(model=MOE, expert_parallel={"degree": 2, "alltoall": "pairwise", "replicas": 1,
                                                                   "load_from": EXPERT_LOAD})},
     4: {"moe-ep4-pairwise-switch": dict(model={**MOE, "moe_aux_loss": "switch"},
-                                        expert_parallel={"degree": 4, "alltoall": "pairwise"})},
+                                        expert_parallel={"degree": 4, "alltoall": "pairwise"}),
+        "moe-ep4-eplb-pairwise": dict(model=MOE, expert_parallel={"degree": 4, "alltoall": "pairwise", "replicas": 1,
+                                                                  "load_from": EXPERT_LOAD})},
 }
 
 
