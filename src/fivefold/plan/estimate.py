@@ -442,8 +442,7 @@ def busiest_expert_rows(config: JobConfig, model: ModelConfig, d: Degrees, by_lo
     over the MoE layers, so that the memory is the busiest EP rank's."""
     balanced = expert_rows(config, model, d)
     sent = max(round(sum(source)) for rows in by_load.values() for source in rows)  # k per token, less drops
-    # received: whole rows per pair, as `exchange_matrices` sends them
-    received = max(sum(round(r) for r in column) for rows in by_load.values() for column in zip(*rows))
+    received = max(busiest_received(rows, 1) for rows in by_load.values())  # whole rows per pair, as they are sent
     return dataclasses.replace(balanced, assignments=sent, rows=received * d.etp)
 
 
@@ -1202,7 +1201,7 @@ class RoutingCollectives:
     replicas_backward: float = 0.0
     report_link: Link | None = None  # the distinct-token ranks' all-reduce link
     token_ranks: int = 1
-    report_values: int = 0  # float64 per MoE layer in the report: E loads, 4 sums, with ep > 1 E per EP position
+    report_values: int = 0  # float64 per MoE layer in the report (`routing_report_values`)
 
     def report(self, layers: int) -> float:
         """The routing report of a pipeline rank holding `layers` MoE layers: `report_values` float64 each, one
@@ -1210,6 +1209,13 @@ class RoutingCollectives:
         if not layers or self.report_link is None:
             return 0.0
         return native_collective("all_reduce", layers * self.report_values * 8, self.token_ranks, self.report_link)
+
+
+def routing_report_values(config: JobConfig, model: ModelConfig, d: Degrees) -> int:
+    """float64 per MoE layer in the trainer's routing report (train/routing_report.py): E loads, 4 sums, and with
+    ep > 1 and logging.moe_load_by_rank E more per expert-parallel position."""
+    positions = d.ep if d.ep > 1 and config.logging.moe_load_by_rank else 0
+    return model.n_experts * (1 + positions) + 4
 
 
 def _routing_collectives(config: JobConfig, model: ModelConfig, d: Degrees, cluster: ClusterSpec) -> RoutingCollectives:
@@ -1240,9 +1246,8 @@ def _routing_collectives(config: JobConfig, model: ModelConfig, d: Degrees, clus
         weights = ([model.shared_hidden_dim * model.dim] * 3 if model.shared_hidden_dim else []) + \
             ([model.dim] if model.shared_hidden_dim and model.moe_shared_gate else []) + [model.n_experts * model.dim]
         replicas = sum(all_reduce(n * element, d.tp, d.tp) for n in weights)
-    by_position = model.n_experts * d.ep if d.ep > 1 and config.logging.moe_load_by_rank else 0
     return RoutingCollectives(statistics, replicas, cluster.collective_link("all_reduce", token_span), tokens,
-                              model.n_experts + 4 + by_position)
+                              routing_report_values(config, model, d))
 
 
 @dataclass(frozen=True)

@@ -95,9 +95,14 @@ def _dealt(per_expert: list[float], placement: list[list[int]], rank: int) -> li
     return out
 
 
+def _per_position(values: object) -> bool:
+    """Whether a layer's load is one list per expert-parallel position (else one list for every rank)."""
+    return isinstance(values, list) and bool(values) and all(isinstance(v, list) for v in values)
+
+
 def load_positions(load: dict[str, list]) -> int:
     """How many expert-parallel positions a load describes (1: one list per layer, every rank routes by it)."""
-    return max((len(v) if v and all(isinstance(row, list) for row in v) else 1 for v in load.values()), default=1)
+    return max((len(v) if _per_position(v) else 1 for v in load.values()), default=1)
 
 
 def describe_routing(load: dict[str, list]) -> str:
@@ -109,8 +114,7 @@ def describe_routing(load: dict[str, list]) -> str:
 
 def _sources(values: object, experts: int, layer: int) -> list[list[float]]:
     """A layer's load as a list of per-source lists (one list: every rank routes by it)."""
-    sources = values if isinstance(values, list) and values and all(isinstance(v, list) for v in values) \
-        else [values]
+    sources = values if _per_position(values) else [values]
     for row in sources:
         if not isinstance(row, list) or len(row) != experts or \
                 not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf for v in row) or not sum(row) > 0:

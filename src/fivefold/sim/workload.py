@@ -102,7 +102,8 @@ from fivefold.parallel.shard_layout import GROUP_KINDS
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.estimate import (Degrees, PassCosts, codec_exchanges, compute_dtype, degrees_of, dispatch_rows, model_for,
-                                    offload_seconds, pass_costs, priority_schedule, server_loads, server_update_seconds,
+                                    offload_seconds, pass_costs, priority_schedule, routing_report_values, server_loads,
+                                    server_update_seconds,
                                     scalar_groups, tied_embedding_bytes, tied_embedding_pair, weight_element,
                                     zero_degrees)
 from fivefold.plan.expert_load import Matrix, exchange_matrices, expert_rows_by_load, imbalance
@@ -643,8 +644,9 @@ class _Builder:
         the graph (with full recomputation only its re-run does). Balanced routing: every rank sends and
         receives k tokens' rows (fewer if the capacity factor drops some). Under a measured load
         (`expert_rows`, the same for or different from rank to rank) the row exchanges are uneven: each rank
-        sends every EP rank the rows bound for its experts and gets its own rows back the same way, and the routed experts' compute (`scale` x
-        `costs.routed` at balanced routing) follows the rows this rank receives."""
+        sends every EP rank the rows bound for its experts and gets its own rows back the same way, and the
+        routed experts' compute (`scale` x `costs.routed` at balanced routing) follows the rows this rank
+        receives."""
         ep, etp = self.expert_groups["ep"][rank], self.expert_groups["etp"][rank]
         rows, counts = self.dispatch_bytes, 8 * self.model.n_experts  # int64 per (EP rank, slot)
         a2a = self.alltoall
@@ -692,16 +694,13 @@ class _Builder:
         return self.grid.group(rank, ("dp_replicate", "dp_shard", "cp") + (("tp",) if self.sp else ()))
 
     def routing_report(self, rank: int) -> None:
-        """train/routing_report.py: after the step, the stage's MoE layers' loads and counts ((E + 4) float64
-        each, and with ep > 1 E more per EP position: the loads by position, unless logging.moe_load_by_rank is
-        off) in one all-reduce over the ranks
-        holding its distinct tokens."""
+        """train/routing_report.py: after the step, the stage's MoE layers' loads, counts and loads by EP position
+        (`routing_report_values` float64 each) in one all-reduce over the ranks holding its distinct tokens."""
         stages = range(self.grid.coords(rank)["pp"], len(self.split), self.d.pp)
         layers = sum(unit.moe for s in stages for unit in self.units[s])
         if layers:
-            positions = self.d.ep if self.d.ep > 1 and self.config.logging.moe_load_by_rank else 0
-            per_layer = self.model.n_experts * (1 + positions) + 4
-            self.collective(rank, COMPUTE, "all_reduce", self.token_group(rank), layers * per_layer * 8, "ep")
+            values = routing_report_values(self.config, self.model, self.d)
+            self.collective(rank, COMPUTE, "all_reduce", self.token_group(rank), layers * values * 8, "ep")
 
     def overlapped_half(self, rank: int, half: str, forward: float, core: float, scale: float, label: str,
                         backward: bool) -> None:
