@@ -205,6 +205,37 @@ def test_clipping_scales_every_gradient_as_one_multiply_each():
     clip_([], 4.0, 1.5)
 
 
+@pytest.mark.parametrize("max_norm", [0.5, 50.0, float("inf")])
+def test_whole_gradients_clip_as_torch_does_and_skip_the_multiply_under_the_limit(max_norm):
+    """clip_whole_ (the syncs whose ranks hold whole gradients: no parallelism, DDP, asynchronous parameter-server
+    workers) returns torch's clip_grad_norm_ norm and gradients bit for bit, and runs no multiply when the norm is
+    at or under the limit (train.max_grad_norm = 0 clips at inf): the planner prices only the norm then."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fivefold.parallel.gradient_sync import clip_whole_
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(40, 30, generator=generator), torch.randn(7, generator=generator)]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    expected = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    with Ops() as ops:
+        norm = clip_whole_(grads, max_norm)
+    assert norm == expected and all(torch.equal(g, p.grad) for g, p in zip(grads, params))
+    multiplies = [name for name in ops.names if "mul" in name]
+    assert bool(multiplies) == (norm > max_norm), ops.names
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_a_closed_trainer_is_freed_when_dropped_without_a_garbage_collection(job, dtype):
     """Nothing a trainer's parts keep points back at it (its printer and autocast factory are plain functions) and

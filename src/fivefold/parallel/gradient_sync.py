@@ -114,6 +114,19 @@ def clip_(grads: list[torch.Tensor], norm: float, max_norm: float) -> None:
         torch._foreach_mul_(group, torch.tensor(max_norm / (norm + 1e-6), dtype=torch.float32, device=device))
 
 
+def clip_whole_(grads: list[torch.Tensor], max_norm: float) -> float:
+    """The L2 norm of gradients this rank holds whole (torch's foreach norm of the per-tensor norms, as
+    torch.nn.utils.clip_grad_norm_), scaled to `max_norm` only where the norm is above it. torch's own
+    clip_grad_norm_ multiplies every gradient by min(1, max_norm / norm) even when that is 1 (with clipping off,
+    max_norm = inf, too): a pass over the gradients that changes nothing, which the planner does not price
+    (`Accelerator.clip_seconds`)."""
+    if not grads:
+        return 0.0
+    norm = float(torch.nn.utils.get_total_norm(grads, 2.0, foreach=True))
+    clip_(grads, norm, max_norm)
+    return norm
+
+
 def step_tensor(value: float, optimizer: torch.optim.Optimizer | None = None,
                 param: torch.Tensor | None = None) -> torch.Tensor:
     """AdamW's step count as torch.optim keeps it: a float32 CPU scalar, or on the parameter's device when

@@ -37,7 +37,7 @@ from fivefold.config import OptimConfig
 from fivefold.errors import CheckpointError
 from fivefold.optim import build_adamw, lr_at, set_lr
 from fivefold.parallel.checkpoint_layout import PieceRanks
-from fivefold.parallel.gradient_sync import GradientSync, GradNorm, clip_, sum_of_squares, whole_state
+from fivefold.parallel.gradient_sync import GradientSync, GradNorm, clip_, clip_whole_, sum_of_squares, whole_state
 from fivefold.plan.memory import ModelStateBytes
 from fivefold.reliability.activity import phase
 
@@ -227,7 +227,7 @@ class ParameterServerSync(GradientSync):
     def clip_grad_norm_(self, max_norm: float) -> float:
         if not self.asynchronous:
             return float("nan")  # the servers clip the summed gradient
-        return float(torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], max_norm))
+        return clip_whole_([p.grad for p in self.model.parameters() if p.grad is not None], max_norm)
 
     def step(self, lr: float) -> None:
         """Push, pull; the servers ran AdamW at their own schedule's learning rate."""
