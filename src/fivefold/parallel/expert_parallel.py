@@ -197,8 +197,14 @@ class ExpertParallelDispatch:
         # received rows come source by source, each source's rows slot by slot: regroup by slot
         labels = torch.arange(self.slots, device=x.device).repeat(got.shape[0]).repeat_interleave(got.reshape(-1))
         regroup = torch.argsort(labels, stable=True)
-        out = moe.kernel(rows[regroup], got.sum(0).tolist(), moe.local_experts())
+        # each row buffer is dropped as soon as its copy exists, so that a layer's dispatch holds at most the rows
+        # it sends and the rows it receives beyond what backward keeps (the planner's dispatch buffers)
+        grouped = rows[regroup]
+        del rows
+        out = moe.kernel(grouped, got.sum(0).tolist(), moe.local_experts())
+        del grouped
         back = out[torch.argsort(regroup)]
+        del out
         if self.etp > 1:  # add the peers' partial sums; keep this rank's rows
             back = _reduce_scatter_rows(back, peer_rows, self.etp_rank, self.etp_group, self.backend, self.meter)
         if self.ep > 1:

@@ -1,4 +1,5 @@
-"""Measure the bytes of model states one rank really holds, and the activations a block keeps for backward.
+"""Measure the bytes of model states one rank really holds, the activations a block keeps for backward, and the
+transient bytes a piece of code allocates (`LiveBytes`: a CPU has no allocator peak to read).
 
 Storages are counted once each (views and aliases share one storage: ZeRO's flat buffers, an fp32
 master that *is* the weight shard), in the order parameters, gradients, optimizer states: a
@@ -12,6 +13,9 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from fivefold.plan.memory import ModelStateBytes
 
@@ -152,3 +156,35 @@ class _Held:
 
     def __del__(self) -> None:
         self.owner._release(self.ptr, self.nbytes)
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the storages that operators create while the mode is on and that are alive at once.
+
+    Every operator's outputs are noted by storage (a weak reference: a storage counts until it is freed, however
+    many views share it); after each operator the storages still alive are summed, and `peak` keeps the most.
+    A storage freed between two operators is seen gone at the next one, which is when the next allocation can
+    reuse it. This measures what a CPU run cannot read from an allocator: the transient buffers of a piece of
+    code (the MoE dispatch's rows in flight) beside what it leaves behind (`live()` at its end)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def live(self) -> int:
+        """Bytes of the storages created under the mode that are alive now."""
+        for ptr in [ptr for ptr, (ref, _) in self._storages.items() if ref.expired()]:
+            del self._storages[ptr]
+        return sum(nbytes for _, nbytes in self._storages.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                known = self._storages.get(storage.data_ptr())
+                if storage.nbytes() and (known is None or known[0].expired()):  # new, or an address used again
+                    self._storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        self.peak = max(self.peak, self.live())
+        return out
