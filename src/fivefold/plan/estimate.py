@@ -801,7 +801,7 @@ def _buffers(config: JobConfig, model: ModelConfig, d: Degrees, layers: list[int
              first: bool, last: bool, received: int = 0) -> int:
     """ZeRO-3's gathered weights: the current and the prefetched block, and the rest of the model (embedding,
     final norm, head: gathered before the forward, freed after the step); and the MoE dispatch rows in and out
-    (k per token, or `received`: the busiest EP rank's under a measured load)."""
+    (`dispatch_buffer_rows` of k per token, or of `received`: the busiest EP rank's under a measured load)."""
     t, buffers = config.train, 0
     if config.data_parallel.mode == "ps":  # the step's flat push (gradients) and pull (new weights) copies
         buffers += 2 * 4 * rank_parameters(model, layers, True, True).total
@@ -817,8 +817,16 @@ def _buffers(config: JobConfig, model: ModelConfig, d: Degrees, layers: list[int
             buffers += weight * blocks // config.data_parallel.hpz_partition
     if moe and d.ep * d.etp > 1:
         rows = received or model.moe_top_k * t.micro_batch_size * (t.seq_len // d.cp) // (d.tp if sp else 1)
-        buffers += 2 * rows * model.dim * 4
+        buffers += dispatch_buffer_rows(rows, d.etp) * model.dim * 4
     return buffers
+
+
+def dispatch_buffer_rows(rows: int, etp: int) -> int:
+    """Rows one MoE layer's dispatch holds at once beyond what backward keeps (parallel/expert_parallel.py), for
+    `rows` received per EP rank: the rows it sends and receives (2 x rows, balanced); with expert tensor
+    parallelism the gather's input, its etp-fold repeat and the etp x rows it gathers (1 + 2 etp), an upper bound
+    of the reduce-scatter's etp x rows in and out. Measured by tests/distributed/test_activation_memory.py."""
+    return (2 if etp == 1 else 1 + 2 * etp) * rows
 
 
 # ---------------------------------------------------------------------------------------------- time
