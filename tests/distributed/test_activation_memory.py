@@ -250,7 +250,7 @@ def test_moe_block_under_expert_parallelism(ep, etp, kernel, bf16):
     assert len({rows for _, _, rows in results}) > 1  # the ranks' experts computed different numbers of rows
 
 
-def _dispatch_rank(rank, world_size, ep, etp, kernel):
+def _dispatch_rank(rank, world_size, ep, etp, kernel, bf16=False):
     """(most bytes the EP dispatch of block 0's MoE layer held beyond what it left behind, in forward; tokens,
     rows this rank sent, rows its experts computed)."""
     from fivefold.parallel.expert_parallel import AllToAllMeter, apply_expert_parallel, build_expert_groups, cut_experts, \
@@ -280,26 +280,28 @@ def _dispatch_rank(rank, world_size, ep, etp, kernel):
 
         moe.dispatch = measured
 
-    _, kept, rows = _measure_moe_block(MOE, kernel, seed=rank, setup=setup)
+    _, kept, rows = _measure_moe_block(MOE, kernel, seed=rank, setup=setup, bf16=bf16)
     excess, tokens = seen[0]
     return excess, tokens, kept, rows
 
 
-@pytest.mark.parametrize("ep,etp,kernel", [(2, 1, "loop"), (2, 1, "grouped"), (4, 1, "grouped"), (2, 2, "loop"),
-                                           (1, 2, "grouped")],
-                         ids=["ep2", "ep2-grouped", "ep4-grouped", "ep2-etp2", "etp2"])
-def test_expert_dispatch_holds_no_more_than_the_planned_buffers(ep, etp, kernel):
+@pytest.mark.parametrize("ep,etp,kernel,bf16", [(2, 1, "loop", False), (2, 1, "grouped", False), (4, 1, "grouped", False),
+                                               (2, 2, "loop", False), (1, 2, "grouped", False), (2, 1, "grouped", True),
+                                               (2, 2, "loop", True)],
+                         ids=["ep2", "ep2-grouped", "ep4-grouped", "ep2-etp2", "etp2", "ep2-grouped-bf16", "ep2-etp2-bf16"])
+def test_expert_dispatch_holds_no_more_than_the_planned_buffers(ep, etp, kernel, bf16):
     """A MoE layer's expert-parallel dispatch, measured by the storages its operators create (train/memory.py
     LiveBytes), holds beyond what it keeps and returns at most the planner's dispatch buffers (plan/estimate.py
     `dispatch_buffer_rows`: 2 x k x tokens rows of h x 4 bytes, the rows sent and received; 1 + 2 etp x them with
-    expert tensor parallelism) and at least the rows it sends. Without ETP the most it holds is in the combine: the
+    expert tensor parallelism; fp32 rows, the residual stream's, under bf16 autocast too) and at least the rows it
+    sends. Without ETP the most it holds is in the combine: the
     weighted rows and the zeroed output, (A + T) h x 4. Until 2026-11-28 the dispatch
     kept the received rows and the experts' output alive as locals until it returned, 2 R h x 4 more on top: on
     the trainer's tiny-moe layer at ep 2 (2 x 64 tokens) 816,864 bytes on rank 0 where 524,288 are planned, now
     399,072."""
     from fivefold.plan.estimate import dispatch_buffer_rows
 
-    results = run_distributed(_dispatch_rank, ep * etp, ep, etp, kernel)
+    results = run_distributed(_dispatch_rank, ep * etp, ep, etp, kernel, bf16)
     for excess, tokens, kept, rows in results:
         planned = dispatch_buffer_rows(MOE.moe_top_k * tokens, etp) * MOE.dim * 4
         assert kept * MOE.dim * 4 <= excess <= planned, (excess, kept, rows, planned)
