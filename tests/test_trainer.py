@@ -225,13 +225,13 @@ def test_whole_gradients_clip_as_torch_does_and_skip_the_multiply_under_the_limi
 
     generator = torch.Generator().manual_seed(0)
     grads = [torch.randn(40, 30, generator=generator), torch.randn(7, generator=generator)]
-    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
-    for p, g in zip(params, grads):
-        p.grad = g.clone()
-    expected = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    ours, theirs = ([torch.nn.Parameter(torch.zeros_like(g)) for g in grads] for _ in range(2))
+    for a, b, g in zip(ours, theirs, grads):
+        a.grad, b.grad = g.clone(), g.clone()
+    expected = float(torch.nn.utils.clip_grad_norm_(theirs, max_norm))
     with Ops() as ops:
-        norm = clip_whole_(grads, max_norm)
-    assert norm == expected and all(torch.equal(g, p.grad) for g, p in zip(grads, params))
+        norm = clip_whole_(ours, max_norm)
+    assert norm == expected and all(torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs))
     multiplies = [name for name in ops.names if "mul" in name]
     assert bool(multiplies) == (norm > max_norm), ops.names
 

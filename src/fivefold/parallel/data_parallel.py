@@ -283,7 +283,7 @@ class DDPSync(GradientSync):
     def clip_grad_norm_(self, max_norm: float) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not self.norm.groups and self.norm.weight is None and not self.norm.moe:
-            return clip_whole_([p.grad for p in params], max_norm)
+            return clip_whole_(params, max_norm)
         dense = [p for p in params if not self.norm.is_expert(p)]
         experts = [p for p in params if self.norm.is_expert(p)]
         squares = sum_of_squares([p.grad for p in dense], [self.norm.of(p) for p in dense])

@@ -114,16 +114,19 @@ def clip_(grads: list[torch.Tensor], norm: float, max_norm: float) -> None:
         torch._foreach_mul_(group, torch.tensor(max_norm / (norm + 1e-6), dtype=torch.float32, device=device))
 
 
-def clip_whole_(grads: list[torch.Tensor], max_norm: float) -> float:
-    """The L2 norm of gradients this rank holds whole (torch's foreach norm of the per-tensor norms, as
-    torch.nn.utils.clip_grad_norm_), scaled to `max_norm` only where the norm is above it. torch's own
-    clip_grad_norm_ multiplies every gradient by min(1, max_norm / norm) even when that is 1 (with clipping off,
-    max_norm = inf, too): a pass over the gradients that changes nothing, which the planner does not price
-    (`Accelerator.clip_seconds`)."""
+def clip_whole_(params: list[torch.Tensor], max_norm: float) -> float:
+    """The L2 norm of the gradients of `params`, held whole on this rank, scaled to `max_norm` only where the norm
+    is above it, by torch's own functions (get_total_norm, clip_grads_with_norm_: bit for bit torch's
+    clip_grad_norm_). clip_grad_norm_ itself multiplies every gradient by min(1, max_norm / norm) even when that
+    is 1 (with clipping off, max_norm = inf, too): a pass over the gradients that changes nothing, which the
+    planner does not price (`Accelerator.clip_seconds`)."""
+    grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    norm = float(torch.nn.utils.get_total_norm(grads, 2.0, foreach=True))
-    clip_(grads, norm, max_norm)
+    total = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+    norm = float(total)
+    if not norm <= max_norm:  # above the limit, or not finite
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total, foreach=True)
     return norm
 
 

@@ -227,7 +227,7 @@ class ParameterServerSync(GradientSync):
     def clip_grad_norm_(self, max_norm: float) -> float:
         if not self.asynchronous:
             return float("nan")  # the servers clip the summed gradient
-        return clip_whole_([p.grad for p in self.model.parameters() if p.grad is not None], max_norm)
+        return clip_whole_(list(self.model.parameters()), max_norm)
 
     def step(self, lr: float) -> None:
         """Push, pull; the servers ran AdamW at their own schedule's learning rate."""
