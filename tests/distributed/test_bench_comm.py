@@ -130,9 +130,10 @@ def test_bench_comm_table_and_json(tmp_path, world_size):
     assert here.arrival.ranks == world_size and here.arrival.after_us == 2000.0
     assert [x for point in here.arrival.measured for x in point] == \
         pytest.approx([x for point in arrival["measured"] for x in point])
-    # each point raised to the largest time before it (a dip is a noisy mean): 20 ms of compute against 2 ms
-    envelope = [max(t for _, t in arrival["measured"][: i + 1]) for i in range(len(arrival["measured"]))]
-    assert here.sync_delay(0.02, world_size) == pytest.approx(max(0.0, envelope[-1] - envelope[2]) * 1e-6)
+    # 20 ms of compute against 2 ms, read through the least-squares nondecreasing fit (a dip is a noisy mean, pooled with the points it undercuts,
+    # as ArrivalSpec.at reads it; a running maximum, which this check used, differs whenever the means dip)
+    fitted = nondecreasing(tuple(tuple(point) for point in arrival["measured"]))
+    assert here.sync_delay(0.02, world_size) == pytest.approx(max(0.0, fitted[-1][1] - fitted[2][1]) * 1e-6)
     # a ring exchange posted on the rank's own thread beside compute: the line through its times, in the accelerator
     post = report["post"]
     assert [size for size, _ in post["measured"]] == [16384.0, 262144.0, 1048576.0, 4194304.0]
