@@ -120,13 +120,13 @@ def clip_whole_(params: list[torch.Tensor], max_norm: float) -> float:
     clip_grad_norm_). clip_grad_norm_ itself multiplies every gradient by min(1, max_norm / norm) even when that
     is 1 (with clipping off, max_norm = inf, too): a pass over the gradients that changes nothing, which the
     planner does not price (`Accelerator.clip_seconds`)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    with_grads = [p for p in params if p.grad is not None]
+    if not with_grads:
         return 0.0
-    total = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+    total = torch.nn.utils.get_total_norm([p.grad for p in with_grads], 2.0, foreach=True)
     norm = float(total)
     if not norm <= max_norm:  # above the limit, or not finite
-        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total, foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total, foreach=True)
     return norm
 
 
