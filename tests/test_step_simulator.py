@@ -934,6 +934,23 @@ def test_codec_work_is_priced_from_the_measured_rates(codec, shared):
     assert run.time == pytest.approx(planned.total, rel=1e-9 if not shared else 0.02)
 
 
+def test_zero3_prefetch_is_not_played_on_a_hosts_shared_cores():
+    """ZeRO-3 at dp 2 on the tiny model, one flat group per collective: on an accelerator the simulator plays the
+    runtime's one-block prefetch, hiding part of each gather behind the block before; on ranks sharing a CPU
+    host's cores it does not (gloo's transfers need those cores), and the step is the planner's, which exposes
+    every group's collective (one bucket: nothing hides)."""
+    config = _config("--data_parallel.zero_stage", "3", "--data_parallel.shard", "2")
+    steps = {}
+    for shared in (0, 2):
+        cluster = dataclasses.replace(H100, accelerator=dataclasses.replace(H100.accelerator, shared_cores=shared))
+        run = simulate_step(config, 2, cluster, 0.5, "hybrid", vocab_size=257)
+        planned = estimate(config, 2, cluster, 0.5, vocab_size=257).time
+        steps[shared] = run.time, run.breakdown()["dp"], planned
+    (accelerator, hidden_dp, planned), (host, exposed_dp, _) = steps[0], steps[2]
+    assert host == pytest.approx(planned.total, rel=1e-9) and exposed_dp == pytest.approx(planned.dp, rel=1e-9)
+    assert accelerator < host and hidden_dp < 0.5 * exposed_dp
+
+
 @pytest.mark.parametrize("gpus, overrides", [
     (2, []), (2, ["--expert_parallel.degree", "2"]), (4, ["--expert_parallel.degree", "2"]),
     (2, ["--tensor_parallel.degree", "2", "--tensor_parallel.sequence_parallel", "true"]),

@@ -5,7 +5,7 @@ calls recorded (sim/observe.py): each collective as (kind, the group's ranks, by
 point-to-point send as (sender, receiver, bytes). The simulator builds the same config's workload
 (sim/workload.py, fidelity flow) and logs its calls the same way; per rank the two multisets must
 be equal. This covers DDP's buckets (backend and hand-written all-reduce, in which case every
-message of the algorithm is compared, and the int8, sign, top-k and PowerSGD codecs' exchanges), ZeRO-1/2/3, hybrid sharding and independent P/G/OS degrees (AMSP, MiCS), tensor parallelism with and
+message of the algorithm is compared, and the int8, sign, top-k and PowerSGD codecs' exchanges), ZeRO-1/2/3 (one collective per flat group, tensor-parallel cut too), hybrid sharding and independent P/G/OS degrees (AMSP, MiCS), tensor parallelism with and
 without sequence parallelism (blocks, vocab-parallel embedding, head and loss, the norms' summed
 gradients), the pipeline schedules' activations and gradients (whole, or scattered over tp and all-gathered; stages outermost or
 inside data parallelism), a tied
@@ -73,6 +73,7 @@ LAYOUTS = {
         "pp2-dp2-interleaved": dict(pipeline_parallel={"degree": 2, "schedule": "interleaved", "virtual": 2},
                                     model={"n_layers": 4}, train={"grad_accum_steps": 2}),
         "hsdp-2x2-zero3": dict(data_parallel={"zero_stage": 3, "shard": 2, "replicate": 2}),
+        "dp2-tp2-zero3": dict(tensor_parallel={"degree": 2}, data_parallel={"zero_stage": 3, "shard": 2}),
         "amsp-1-2-4-accum2": dict(data_parallel={"zero_stage": 1, "shard": 4, "shard_grads": 2},
                                   train={"grad_accum_steps": 2}),
         "amsp-2-4-4": dict(data_parallel={"zero_stage": 2, "shard": 4, "shard_params": 2}),

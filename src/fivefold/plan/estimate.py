@@ -62,7 +62,8 @@ Step time (seconds) = pipeline makespan + exposed data-parallel communication:
                 their expert-data-parallel group): DDP / ZeRO-1 reduce once in the last
                 micro-batch's backward (under a pipeline after the schedule, exposed), ZeRO-2 reduce-scatters in every micro-batch's, ZeRO-3
                 also gathers weights in each forward and backward; ZeRO-1/2 gather the updated
-                weights after the step; only what a pass cannot hide (at least a bucket) counts
+                weights after the step; ZeRO's collectives one per flat group (the runtime's);
+                only what a pass cannot hide (at least a bucket) counts
     offload     ZeRO-Offload's gradient shard down and weight shard up over the host link
 
 The estimate is a model: its formulas are listed in docs/planner.md with what each is checked
@@ -92,7 +93,7 @@ from fivefold.plan.expert_load import busiest_received, exchange_matrices, exper
 from fivefold.plan.flops import flops_per_token
 from fivefold.plan.memory import nvme_host_bytes, sharded_model_states, zero_model_states
 from fivefold.plan.operators import operator_ratio, ring_attention_operators
-from fivefold.plan.parameters import (RankParameters, first_block, block_norm_parameters, block_parameters, expert_values, padded_vocab,
+from fivefold.plan.parameters import (RankParameters, first_block, block_norm_parameters, block_parameters, expert_values, flat_group_sizes, padded_vocab,
                                       powersgd_shares, priority_slice_bytes, rank_parameters, rank_tensors)
 
 if TYPE_CHECKING:
@@ -1452,7 +1453,8 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
     pipeline, whose micro-batches all run under no_sync, after the schedule (`once_behind` = 0: the compute
     the once-per-step reduction hides behind; default `backward`); ZeRO-2
     reduce-scatters in every micro-batch's backward; ZeRO-3 also gathers the weights in each forward and
-    backward (prefetched: hidden behind that pass's compute). ZeRO-1/2 gather the updated weights after the
+    backward (prefetched: hidden behind that pass's compute); ZeRO's collectives are one per flat group
+    (`flat_group_sizes`, `_sharded_time`). ZeRO-1/2 gather the updated weights after the
     step, exposed. What one pass cannot hide is exposed, and never less than the last bucket. A gradient codec's
     local work (`Accelerator.codec_seconds`) runs on the communication thread with its messages: hidden with them
     behind backward on an accelerator; on a CPU host whose cores the ranks share (`core_sharing`) backward keeps
@@ -1471,7 +1473,7 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
     grad_element = 2 if g.reduce_dtype == "bf16" else element
     # the routed experts are a second instance over their expert-data-parallel group (parallel/data_parallel.py)
     dense, routed = params.dense, params.experts
-    weight_bytes, grad_bytes = dense * element, dense * grad_element
+    grad_bytes = dense * grad_element
     span = d.fibre_span(group * d.tp)
     buckets = max(1, int((params.total * grad_element) // (g.bucket_mb * 2**20)))
 
@@ -1507,13 +1509,16 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
     if z.quantized_weights or z.hpz_partition > 1 or z.gradient_bits:
         forward_gather, backward_gather, scatter = _zero_pp_times(config, params.total, d, cluster)
         return m * (hidden_behind(forward_gather, forward) + hidden_behind(backward_gather + scatter, backward))
-    time = _sharded_time(zero_degrees(config, d), d, cluster, weight_bytes, grad_bytes, m, forward, backward, buckets,
-                         once_behind) if group > 1 else 0.0
+    sizes = flat_group_sizes(model, d.tp, d.etp, d.ep, d.replicas)
+    blocks, routed_groups = sizes.of(layers, False, False)
+    root = sizes.of([], True, len(split) == 1)[0]  # gathered once per forward, kept through backward
+    time = _sharded_time(zero_degrees(config, d), d, cluster, root + blocks, blocks, element, grad_element, m, forward,
+                         backward, buckets, once_behind) if group > 1 else 0.0
     if routed and experts > 1:  # plain ZeRO at the same stage over the EDP group (the runtime's: no shard_* override)
         from fivefold.parallel.shard_layout import ShardDegrees
 
-        time += _sharded_time(ShardDegrees.resolve(z.zero_stage, experts, experts), d, cluster, routed * element,
-                              routed * grad_element, m, forward, backward, buckets, once_behind)
+        time += _sharded_time(ShardDegrees.resolve(z.zero_stage, experts, experts), d, cluster, routed_groups,
+                              routed_groups, element, grad_element, m, forward, backward, buckets, once_behind)
     return time
 
 
@@ -1596,11 +1601,13 @@ def _compressed_reduce_time(g, numel: int, p: int, buckets: int, cluster: Cluste
                          for kind, _, n in codec_exchanges(g, per, p))
 
 
-def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, weight_bytes: float, grad_bytes: float, m: int,
-                  forward: float, backward: float, buckets: int, once_behind: float) -> float:
+def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, groups: list[int], blocks: list[int], element: int,
+                  grad_element: int, m: int, forward: float, backward: float, buckets: int, once_behind: float) -> float:
     """Exposed ZeRO seconds per step for sharding degrees p | g | o over D = dp x cp ranks (parallel/shard_layout.py),
     each collective on the links its group spans (members are tp ranks apart on the grid; params, grads and
-    blocks are consecutive, split and publish groups strided within a block of o, replicas across blocks):
+    blocks are consecutive, split and publish groups strided within a block of o, replicas across blocks).
+    Every collective is one per flat group (`groups`: elements of each; `blocks`: the blocks' groups, which
+    backward gathers again, the root's staying gathered), as parallel/zero.py issues them:
         per micro-batch  p > 1: all-gather of the weights over p before forward (hidden behind it) and backward;
                          g > 1: reduce-scatter of the gradients over g (hidden behind backward)
         once             g = 1: reduce-scatter over the block of o (hidden behind the last backward, or
@@ -1610,23 +1617,26 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, weight_bytes: float, gr
     The stages are (1, 1, N), (1, N, N), (N, N, N)."""
     stride = d.tp
 
-    def over(kind: str, collective: str, nbytes: float) -> float:
+    def over(kind: str, collective: str, sizes: list[int], element: int, parts: int = 1) -> float:
         size = deg.size(kind)
         if size == 1:
             return 0.0
-        span = d.fibre_span(deg.span(kind) * stride)
-        return native_collective(collective, nbytes, size, cluster.collective_link(collective, span))
+        link = cluster.collective_link(collective, d.fibre_span(deg.span(kind) * stride))
+        return sum(native_collective(collective, n * element / parts, size, link) for n in sizes)
 
     def hidden_behind(comm: float, compute: float) -> float:
         return max(comm - compute, comm / buckets) if comm else 0.0
 
-    gather = over("params", "all_gather", weight_bytes)
-    per_micro = hidden_behind(gather, forward) + hidden_behind(gather + over("grads", "reduce_scatter", grad_bytes), backward)
+    gather = over("params", "all_gather", groups, element)
+    scatter = over("grads", "reduce_scatter", groups, grad_element)
+    per_micro = hidden_behind(gather, forward) + hidden_behind(over("params", "all_gather", blocks, element) + scatter,
+                                                                backward)
     if deg.grads == 1:
-        once = hidden_behind(over("split", "reduce_scatter", grad_bytes), once_behind)
+        once = hidden_behind(over("split", "reduce_scatter", groups, grad_element), once_behind)
     else:
-        once = over("split", "reduce_scatter", grad_bytes / deg.grads)
-    once += over("replica", "all_reduce", grad_bytes / deg.optim) + over("publish", "all_gather", weight_bytes / deg.params)
+        once = over("split", "reduce_scatter", groups, grad_element, deg.grads)
+    once += over("replica", "all_reduce", groups, grad_element, deg.optim) + \
+        over("publish", "all_gather", groups, element, deg.params)
     return m * per_micro + once
 
 

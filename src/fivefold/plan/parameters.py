@@ -35,8 +35,11 @@ from dataclasses import dataclass
 from fivefold.model.config import ModelConfig
 
 _TP_SPLIT = (".attention.", ".feed_forward.w")  # column- or row-parallel weights of a block's regions
-_WHOLE = (".wq_a.", ".wkv_a.")  # multi-latent attention's down-projections are replicated
+_WHOLE = (".wq_a.", ".wkv_a.", ".q_a_norm.", ".kv_a_norm.")  # multi-latent attention's down-projections and latent
+# norms are replicated
 _ROW_PARALLEL = (".wo.weight", ".w2.weight")  # split along their inputs: each rank keeps every row
+_ROW_PARALLEL_BIAS = (".wo.bias", ".w2.bias")  # added after the reduction: whole
+_HEADS = (".wq.", ".wk.", ".wv.", ".q_norm.", ".k_norm.")  # cut by whole heads (a kv head replicated past n_kv)
 
 
 @dataclass(frozen=True)
@@ -55,21 +58,30 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp
 
 
-def local_tensor(name: str, shape: tuple[int, ...], vocab: int, tp: int = 1, etp: int = 1) -> tuple[int, int]:
+def local_tensor(name: str, shape: tuple[int, ...], vocab: int, tp: int = 1, etp: int = 1,
+                 head_size: int = 0) -> tuple[int, int]:
     """(elements, rows) of the parameter `name` of full `shape` as one rank holds it: the vocabulary rows (padded V)
-    by tp; a block's attention and dense-MLP matrices by tp, column-parallel ones along their rows, row-parallel
-    ones (wo, w2) along their columns; routed experts by etp the same way; the rest whole. rows: the local first
-    dimension of a matrix, 0 for a vector (the shape PowerSGD factorises, comm/compression.py)."""
+    by tp; a block's attention and dense-MLP weights by tp, column-parallel ones (and their biases, and projection
+    q/k norms) along their output features, never below one head of `head_size` (a key/value head replicated
+    where tp exceeds the kv heads), row-parallel ones (wo, w2) along their inputs with their biases whole; routed
+    experts by etp the same way; the rest (norms, MLA's down-projections and latent norms, router, shared experts)
+    whole. rows: the local first dimension of a matrix, 0 for a vector (the shape PowerSGD factorises,
+    comm/compression.py)."""
     numel, rows = math.prod(shape), (shape[0] if len(shape) >= 2 else 0)
     if name.startswith(("tok_embeddings.", "output.")):
         return vocab // tp * shape[-1], vocab // tp
     if ".experts." in name:
         split = etp
-    elif len(shape) >= 2 and any(part in name for part in _TP_SPLIT) and not any(x in name for x in _WHOLE):
+    elif any(part in name for part in _TP_SPLIT) and not any(x in name for x in _WHOLE):
         split = tp
     else:
         return numel, rows
-    return numel // split, (rows if name.endswith(_ROW_PARALLEL) else rows // split)
+    if name.endswith(_ROW_PARALLEL):
+        return numel // split, rows
+    if name.endswith(_ROW_PARALLEL_BIAS) or split == 1:
+        return numel, rows
+    out = max(shape[0] // split, head_size if any(x in name for x in _HEADS) else 0)
+    return out * (numel // shape[0]), (out if len(shape) >= 2 else 0)
 
 
 def powersgd_factors(tensors: list[tuple[int, int]], rank: int) -> tuple[int, int, int]:
@@ -104,7 +116,7 @@ def _powersgd_shares(fields: tuple, tp: int, etp: int, rank: int) -> tuple[tuple
     for name, p in build_model(model).named_parameters():  # meta device: shapes only
         if p.requires_grad:
             tensors[".experts." in name].append(local_tensor(name, tuple(p.shape), padded_vocab(model.vocab_size, tp),
-                                                             tp, etp))
+                                                             tp, etp, model.head_size))
     shares = []
     for experts in (False, True):
         total = sum(n for n, _ in tensors[experts])
@@ -131,7 +143,7 @@ def _priority_slice_bytes(fields: tuple, tp: int, bucket_mb: float, slice_mb: fl
     model = ModelConfig(*fields)
     vocab = padded_vocab(model.vocab_size, tp)
     dtype = {2: torch.bfloat16, 4: torch.float32}[element]
-    params = [torch.empty(local_tensor(name, tuple(p.shape), vocab, tp)[0], device="meta", dtype=dtype)
+    params = [torch.empty(local_tensor(name, tuple(p.shape), vocab, tp, head_size=model.head_size)[0], device="meta", dtype=dtype)
               for name, p in build_model(model).named_parameters() if p.requires_grad]
     ddp = SimpleNamespace(params=params, buckets=make_buckets(params, bucket_mb, dtype))
     return tuple((s.hi - s.lo) * element for s in plan_slices(ddp, max(1, int(slice_mb * 2**20) // element)))
@@ -250,3 +262,50 @@ def rank_tensors(model: ModelConfig, layers: list[int], first: bool, last: bool,
     if last:
         total += 1 + (0 if model.tie_embeddings and not pipelined else 1)
     return total
+
+
+@dataclass(frozen=True)
+class FlatGroupSizes:
+    """Elements of each ZeRO flat group a rank holds, before padding (parallel/flat_groups.py `flat_group_layout`):
+    per unit (`embedding`, `layers.i`, `head`), its dense groups (decay, then no-decay; the root's one per top-level
+    module) and its routed experts' groups (one per expert slot), in the runtime's order."""
+
+    dense: dict[str, tuple[int, ...]]
+    experts: dict[str, tuple[int, ...]]
+
+    def of(self, layers: list[int], first: bool, last: bool) -> tuple[list[int], list[int]]:
+        """(dense, routed) group sizes of a rank holding blocks `layers`, the embedding if `first`, the head if
+        `last`, in forward order."""
+        units = (["embedding"] if first else []) + [f"layers.{i}" for i in layers] + (["head"] if last else [])
+        return ([n for u in units for n in self.dense.get(u, ())], [n for u in units for n in self.experts.get(u, ())])
+
+
+def flat_group_sizes(model: ModelConfig, tp: int = 1, etp: int = 1, ep: int = 1, replicas: int = 0) -> FlatGroupSizes:
+    """The runtime's flat groups on one rank (`FlatGroupSizes`), counted on the meta-device model: tensors cut as
+    tensor parallelism cuts them (`local_tensor`), the routed experts as expert parallelism does (E / ep experts
+    plus EPLB's spare slots, each expert's hidden units by etp). ZeRO issues one collective per group."""
+    return _flat_group_sizes(dataclasses.astuple(model), tp, etp, ep, replicas)
+
+
+@functools.lru_cache(maxsize=64)  # a search prices thousands of layouts of one model
+def _flat_group_sizes(fields: tuple, tp: int, etp: int, ep: int, replicas: int) -> FlatGroupSizes:
+    from fivefold.model import build_model
+    from fivefold.parallel.expert_parallel import cut_experts
+    from fivefold.parallel.flat_groups import flat_group_layout, is_expert_group
+
+    model = ModelConfig(*fields)
+    net = build_model(model)  # meta device: shapes only
+    if model.n_experts and ep > 1:  # every rank holds as many slots of one size
+        slots = experts_per_rank(model, ep, replicas)
+        cut_experts(net, {layer: [list(range(slots))] for layer in model.moe_layers}, 0)
+    vocab = padded_vocab(model.vocab_size, tp)
+    unit_of = {"tok_embeddings": "embedding", "norm": "head", "output": "head"}
+    dense: dict[str, list[int]] = {}
+    experts: dict[str, list[int]] = {}
+    for layout in flat_group_layout(net):
+        first = layout.names[0]
+        root = first.split(".")[0]
+        unit = ".".join(first.split(".")[:2]) if first.startswith("layers.") else unit_of.get(root, root)
+        size = sum(local_tensor(name, tuple(shape), vocab, tp, etp, model.head_size)[0] for name, shape in zip(layout.names, layout.shapes))
+        (experts if is_expert_group(layout.key) else dense).setdefault(unit, []).append(size)
+    return FlatGroupSizes({u: tuple(v) for u, v in dense.items()}, {u: tuple(v) for u, v in experts.items()})

@@ -21,7 +21,7 @@ the runtime runs them:
               one per block and weight-decay class) reduced as their block's backward ends
               (stage 1 all-reduces in the last micro-batch, stages 2-3 reduce-scatter in every
               one), ZeRO-3's per-block all-gathers before forward and backward with the runtime's
-              one-block prefetch. The optimizer step waits for all of it; ZeRO-1/2 then gather
+              one-block prefetch (none on ranks sharing a CPU host's cores). The optimizer step waits for all of it; ZeRO-1/2 then gather
               the updated weights, hybrid sharding all-reduces the shards over the replicas.
               Routed experts are a second instance over their expert-data-parallel group.
 
@@ -101,13 +101,14 @@ from fivefold.parallel.mesh import RANK_ORDERS
 from fivefold.parallel.shard_layout import GROUP_KINDS
 from fivefold.plan.cluster import ClusterSpec
 from fivefold.plan.efficiency import Efficiency, as_efficiency
-from fivefold.plan.estimate import (Degrees, PassCosts, codec_exchanges, compute_dtype, degrees_of, dispatch_rows, model_for,
+from fivefold.plan.estimate import (Degrees, PassCosts, codec_exchanges, compute_dtype, core_sharing, degrees_of, dispatch_rows, model_for,
                                     offload_seconds, pass_costs, priority_schedule, routing_report_values, server_loads,
                                     server_update_seconds,
                                     scalar_groups, tied_embedding_bytes, tied_embedding_pair, weight_element,
                                     zero_degrees)
 from fivefold.plan.expert_load import Matrix, exchange_matrices, expert_rows_by_load, imbalance
-from fivefold.plan.parameters import experts_per_rank, expert_values, local_tensor, padded_vocab, powersgd_factors
+from fivefold.plan.parameters import (experts_per_rank, expert_values, flat_group_sizes, local_tensor, padded_vocab,
+                                      powersgd_factors)
 from fivefold.plan.zero_traffic import quantized_parts
 from fivefold.sim.names import FIDELITIES
 from fivefold.sim.routing import Router, cluster_router
@@ -260,38 +261,30 @@ def stage_units(model: ModelConfig, split: list[list[int]], d: Degrees) -> list[
     meta-device model's tensors, cut as tensor parallelism cuts them (attention and dense MLP weights
     and the vocabulary rows by tp), and its routed experts as expert parallelism cuts them (an expert-parallel
     rank's E/ep experts, each expert's hidden units by etp; every rank's slots are the same size). ZeRO's flat
-    groups are the runtime's own (parallel/flat_groups.py `flat_group_layout`: per block and weight-decay class,
-    one per routed expert; the root's per top-level module). A tied embedding whose last stage lies on another rank
+    groups are the runtime's own (plan/parameters.py `flat_group_sizes`, the planner's: per block and weight-decay
+    class, one per routed expert; the root's per top-level module). A tied embedding whose last stage lies on another rank
     than the first is a unit of both: the embedding, and on the last stage its copy (`TIED_COPY`) for the head."""
     from fivefold.model import build_model
     from fivefold.parallel.expert_parallel import cut_experts
-    from fivefold.parallel.flat_groups import flat_group_layout, is_expert_group
 
     net = build_model(model)  # meta device: shapes only
     if model.n_experts and d.ep > 1:  # every rank holds as many slots (E / ep, plus EPLB's spares) of one size
         slots = experts_per_rank(model, d.ep, d.replicas)
         cut_experts(net, {layer: [list(range(slots))] for layer in model.moe_layers}, 0)
-    local: dict[str, int] = {}
     rows: dict[str, int] = {}
-    unit_of: dict[str, str] = {}
     vocab = padded_vocab(model.vocab_size, d.tp)
     by_unit: dict[str, list[tuple[str, int]]] = defaultdict(list)
     experts: dict[str, list[tuple[str, int]]] = defaultdict(list)
     for name, p in net.named_parameters():
         if not p.requires_grad:
             continue
-        numel, rows[name] = local_tensor(name, tuple(p.shape), vocab, d.tp, d.etp)
+        numel, rows[name] = local_tensor(name, tuple(p.shape), vocab, d.tp, d.etp, model.head_size)
         expert = ".experts." in name
         unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else name.split(".")[0]
         (experts if expert else by_unit)[unit].append((name, numel))
-        local[name] = numel
-        unit_of[name] = {"tok_embeddings": "embedding", "norm": "head", "output": "head"}.get(unit, unit)
-    groups: dict[str, list[int]] = defaultdict(list)
-    expert_groups: dict[str, list[int]] = defaultdict(list)
-    for layout in flat_group_layout(net):
-        present = [local[n] for n in layout.names if n in local]
-        if present:
-            (expert_groups if is_expert_group(layout.key) else groups)[unit_of[layout.names[0]]].append(sum(present))
+    sizes = flat_group_sizes(model, d.tp, d.etp, d.ep, d.replicas)
+    groups = defaultdict(list, {unit: list(n) for unit, n in sizes.dense.items()})
+    expert_groups = defaultdict(list, {unit: list(n) for unit, n in sizes.experts.items()})
     stages = []
     tied_copy = bool(tied_embedding_pair(model, d, split, tuple(range(d.pp))))  # first and last stage on two ranks
     for s, layers in enumerate(split):
@@ -364,6 +357,8 @@ class _Builder:
         self.tp_overlap = self.sp and config.tensor_parallel.comm_overlap
         self.activation = t.micro_batch_size * (t.seq_len // d.cp) * self.model.dim * self.element
         self.per_node = cluster.accelerators_per_node
+        # ranks sharing one CPU host's cores: a collective's transfers need the cores the compute holds
+        self.shared_host = core_sharing(config, d, cluster) is not None
         self.weight_element = weight_element(config)
         self.reduce_element = 2 if config.gradient_comm.reduce_dtype == "bf16" else self.weight_element
         self.zero_node = config.gradient_comm.node_size or cluster.accelerators_per_node  # ZeRO++'s nodes
@@ -1011,11 +1006,14 @@ class _Builder:
 
     def zero3_before(self, rank: int, stage: int, blocks: list[Unit], position: int, backward: bool = False) -> None:
         """ZeRO-3's pre-hook of blocks[position]: gather it and wait, prefetch the next block (forward order
-        in forward, reverse in backward: `blocks` is in the pass's order)."""
+        in forward, reverse in backward: `blocks` is in the pass's order). On ranks sharing a CPU host's cores
+        the prefetch is not played: gloo moves the bytes on the cores the block's compute holds, so the
+        prefetched gather does not finish sooner (`dp4-zero3` on 2 cores waited 57.7 ms a step in its
+        gathers, the whole of what they take alone; docs/planner.md)."""
         if not self.zero3:
             return
         done = self.gather(rank, stage, blocks[position], backward)
-        if position + 1 < len(blocks):
+        if position + 1 < len(blocks) and not self.shared_host:
             self.gather(rank, stage, blocks[position + 1], backward)
         if done:
             self.programs[(rank, COMPUTE)].append(Await(done, "dp"))
