@@ -1511,14 +1511,14 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
         return m * (hidden_behind(forward_gather, forward) + hidden_behind(backward_gather + scatter, backward))
     sizes = flat_group_sizes(model, d.tp, d.etp, d.ep, d.replicas)
     blocks, routed_groups = sizes.of(layers, False, False)
-    root = sizes.of([], True, len(split) == 1)[0]  # gathered once per forward, kept through backward
-    time = _sharded_time(zero_degrees(config, d), d, cluster, root + blocks, blocks, element, grad_element, m, forward,
+    root = sizes.of([], True, len(split) == 1)[0]
+    time = _sharded_time(zero_degrees(config, d), d, cluster, root, blocks, element, grad_element, m, forward,
                          backward, buckets, once_behind) if group > 1 else 0.0
     if routed and experts > 1:  # plain ZeRO at the same stage over the EDP group (the runtime's: no shard_* override)
         from fivefold.parallel.shard_layout import ShardDegrees
 
-        time += _sharded_time(ShardDegrees.resolve(z.zero_stage, experts, experts), d, cluster, routed_groups,
-                              routed_groups, element, grad_element, m, forward, backward, buckets, once_behind)
+        time += _sharded_time(ShardDegrees.resolve(z.zero_stage, experts, experts), d, cluster, [], routed_groups,
+                              element, grad_element, m, forward, backward, buckets, once_behind)
     return time
 
 
@@ -1601,16 +1601,19 @@ def _compressed_reduce_time(g, numel: int, p: int, buckets: int, cluster: Cluste
                          for kind, _, n in codec_exchanges(g, per, p))
 
 
-def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, groups: list[int], blocks: list[int], element: int,
+def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: list[int], blocks: list[int], element: int,
                   grad_element: int, m: int, forward: float, backward: float, buckets: int, once_behind: float) -> float:
     """Exposed ZeRO seconds per step for sharding degrees p | g | o over D = dp x cp ranks (parallel/shard_layout.py),
     each collective on the links its group spans (members are tp ranks apart on the grid; params, grads and
     blocks are consecutive, split and publish groups strided within a block of o, replicas across blocks).
-    Every collective is one per flat group (`groups`: elements of each; `blocks`: the blocks' groups, which
-    backward gathers again, the root's staying gathered), as parallel/zero.py issues them:
-        per micro-batch  p > 1: all-gather of the weights over p before forward (hidden behind it) and backward;
+    Every collective is one per flat group (elements of each: the `root` module's, embedding, final norm and
+    head, and the `blocks`'), as parallel/zero.py issues them:
+        per micro-batch  p > 1: all-gather of the blocks' weights over p before forward (hidden behind it) and
+                         backward;
                          g > 1: reduce-scatter of the gradients over g (hidden behind backward)
-        once             g = 1: reduce-scatter over the block of o (hidden behind the last backward, or
+        once             p > 1: all-gather of the root's weights before the first forward, waited for at once
+                         (exposed), kept until the step;
+                         g = 1: reduce-scatter over the block of o (hidden behind the last backward, or
                          `once_behind`: nothing under a pipeline);
                          g > 1: reduce-scatter of the gradient piece over o/g; all-reduce of the optimizer piece
                          over D/o replicas; all-gather of the updated weights over o/p: all exposed.
@@ -1627,14 +1630,15 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, groups: list[int], bloc
     def hidden_behind(comm: float, compute: float) -> float:
         return max(comm - compute, comm / buckets) if comm else 0.0
 
-    gather = over("params", "all_gather", groups, element)
-    scatter = over("grads", "reduce_scatter", groups, grad_element)
-    per_micro = hidden_behind(gather, forward) + hidden_behind(over("params", "all_gather", blocks, element) + scatter,
+    groups = root + blocks
+    gather = over("params", "all_gather", blocks, element)
+    per_micro = hidden_behind(gather, forward) + hidden_behind(gather + over("grads", "reduce_scatter", groups, grad_element),
                                                                 backward)
+    once = over("params", "all_gather", root, element)
     if deg.grads == 1:
-        once = hidden_behind(over("split", "reduce_scatter", groups, grad_element), once_behind)
+        once += hidden_behind(over("split", "reduce_scatter", groups, grad_element), once_behind)
     else:
-        once = over("split", "reduce_scatter", groups, grad_element, deg.grads)
+        once += over("split", "reduce_scatter", groups, grad_element, deg.grads)
     once += over("replica", "all_reduce", groups, grad_element, deg.optim) + \
         over("publish", "all_gather", groups, element, deg.params)
     return m * per_micro + once
