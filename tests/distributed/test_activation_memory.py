@@ -252,10 +252,9 @@ def test_moe_block_under_expert_parallelism(ep, etp, kernel, bf16):
 
 
 def _dispatch_rank(rank, world_size, ep, etp, kernel, bf16=False):
-    """Garbage collection runs before the dispatch and is off while it runs: a collection inside it would free
-    garbage made elsewhere at a moment that varies from run to run.
-    (most bytes the EP dispatch of block 0's MoE layer held beyond what it left behind, in forward; tokens,
-    rows this rank sent, rows its experts computed)."""
+    """(most bytes the EP dispatch of block 0's MoE layer held beyond what it left behind, in forward; tokens,
+    rows this rank sent, rows its experts computed), with garbage collection run before the dispatch and off
+    while it runs."""
     from fivefold.parallel.expert_parallel import AllToAllMeter, apply_expert_parallel, build_expert_groups, cut_experts, \
         shard_experts
     from fivefold.parallel.expert_placement import contiguous_placement
