@@ -821,7 +821,7 @@ def test_flat_group_sizes_are_the_runtimes_flat_groups(changes):
     """flat_group_sizes (the planner's and the simulator's ZeRO groups) is the runtime's flat_group_layout on the
     meta-device model, group for group in order, with an expert-parallel rank's experts cut as the runtime cuts
     them; under tensor parallelism its groups add up to the rank's exact Ψ (the runtime's tp-cut groups are checked
-    call for call by tests/distributed/test_step_traffic.py, dp2-tp2-zero3). Until 2026-11-28 the tp cut
+    call for call by tests/distributed/test_step_traffic.py, dp2-tp2-zero3-biases). Until 2026-11-28 the tp cut
     (`local_tensor`) kept the column-parallel biases and projection q/k norms whole and cut a replicated kv head
     below one head."""
     from fivefold.model import build_model

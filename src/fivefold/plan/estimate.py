@@ -74,6 +74,7 @@ against. Model states are exact against the runtime; the time model's measured e
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -1510,14 +1511,14 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
         forward_gather, backward_gather, scatter = _zero_pp_times(config, params.total, d, cluster)
         return m * (hidden_behind(forward_gather, forward) + hidden_behind(backward_gather + scatter, backward))
     sizes = flat_group_sizes(model, d.tp, d.etp, d.ep, d.replicas)
-    blocks, routed_groups = sizes.of(layers, False, False)
-    root = sizes.of([], True, len(split) == 1)[0]
+    blocks, routed_groups = (Counter(n) for n in sizes.of(layers, False, False))  # a few distinct sizes, many times
+    root = Counter(sizes.of([], True, len(split) == 1)[0])
     time = _sharded_time(zero_degrees(config, d), d, cluster, root, blocks, element, grad_element, m, forward,
                          backward, buckets, once_behind) if group > 1 else 0.0
     if routed and experts > 1:  # plain ZeRO at the same stage over the EDP group (the runtime's: no shard_* override)
         from fivefold.parallel.shard_layout import ShardDegrees
 
-        time += _sharded_time(ShardDegrees.resolve(z.zero_stage, experts, experts), d, cluster, [], routed_groups,
+        time += _sharded_time(ShardDegrees.resolve(z.zero_stage, experts, experts), d, cluster, Counter(), routed_groups,
                               element, grad_element, m, forward, backward, buckets, once_behind)
     return time
 
@@ -1601,12 +1602,12 @@ def _compressed_reduce_time(g, numel: int, p: int, buckets: int, cluster: Cluste
                          for kind, _, n in codec_exchanges(g, per, p))
 
 
-def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: list[int], blocks: list[int], element: int,
+def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: Counter, blocks: Counter, element: int,
                   grad_element: int, m: int, forward: float, backward: float, buckets: int, once_behind: float) -> float:
     """Exposed ZeRO seconds per step for sharding degrees p | g | o over D = dp x cp ranks (parallel/shard_layout.py),
     each collective on the links its group spans (members are tp ranks apart on the grid; params, grads and
     blocks are consecutive, split and publish groups strided within a block of o, replicas across blocks).
-    Every collective is one per flat group (elements of each: the `root` module's, embedding, final norm and
+    Every collective is one per flat group (groups of each size: the `root` module's, embedding, final norm and
     head, and the `blocks`'), as parallel/zero.py issues them:
         per micro-batch  p > 1: all-gather of the blocks' weights over p before forward (hidden behind it) and
                          backward;
@@ -1620,12 +1621,12 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: list[int], blocks
     The stages are (1, 1, N), (1, N, N), (N, N, N)."""
     stride = d.tp
 
-    def over(kind: str, collective: str, sizes: list[int], element: int, parts: int = 1) -> float:
+    def over(kind: str, collective: str, sizes: Counter, element: int, parts: int = 1) -> float:
         size = deg.size(kind)
         if size == 1:
             return 0.0
         link = cluster.collective_link(collective, d.fibre_span(deg.span(kind) * stride))
-        return sum(native_collective(collective, n * element / parts, size, link) for n in sizes)
+        return sum(count * native_collective(collective, n * element / parts, size, link) for n, count in sizes.items())
 
     def hidden_behind(comm: float, compute: float) -> float:
         return max(comm - compute, comm / buckets) if comm else 0.0

@@ -267,45 +267,50 @@ def rank_tensors(model: ModelConfig, layers: list[int], first: bool, last: bool,
 @dataclass(frozen=True)
 class FlatGroupSizes:
     """Elements of each ZeRO flat group a rank holds, before padding (parallel/flat_groups.py `flat_group_layout`):
-    per unit (`embedding`, `layers.i`, `head`), its dense groups (decay, then no-decay; the root's one per top-level
-    module) and its routed experts' groups (one per expert slot), in the runtime's order."""
+    a block's decay group (its matrices) and no-decay group (its norms and biases), one group per routed expert
+    slot of a MoE block, and the root's one per top-level module (embedding; final norm, then head)."""
 
-    dense: dict[str, tuple[int, ...]]
-    experts: dict[str, tuple[int, ...]]
+    model: ModelConfig
+    blocks: tuple[tuple[int, ...], tuple[int, ...]]  # a dense-MLP block's (decay, no-decay), a MoE block's
+    routed: tuple[int, ...]  # a MoE block's routed experts' groups
+    embedding: tuple[int, ...]
+    head: tuple[int, ...]
+
+    def unit(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(dense, routed) groups of the unit `embedding`, `layers.i` or `head`."""
+        if name in ("embedding", "head"):
+            return getattr(self, name), ()
+        moe = bool(self.model.n_experts) and self.model.is_moe_layer(int(name.split(".")[1]))
+        return self.blocks[moe], self.routed if moe else ()
 
     def of(self, layers: list[int], first: bool, last: bool) -> tuple[list[int], list[int]]:
         """(dense, routed) group sizes of a rank holding blocks `layers`, the embedding if `first`, the head if
         `last`, in forward order."""
         units = (["embedding"] if first else []) + [f"layers.{i}" for i in layers] + (["head"] if last else [])
-        return ([n for u in units for n in self.dense.get(u, ())], [n for u in units for n in self.experts.get(u, ())])
+        parts = [self.unit(u) for u in units]
+        return [n for dense, _ in parts for n in dense], [n for _, routed in parts for n in routed]
 
 
 def flat_group_sizes(model: ModelConfig, tp: int = 1, etp: int = 1, ep: int = 1, replicas: int = 0) -> FlatGroupSizes:
-    """The runtime's flat groups on one rank (`FlatGroupSizes`), counted on the meta-device model: tensors cut as
-    tensor parallelism cuts them (`local_tensor`), the routed experts as expert parallelism does (E / ep experts
-    plus EPLB's spare slots, each expert's hidden units by etp). ZeRO issues one collective per group."""
-    return _flat_group_sizes(dataclasses.astuple(model), tp, etp, ep, replicas)
-
-
-@functools.lru_cache(maxsize=64)  # a search prices thousands of layouts of one model
-def _flat_group_sizes(fields: tuple, tp: int, etp: int, ep: int, replicas: int) -> FlatGroupSizes:
-    from fivefold.model import build_model
-    from fivefold.parallel.expert_parallel import cut_experts
-    from fivefold.parallel.flat_groups import flat_group_layout, is_expert_group
-
-    model = ModelConfig(*fields)
-    net = build_model(model)  # meta device: shapes only
-    if model.n_experts and ep > 1:  # every rank holds as many slots of one size
-        slots = experts_per_rank(model, ep, replicas)
-        cut_experts(net, {layer: [list(range(slots))] for layer in model.moe_layers}, 0)
-    vocab = padded_vocab(model.vocab_size, tp)
-    unit_of = {"tok_embeddings": "embedding", "norm": "head", "output": "head"}
-    dense: dict[str, list[int]] = {}
-    experts: dict[str, list[int]] = {}
-    for layout in flat_group_layout(net):
-        first = layout.names[0]
-        root = first.split(".")[0]
-        unit = ".".join(first.split(".")[:2]) if first.startswith("layers.") else unit_of.get(root, root)
-        size = sum(local_tensor(name, tuple(shape), vocab, tp, etp, model.head_size)[0] for name, shape in zip(layout.names, layout.shapes))
-        (experts if is_expert_group(layout.key) else dense).setdefault(unit, []).append(size)
-    return FlatGroupSizes({u: tuple(v) for u, v in dense.items()}, {u: tuple(v) for u, v in experts.items()})
+    """The runtime's flat groups on one rank (`FlatGroupSizes`), counted as `block_parameters` counts a block:
+    tensors cut as tensor parallelism cuts them, the routed experts as expert parallelism does (E / ep experts plus
+    EPLB's spare slots, each expert's hidden units by etp). ZeRO issues one collective per group. (Counted, not
+    read off the meta-device model, so that a search never builds one; tests/test_planner.py checks the count
+    against `flat_group_layout`, and the simulator's calls, which use it, equal the runtime's.)"""
+    blocks = []
+    for moe in (False, True):
+        if moe and not model.n_experts:
+            blocks.append(blocks[0])
+            continue
+        layer = first_block(model, moe)
+        no_decay = block_norm_parameters(model, tp)
+        if model.attention != "mla" and model.attention_bias in ("qkv", "all"):
+            kv = max(model.kv_heads // tp, 1) * model.head_size
+            no_decay += model.q_dim // tp + 2 * kv + (model.dim if model.attention_bias == "all" else 0)
+        if model.mlp_bias and not moe:
+            no_decay += 2 * (model.ffn_hidden_dim // tp) + model.dim
+        blocks.append((block_parameters(model, layer, tp, ep, etp, replicas).dense - no_decay, no_decay))
+    routed = (expert_values(model, etp),) * experts_per_rank(model, ep, replicas) if model.n_experts else ()
+    vocab_rows = padded_vocab(model.vocab_size, tp) // tp * model.dim
+    head = (model.dim,) if model.tie_embeddings else (model.dim, vocab_rows)
+    return FlatGroupSizes(model, (blocks[0], blocks[1]), routed, (vocab_rows,), head)

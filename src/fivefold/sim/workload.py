@@ -283,8 +283,9 @@ def stage_units(model: ModelConfig, split: list[list[int]], d: Degrees) -> list[
         unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else name.split(".")[0]
         (experts if expert else by_unit)[unit].append((name, numel))
     sizes = flat_group_sizes(model, d.tp, d.etp, d.ep, d.replicas)
-    groups = defaultdict(list, {unit: list(n) for unit, n in sizes.dense.items()})
-    expert_groups = defaultdict(list, {unit: list(n) for unit, n in sizes.experts.items()})
+    names = ["embedding", "head", *(f"layers.{i}" for i in range(model.n_layers))]
+    groups = {name: list(sizes.unit(name)[0]) for name in names}
+    expert_groups = {name: list(sizes.unit(name)[1]) for name in names}
     stages = []
     tied_copy = bool(tied_embedding_pair(model, d, split, tuple(range(d.pp))))  # first and last stage on two ranks
     for s, layers in enumerate(split):
