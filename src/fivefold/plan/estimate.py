@@ -1507,14 +1507,16 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
         expert_reduce = native("all_reduce", routed * grad_element, experts) if routed and experts > 1 else 0.0
         reduce = _dense_all_reduce(g, grad_bytes, group, cluster, span, grad_bytes / buckets) if group > 1 else 0.0
         return hidden_behind(reduce + expert_reduce, once_behind) + replica_gradient_seconds(config, model, d, cluster)
-    if z.quantized_weights or z.hpz_partition > 1 or z.gradient_bits:
-        forward_gather, backward_gather, scatter = _zero_pp_times(config, params.total, d, cluster)
-        return m * (hidden_behind(forward_gather, forward) + hidden_behind(backward_gather + scatter, backward))
     sizes = flat_group_sizes(model, d.tp, d.etp, d.ep, d.replicas)
     blocks, routed_groups = (Counter(n) for n in sizes.of(layers, False, False))  # a few distinct sizes, many times
     root = Counter(sizes.of([], True, len(split) == 1)[0])
-    time = _sharded_time(zero_degrees(config, d), d, cluster, root, blocks, element, grad_element, m, forward,
-                         backward, buckets, once_behind) if group > 1 else 0.0
+    if z.quantized_weights or z.hpz_partition > 1 or z.gradient_bits:  # the dense groups' ZeRO-3, through ZeRO++
+        forward_gather, backward_gather, scatter, root_gather = _zero_pp_times(config, root, blocks, d, cluster)
+        time = m * (hidden_behind(forward_gather, forward) + hidden_behind(backward_gather + scatter, backward)) \
+            + root_gather
+    else:
+        time = _sharded_time(zero_degrees(config, d), d, cluster, root, blocks, element, grad_element, m, forward,
+                             backward, buckets, once_behind) if group > 1 else 0.0
     if routed and experts > 1:  # plain ZeRO at the same stage over the EDP group (the runtime's: no shard_* override)
         from fivefold.parallel.shard_layout import ShardDegrees
 
@@ -1665,11 +1667,16 @@ def _overlapped_tp_block(model: ModelConfig, d: Degrees, block: float, core: flo
     return exposed / 2
 
 
-def _zero_pp_times(config: JobConfig, params: int, d: Degrees, cluster: ClusterSpec) -> tuple[float, float, float]:
-    """Seconds of ZeRO-3's forward gather, backward gather and reduce-scatter with ZeRO++ (parallel/zero_pp.py):
-    qwZ gathers 1 + 4/block bytes per weight; hpZ's backward gather runs over h ranks of one node; qgZ's
-    reduce-scatter is an all-to-all of bits/8 + 4/block bytes per value within the node (L ranks) and one of
-    1/L of them across the K nodes. Nodes are the cluster's (or gradient_comm.node_size ranks)."""
+def _zero_pp_times(config: JobConfig, root: Counter, blocks: Counter, d: Degrees,
+                   cluster: ClusterSpec) -> tuple[float, float, float, float]:
+    """Seconds of ZeRO-3's forward gathers of the blocks, their backward gathers, the reduce-scatters of every group
+    (per micro-batch) and the root's gather (once a step) with ZeRO++ (parallel/zero_pp.py), one collective (or
+    set of them) per flat group (`root`, `blocks`: groups of each size), as the runtime issues them: qwZ gathers
+    each group's int8 codes and its fp32 scales (one per block of values) in two all-gathers; hpZ's backward
+    gather runs over h ranks of one node; qgZ all-to-alls each group's codes and scales within the node (L ranks)
+    and then 1/L of them across the K nodes. Nodes are the cluster's (or gradient_comm.node_size ranks)."""
+    from fivefold.plan.zero_traffic import quantized_parts
+
     z = config.data_parallel
     shards = d.dp_shard * d.cp
     stride = d.tp  # shard-group members are tp ranks apart on the grid
@@ -1678,20 +1685,33 @@ def _zero_pp_times(config: JobConfig, params: int, d: Degrees, cluster: ClusterS
     nodes = max(1, shards // per_node)
     weight = 2 if z.param_dtype == "bf16" else 4
     reduce = 2 if config.gradient_comm.reduce_dtype == "bf16" else weight
-    quantized = 1 + 4 / z.quantization_block
 
     def native(collective: str, n: float, p: int) -> float:
         return native_collective(collective, n, p, cluster.collective_link(collective, p * stride))
 
-    full = native("all_gather", params * (quantized if z.quantized_weights else weight), shards)
-    backward = native("all_gather", params * weight, z.hpz_partition) if z.hpz_partition > 1 else full
-    if z.gradient_bits:
-        value = z.gradient_bits / 8 + 4 / z.quantization_block
-        scatter = native("all_to_all", params * value, per_node) + \
-            native_collective("all_to_all", params * value / per_node, nodes, cluster.link_for(shards * stride))
-    else:
-        scatter = native("reduce_scatter", params * reduce, shards)
-    return full, backward, scatter
+    def gather(n: int) -> float:
+        if not z.quantized_weights:
+            return native("all_gather", n * weight, shards)
+        return sum(native("all_gather", shards * part, shards)
+                   for part in quantized_parts(-(-n // shards), 8, z.quantization_block))
+
+    def regather(n: int) -> float:
+        return native("all_gather", n * weight, z.hpz_partition) if z.hpz_partition > 1 else gather(n)
+
+    def scatter(n: int) -> float:
+        if not z.gradient_bits:
+            return native("reduce_scatter", n * reduce, shards)
+        shard = -(-n // shards)
+        within = sum(native("all_to_all", per_node * part, per_node)
+                     for part in quantized_parts(nodes * shard, z.gradient_bits, z.quantization_block))
+        across = sum(native_collective("all_to_all", nodes * part, nodes, cluster.link_for(shards * stride))
+                     for part in quantized_parts(shard, z.gradient_bits, z.quantization_block)) if nodes > 1 else 0.0
+        return within + across
+
+    def each(sizes: Counter, seconds) -> float:
+        return sum(count * seconds(n) for n, count in sizes.items())
+
+    return each(blocks, gather), each(blocks, regather), each(root + blocks, scatter), each(root, gather)
 
 
 # ---------------------------------------------------------------------------------------------- together
