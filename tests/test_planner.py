@@ -821,14 +821,15 @@ def test_flat_group_sizes_are_the_runtimes_flat_groups(changes):
     """flat_group_sizes (the planner's and the simulator's ZeRO groups) is the runtime's flat_group_layout on the
     meta-device model, group for group in order, with an expert-parallel rank's experts cut as the runtime cuts
     them; under tensor parallelism its groups add up to the rank's exact Ψ (the runtime's tp-cut groups are checked
-    call for call by tests/distributed/test_step_traffic.py, dp2-tp2-zero3-biases). Until 2026-11-28 the tp cut
+    call for call by tests/distributed/test_step_traffic.py, dp2-tp2-zero3-biases), and so does `local_tensor`'s
+    cut of every tensor. Until 2026-11-28 the tp cut
     (`local_tensor`) kept the column-parallel biases and projection q/k norms whole and cut a replicated kv head
     below one head."""
     from fivefold.model import build_model
     from fivefold.parallel.expert_parallel import cut_experts
     from fivefold.parallel.expert_placement import contiguous_placement
     from fivefold.parallel.flat_groups import flat_group_layout, is_expert_group
-    from fivefold.plan.parameters import flat_group_sizes
+    from fivefold.plan.parameters import flat_group_sizes, local_tensor, padded_vocab
 
     model = dataclasses.replace(get_preset("tiny"), vocab_size=257, **changes)
     layers = list(range(model.n_layers))
@@ -847,6 +848,10 @@ def test_flat_group_sizes_are_the_runtimes_flat_groups(changes):
         dense, routed = flat_group_sizes(model, tp).of(layers, True, True)
         counted = rank_parameters(model, layers, True, True, tp=tp)
         assert (sum(dense), sum(routed)) == (counted.dense, counted.experts)
+        # the simulator's DDP buckets, PowerSGD's shares and the priority schedule's slices cut each tensor alike
+        vocab = padded_vocab(model.vocab_size, tp)
+        assert sum(local_tensor(name, tuple(p.shape), vocab, tp, 1, model.head_size)[0]
+                   for name, p in build_model(model).named_parameters()) == counted.total
     first, _ = flat_group_sizes(model).of([0, 1], True, False)  # a pipeline stage's: the embedding's and its blocks'
     assert len(first) == 1 + 2 * 2
 
