@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Callable
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -1628,7 +1629,7 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: Counter, blocks: 
         if size == 1:
             return 0.0
         link = cluster.collective_link(collective, d.fibre_span(deg.span(kind) * stride))
-        return sum(count * native_collective(collective, n * element / parts, size, link) for n, count in sizes.items())
+        return _per_group(sizes, lambda n: native_collective(collective, n * element / parts, size, link))
 
     def hidden_behind(comm: float, compute: float) -> float:
         return max(comm - compute, comm / buckets) if comm else 0.0
@@ -1708,10 +1709,14 @@ def _zero_pp_times(config: JobConfig, root: Counter, blocks: Counter, d: Degrees
                      for part in quantized_parts(shard, z.gradient_bits, z.quantization_block)) if nodes > 1 else 0.0
         return within + across
 
-    def each(sizes: Counter, seconds) -> float:
-        return sum(count * seconds(n) for n, count in sizes.items())
+    return (_per_group(blocks, gather), _per_group(blocks, regather), _per_group(root + blocks, scatter),
+            _per_group(root, gather))
 
-    return each(blocks, gather), each(blocks, regather), each(root + blocks, scatter), each(root, gather)
+
+def _per_group(sizes: Counter, seconds: Callable[[int], float]) -> float:
+    """A collective's `seconds` (of a group's elements) summed over the flat groups, `sizes` counting the groups of
+    each size (ZeRO issues one per group)."""
+    return sum(count * seconds(n) for n, count in sizes.items())
 
 
 # ---------------------------------------------------------------------------------------------- together
