@@ -19,10 +19,11 @@ matmul rate with only as many ranks computing as the cores hold (the cluster's o
 machine's: ranks idle in a pipeline bubble lend their cores); a layout's time is the median over
 rounds of its slowest rank's step. Rounds put a slow spell of
 this shared machine on every layout alike. The planner predicts each config on that cluster with
-compute constants fitted on the dense one-rank layouts only (`fit_compute`): the achieved share of the
+compute constants fitted on the one-rank layouts only (`fit_compute`): the achieved share of the
 matmul rate (--efficiency), one per compute dtype (fp32, and bf16 on `single-bf16`), and a block pass's
 fixed host cost (accelerator.pass_overhead_us; one thread's work, so it grows by ranks / cores once the
-ranks outnumber the cores). Every multi-rank
+ranks outnumber the cores) on the dense ones, then the routed experts' share (--expert-efficiency) on
+`single-moe`. Every multi-rank
 layout is predicted with no further fitting, so those rows check everything the planner adds:
 parallel splits, communication, recomputation, the pipeline bubble.
 
@@ -42,7 +43,7 @@ predicts the same steps with a second set of compute rates and prints that set's
 rates instead`): the square matmul loop's by default, the passes' with --rates passes.
 
 Prints one row per layout (predicted, measured, error) and
-RESULT name=plan_vs_measured layouts=N efficiency=... efficiency_bf16=... overhead_us=... median_abs_error=...
+RESULT name=plan_vs_measured layouts=N efficiency=... efficiency_bf16=... expert_ratio=... overhead_us=... median_abs_error=...
        multi_rank_median_abs_error=... within_10pct=... worst_abs_error=... kendall_tau=... best_gap=...
        sim_median_abs_error=... sim_worst_abs_error=... sim_within_10pct=...
 (the sim_ figures: `fivefold simulate`'s step, sim/step.py at --fidelity, default hybrid as the command's, on
@@ -307,7 +308,6 @@ def _profiled(rows: list[dict], shares: dict[str, float]) -> None:
     (`measure_on_ranks`: they share the cores and memory as the ranks do). Layouts with more threads than cores
     are left out (the planner's core sharing takes rates measured that way, which these are not)."""
     from fivefold.errors import ConfigError
-    from fivefold.plan.efficiency import Efficiency
     from fivefold.plan.estimate import estimate
     from fivefold.plan.profile_measure import measure_on_ranks
     from fivefold.sim.step import simulate_step
@@ -321,7 +321,7 @@ def _profiled(rows: list[dict], shares: dict[str, float]) -> None:
         if row["world_size"] * threads > row["cores"] or row["config"].data_parallel.mode == "ps":
             continue
         profile = measure_on_ranks(row["config"], row["world_size"], threads, 257, repeats=10)
-        chosen = Efficiency(efficiency_of(row, shares), 0.0, profile)
+        chosen = dataclasses.replace(efficiency_of(row, shares), profile=profile)
         predicted = estimate(row["config"], row["world_size"], row["cluster"], chosen, vocab_size=257).time.total
         try:
             simulated = simulate_step(row["config"], row["world_size"], row["cluster"], chosen, vocab_size=257,
@@ -359,17 +359,20 @@ def _other_rates(rows: list[dict], shares: dict[str, float], name: str) -> None:
 
 
 def fit_compute(rows: list[dict]) -> tuple[dict[str, float], float, list[dict]]:
-    """The planner's compute constants, fitted on the dense one-rank layouts only: the achieved share e of the
+    """The planner's compute constants, fitted on the one-rank layouts only: the achieved share e of the
     matmul rate (--efficiency), one per compute dtype (`compute_dtype`: its peak is that dtype's matmul rate, and a
     CPU's bf16 matmul loop can run 5x its fp32 one where a small model's bf16 step does not), and the fixed host
     cost o of a block's forward pass (the cluster's accelerator.pass_overhead_us), fitted with the fp32 share on the
-    fp32 anchors. The planner's one-rank step is linear in 1/e and o, t = M / e + O o + R (M, O and R read off
-    three estimates), so the relative errors' least squares has a closed form. Multi-rank layouts then predict
+    dense fp32 anchors. The planner's one-rank step is linear in 1/e and o, t = M / e + O o + R (M, O and R read off
+    three estimates), so the relative errors' least squares has a closed form. Then, at those, the routed experts'
+    share (--expert-efficiency) on the one-rank MoE anchors, as a ratio r to the dtype's share (`shares["experts"]`;
+    1.0 without a MoE anchor): their step is linear in e / (r e) = 1 / r as well. Multi-rank layouts then predict
     with no further fitting; a dtype with no one-rank anchor (a replayed run from before 2026-11-27 evening) takes
     the fp32 share."""
     from fivefold.plan.estimate import compute_dtype
 
-    anchors = [r for r in rows if r["world_size"] == 1 and not r["config"].model.n_experts] or rows[:1]
+    ones = [r for r in rows if r["world_size"] == 1]
+    anchors = [r for r in ones if not r["config"].model.n_experts] or rows[:1]
     by_dtype: dict[str, list[dict]] = {}
     for row in anchors:
         by_dtype.setdefault(compute_dtype(row["config"]), []).append(row)
@@ -381,14 +384,43 @@ def fit_compute(rows: list[dict]) -> tuple[dict[str, float], float, list[dict]]:
             shares[dtype] = _fit_share([_linear_step(row) for row in group], overhead)
     shares.setdefault("fp32", share)
     shares.setdefault("bf16", shares["fp32"])
-    return shares, overhead, anchors
+    shares["experts"] = 1.0
+    moe = [r for r in ones if r["config"].model.n_experts]
+    if moe:
+        shares["experts"] = _fit_expert_ratio([_expert_step(row, shares, overhead) for row in moe])
+    return shares, overhead, anchors + moe
 
 
-def efficiency_of(row: dict, shares: dict[str, float]) -> float:
-    """The fitted share for the row's compute dtype."""
+def efficiency_of(row: dict, shares: dict[str, float]):
+    """The fitted shares for the row's compute dtype (plan/efficiency.py Efficiency)."""
+    from fivefold.plan.efficiency import Efficiency
     from fivefold.plan.estimate import compute_dtype
 
-    return shares[compute_dtype(row["config"])]
+    share = shares[compute_dtype(row["config"])]
+    ratio = shares.get("experts", 1.0)
+    return Efficiency(share, experts=min(1.0, share * ratio) if ratio != 1.0 else 0.0)
+
+
+def _expert_step(row: dict, shares: dict[str, float], overhead: float) -> tuple[float, float, float]:
+    """(R, B, measured) of a one-rank MoE layout whose predicted step at expert ratio r is B + R (1 / r - 1)."""
+    from fivefold.plan.efficiency import Efficiency
+    from fivefold.plan.estimate import compute_dtype, estimate
+
+    share = shares[compute_dtype(row["config"])]
+    cluster = with_overhead(row["cluster"], overhead, row["cores"])
+
+    def at(experts: float) -> float:
+        return estimate(row["config"], 1, cluster, Efficiency(share, experts=experts), vocab_size=257).time.total
+
+    base = at(share)
+    return at(share / 2) - base, base, row["measured"]
+
+
+def _fit_expert_ratio(system: list[tuple[float, float, float]]) -> float:
+    """Least squares of the relative errors of t = B + R y over y = 1 / r - 1; the ratio r (`efficiency_of` caps
+    the experts' share r e at 1)."""
+    y = sum(r * (t - b) / t**2 for r, b, t in system) / sum((r / t) ** 2 for r, b, t in system)
+    return 1 / max(1 + y, 1e-3)
 
 
 def _linear_step(row: dict) -> tuple[float, float, float, float]:
@@ -568,9 +600,10 @@ def main() -> int:
 
     errors, sim_errors, multi = [], [], []
     print(f"# measured on: {measured_on}")
+    moe = sum(bool(r["config"].model.n_experts) for r in anchors)
     print(f"# efficiency {shares['fp32']:.3f} (bf16 {shares['bf16']:.3f}), block pass overhead {overhead:.0f} us (fitted on "
-          f"the {len(anchors)} dense one-rank "
-          f"layouts); seq {args.seq_len}, micro-batch {args.micro_batch}, "
+          f"the {len(anchors) - moe} dense one-rank layouts), routed experts at {shares['experts']:.3f} of the matmul "
+          f"share (fitted on the {moe} MoE one-rank layout{'' if moe == 1 else 's'}); seq {args.seq_len}, micro-batch {args.micro_batch}, "
           f"{args.layers} layers of tiny")
     print(f"# {'layout':<18}{'ranks':>6}{'predicted(s)':>14}{'simulated(s)':>14}{'measured(s)':>13}{'plan err':>10}"
           f"{'sim err':>9}")
@@ -615,7 +648,7 @@ def main() -> int:
                                                {"rates": args.rates} for r in rows], indent=2))
     median = statistics.median(errors) if errors else 0.0
     print(f"RESULT name=plan_vs_measured layouts={len(rows)} efficiency={shares['fp32']:.4f} "
-          f"efficiency_bf16={shares['bf16']:.4f} overhead_us={overhead:.1f} "
+          f"efficiency_bf16={shares['bf16']:.4f} expert_ratio={shares['experts']:.4f} overhead_us={overhead:.1f} "
           f"median_abs_error={median:.4f} multi_rank_median_abs_error={statistics.median(multi) if multi else 0.0:.4f} "
           f"within_10pct={sum(e <= 0.10 for e in errors)} worst_abs_error={max(errors, default=0.0):.4f} kendall_tau={tau:.4f} "
           f"best_gap={best_gap:.4f} sim_median_abs_error={statistics.median(sim_errors) if sim_errors else 0.0:.4f} "

@@ -281,10 +281,11 @@ def test_plan_vs_measured_prices_with_the_rates_asked(tmp_path):
 
 def test_plan_vs_measured_fits_one_compute_share_per_dtype():
     """`fit_compute` fits the share of the matmul rate per compute dtype (each dtype's peak is its own matmul
-    rate) and the pass overhead on the fp32 anchors: on steps made by the planner at known shares (fp32 0.5, bf16
-    0.2, 300 us a pass) it recovers all three, and a bf16 row (ZeRO's bf16 weights too) is priced at the bf16
-    share; a run with no bf16 anchor gives bf16 the fp32 share. One share for both (the fit before) would put the
-    bf16 step 2.5x off."""
+    rate) and the pass overhead on the dense fp32 anchors, then the routed experts' share on the MoE one: on steps
+    made by the planner at known shares (fp32 0.5, bf16 0.2, routed experts at half the matmul share, 300 us a
+    pass) it recovers all four, and a bf16 row (ZeRO's bf16 weights too) is priced at the bf16 share; a run with no
+    bf16 anchor gives bf16 the fp32 share, one with no MoE anchor the routed experts the matmuls' (ratio 1). One
+    share for both dtypes (the fit before) would put the bf16 step 2.5x off."""
     import importlib.util
 
     from fivefold.config import load_config
@@ -300,8 +301,10 @@ def test_plan_vs_measured_fits_one_compute_share_per_dtype():
     layouts = [(1, "single", []), (1, "single-6-layers", ["--model.n_layers", "6"]), (1, "single-micro8", ["--train.micro_batch_size", "8"]),
                (1, "single-bf16", ["--train.dtype", "bf16"]),
                (2, "dp2-zero3-bf16", ["--data_parallel.zero_stage", "3", "--data_parallel.shard", "2",
-                                      "--data_parallel.param_dtype", "bf16"])]
-    shares = {"fp32": 0.5, "bf16": 0.2}
+                                      "--data_parallel.param_dtype", "bf16"]),
+               (1, "single-moe", ["--model.preset", "tiny-moe"]), (2, "ep2", ["--model.preset", "tiny-moe",
+                                                                           "--expert_parallel.degree", "2"])]
+    shares = {"fp32": 0.5, "bf16": 0.2, "experts": 0.5}
     rows = []
     for world, name, extra in layouts:
         config = load_config(None, [*base, *extra])
@@ -311,7 +314,12 @@ def test_plan_vs_measured_fits_one_compute_share_per_dtype():
         rows.append(row)
     fitted, overhead, anchors = module.fit_compute(rows)
     assert fitted == pytest.approx(shares, rel=1e-6) and overhead == pytest.approx(300.0, rel=1e-6)
-    assert [r["name"] for r in anchors] == ["single", "single-6-layers", "single-micro8", "single-bf16"]
-    assert module.efficiency_of(rows[-1], fitted) == pytest.approx(0.2)
+    assert [r["name"] for r in anchors] == ["single", "single-6-layers", "single-micro8", "single-bf16", "single-moe"]
+    assert module.efficiency_of(rows[4], fitted).matmul == pytest.approx(0.2)
+    assert module.efficiency_of(rows[-1], fitted).experts == pytest.approx(0.25, rel=1e-6)
+    ep2 = estimate(rows[-1]["config"], 2, module.with_overhead(cluster, overhead, 2), module.efficiency_of(rows[-1], fitted),
+                   vocab_size=257).time.total
+    assert ep2 == pytest.approx(rows[-1]["measured"], rel=1e-6)
     fp32_only, _, _ = module.fit_compute(rows[:3])
-    assert fp32_only["bf16"] == fp32_only["fp32"] == pytest.approx(0.5, rel=1e-6)
+    assert fp32_only["bf16"] == fp32_only["fp32"] == pytest.approx(0.5, rel=1e-6) and fp32_only["experts"] == 1.0
+    assert module.efficiency_of(rows[0], fp32_only).experts == 0.0

@@ -610,6 +610,42 @@ def test_attention_core_runs_at_its_own_share_of_peak():
                      "--attention-efficiency", bad]) == 2
 
 
+
+def test_routed_experts_run_at_their_own_share_of_peak():
+    """--expert-efficiency prices a MoE block's routed expert GEMMs (2 x k of E experts' matmul parameters per token)
+    at their own share: halving it adds exactly those GEMMs' seconds again to the MoE block and to `routed` (the part
+    a busier EP rank scales), with and without the width law; a dense block, a dense model and an unset share
+    (0: the matmuls') are unchanged; out of range, nan or inf is refused naming the option."""
+    from fivefold.plan.efficiency import Efficiency
+    from fivefold.plan.estimate import degrees_of, model_for, pass_costs, routed_parameters_per_token
+
+    cluster = CLUSTERS["h100-sxm"]
+    config = load_config(None, ["--model.preset", "tiny-moe", "--model.vocab_size", "257", "--train.seq_len", "128",
+                                "--model.n_layers", "2"])
+    model, d = model_for(config), degrees_of(config, 1)
+    tokens = config.train.micro_batch_size * config.train.seq_len
+    moe = model.moe_layers[0]
+    gemms = 2 * routed_parameters_per_token(model, moe) * tokens / cluster.accelerator.peak_flops("fp32")
+    for half_width in (0.0, 64.0):
+        plain = pass_costs(config, model, d, cluster, Efficiency(0.5, half_width=half_width))
+        assert pass_costs(config, model, d, cluster, Efficiency(0.5, half_width=half_width, experts=0.0)) == plain
+        slow = pass_costs(config, model, d, cluster, Efficiency(0.5, half_width=half_width, experts=0.25))
+        assert slow.block.get(False) == plain.block.get(False) and slow.head == plain.head
+        assert slow.block[True] - plain.block[True] == pytest.approx(gemms / 0.25 - plain.routed, rel=1e-9)
+        assert slow.routed == pytest.approx(gemms / 0.25, rel=1e-9)
+    narrowest = min(model.dim, model.expert_hidden_dim)
+    assert plain.routed == pytest.approx(gemms * (1 + 64 / narrowest) / 0.5, rel=1e-9)  # the width law's
+    dense = load_config(None, ["--model.preset", "tiny", "--model.vocab_size", "257"])
+    assert estimate(dense, 1, cluster, Efficiency(0.5, experts=0.1)).time == estimate(dense, 1, cluster, 0.5).time
+    assert estimate(config, 1, cluster, Efficiency(0.5, experts=0.1)).time.compute > estimate(config, 1, cluster,
+                                                                                             0.5).time.compute
+    for bad in (-0.1, 1.5, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="expert efficiency"):
+            Efficiency(0.5, experts=bad)
+    for bad in ("2", "nan", "inf", "-1"):
+        assert main(["plan", "--model.preset", "tiny-moe", "--model.vocab_size", "257", "--gpus", "1",
+                     "--expert-efficiency", bad]) == 2
+
 def test_block_pass_overhead_is_paid_once_per_block_pass(tmp_path):
     """accelerator.pass_overhead_us adds a fixed cost to every block forward: 3 passes per block and micro-batch
     (forward, backward twice), 4 under full recomputation (the forward again); it round-trips through the

@@ -36,7 +36,8 @@ Step time (seconds) = pipeline makespan + exposed data-parallel communication:
     compute     forward FLOPs of a stage's blocks (2 x matmul parameters x tokens at the
                 accelerator's peak x efficiency, the attention core 4 q s per token at peak x the
                 attention efficiency, split by tp and cp; with the width law each GEMM at
-                efficiency x n / (n + half_width), n = min(K, N) of its weight slice, plan/gemms.py; the head on the last stage), plus the bytes the blocks write outside their
+                efficiency x n / (n + half_width), n = min(K, N) of its weight slice, plan/gemms.py; a MoE
+                block's routed expert GEMMs at the expert efficiency when one is given; the head on the last stage), plus the bytes the blocks write outside their
                 matmuls (the kept activations, the logits) at its memory bandwidth, plus the
                 accelerator's fixed pass_overhead_us per block (a MoE block's by its operators over a
                 dense block's, plan/operators.py); backward twice the forward;
@@ -943,16 +944,24 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
     if eff.half_width:  # the width law: each GEMM at its own share (plan/gemms.py)
         gemms = {kind: block_gemms(model, layer, tokens, d.tp, d.cp, sp, d.etp)
                  for kind in (False, True) if (layer := first_block(model, kind)) >= 0}
-        matmuls = {kind: sum(g.flops / (peak * eff.share(g.narrowest)) for g in found) for kind, found in gemms.items()}
+
+        def seconds(g) -> float:
+            return g.flops / (peak * (eff.expert_share(g.narrowest) if g.routed else eff.share(g.narrowest)))
+
+        matmuls = {kind: sum(seconds(g) for g in found) for kind, found in gemms.items()}
         head_gemm_ = head_gemm(model, tokens, d.tp, d.cp)
         head = head_gemm_.flops / (peak * eff.share(head_gemm_.narrowest))
-        routed = sum(g.flops / (peak * eff.share(g.narrowest)) for g in gemms.get(True, ()) if g.routed)
+        routed = sum(seconds(g) for g in gemms.get(True, ()) if g.routed)
     else:
         matmuls = {kind: (_block_forward_flops(model, layer, tokens, seq, d, sp) - core_flops) / rate
                    for kind in (False, True) if (layer := first_block(model, kind)) >= 0}
         head = 2 * padded_vocab(model.vocab_size, d.tp) * model.dim * tokens / (d.tp * d.cp) / rate
         routed = 2 * routed_parameters_per_token(model, moe) * tokens / (d.cp * (d.tp if sp else 1)) / rate \
             if moe >= 0 else 0.0
+        if eff.experts and routed:  # the routed GEMMs at their own share
+            slower = routed * (eff.matmul / eff.experts - 1)
+            matmuls[True] += slower
+            routed += slower
     block = {kind: seconds + core + (written[kind] / bandwidth if bandwidth else 0.0) + fixed[kind]
              for kind, seconds in matmuls.items()}
     if bandwidth:
