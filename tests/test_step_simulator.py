@@ -733,7 +733,11 @@ def test_every_step_option_changes_what_is_simulated(capsys):
     assert _step_json(capsys, *base, "--efficiency", "0.25")["seconds"] > plain["seconds"]
     slow_core = _step_json(capsys, *base, "--attention-efficiency", "0.1")
     assert slow_core["seconds"] > plain["seconds"] and slow_core["attention_efficiency"] == 0.1
-    assert plain["attention_efficiency"] == plain["efficiency"] == 0.5
+    assert plain["attention_efficiency"] == plain["efficiency"] == plain["expert_efficiency"] == 0.5
+    moe = [*base, "--model.n_experts", "4", "--model.moe_top_k", "2"]
+    slow_experts = _step_json(capsys, *moe, "--expert-efficiency", "0.1")
+    assert slow_experts["seconds"] > _step_json(capsys, *moe)["seconds"] and slow_experts["expert_efficiency"] == 0.1
+    assert _step_json(capsys, *base, "--expert-efficiency", "0.1")["seconds"] == plain["seconds"]  # no experts
     assert _step_json(capsys, *base, "--gpus", "32")["layout"].startswith("dp 16")
     assert _step_json(capsys, *base[:-1], "4")["layout"].startswith("dp 4 x tp 4")  # a config override
     bigger = _step_json(capsys, "--gpus", "16", "--vocab-size", "32000", "--tensor_parallel.degree", "2")
@@ -759,6 +763,8 @@ def test_every_step_option_changes_what_is_simulated(capsys):
     (["--gpus", "2", "--attention-efficiency", "2"], "attention efficiency = 2.0"),
     (["--gpus", "2", "--attention-efficiency", "nan"], "attention efficiency = nan"),
     (["--gpus", "2", "--attention-efficiency", "inf"], "attention efficiency = inf"),
+    (["--gpus", "2", "--expert-efficiency", "1.5"], "expert efficiency = 1.5"),
+    (["--gpus", "2", "--expert-efficiency", "nan"], "expert efficiency = nan"),
     (["--gpus", "2", "--model.n_experts", "4", "--expert_parallel.degree", "2", "--data_parallel.zero_stage", "2",
       "--data_parallel.shard", "2"], "leaves each expert piece on one rank"),
     ([], "--gpus N"), (["--gpus", "4", "--ranks", "4"], "--gpus N"), (["--gpus", "0"], "--gpus 0"),
