@@ -418,7 +418,9 @@ def _expert_step(row: dict, shares: dict[str, float], overhead: float) -> tuple[
 
 def _fit_expert_ratio(system: list[tuple[float, float, float]]) -> float:
     """Least squares of the relative errors of t = B + R y over y = 1 / r - 1; the ratio r (`efficiency_of` caps
-    the experts' share r e at 1)."""
+    the experts' share r e at 1); 1.0 when no anchor has routed work to price."""
+    if not any(r for r, _, _ in system):
+        return 1.0
     y = sum(r * (t - b) / t**2 for r, b, t in system) / sum((r / t) ** 2 for r, b, t in system)
     return 1 / max(1 + y, 1e-3)
 
