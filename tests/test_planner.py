@@ -610,7 +610,6 @@ def test_attention_core_runs_at_its_own_share_of_peak():
                      "--attention-efficiency", bad]) == 2
 
 
-
 def test_routed_experts_run_at_their_own_share_of_peak():
     """--expert-efficiency prices a MoE block's routed expert GEMMs (2 x k of E experts' matmul parameters per token)
     at their own share: halving it adds exactly those GEMMs' seconds again to the MoE block and to `routed` (the part
@@ -621,8 +620,9 @@ def test_routed_experts_run_at_their_own_share_of_peak():
 
     cluster = CLUSTERS["h100-sxm"]
     config = load_config(None, ["--model.preset", "tiny-moe", "--model.vocab_size", "257", "--train.seq_len", "128",
-                                "--model.n_layers", "2"])
+                                "--model.n_layers", "2", "--model.moe_first_dense", "1"])
     model, d = model_for(config), degrees_of(config, 1)
+    assert model.moe_layers == [1]  # a dense block and a MoE block
     tokens = config.train.micro_batch_size * config.train.seq_len
     moe = model.moe_layers[0]
     gemms = 2 * routed_parameters_per_token(model, moe) * tokens / cluster.accelerator.peak_flops("fp32")
@@ -630,7 +630,7 @@ def test_routed_experts_run_at_their_own_share_of_peak():
         plain = pass_costs(config, model, d, cluster, Efficiency(0.5, half_width=half_width))
         assert pass_costs(config, model, d, cluster, Efficiency(0.5, half_width=half_width, experts=0.0)) == plain
         slow = pass_costs(config, model, d, cluster, Efficiency(0.5, half_width=half_width, experts=0.25))
-        assert slow.block.get(False) == plain.block.get(False) and slow.head == plain.head
+        assert slow.block[False] == plain.block[False] and slow.head == plain.head
         assert slow.block[True] - plain.block[True] == pytest.approx(gemms / 0.25 - plain.routed, rel=1e-9)
         assert slow.routed == pytest.approx(gemms / 0.25, rel=1e-9)
     narrowest = min(model.dim, model.expert_hidden_dim)
@@ -645,6 +645,7 @@ def test_routed_experts_run_at_their_own_share_of_peak():
     for bad in ("2", "nan", "inf", "-1"):
         assert main(["plan", "--model.preset", "tiny-moe", "--model.vocab_size", "257", "--gpus", "1",
                      "--expert-efficiency", bad]) == 2
+
 
 def test_block_pass_overhead_is_paid_once_per_block_pass(tmp_path):
     """accelerator.pass_overhead_us adds a fixed cost to every block forward: 3 passes per block and micro-batch
