@@ -744,6 +744,61 @@ def test_ring_attentions_own_operators_add_to_a_blocks_fixed_cost():
         pytest.approx(250e-6 * moe_ring, rel=1e-9)
 
 
+def test_ring_attentions_own_python_adds_the_measured_operators_per_ring_step():
+    """A host that measured ring attention's own Python (accelerator.ring_step_operators, plan/ring_host.py) adds
+    that many of a dense block's operators per ring step to every block's fixed cost, beside the counted ones: ring
+    steps, not ranks (a double ring of 4 and 2D's ring of 2 over 4 ranks); nothing for Ulysses or without cp."""
+    from fivefold.plan.estimate import degrees_of, model_for, pass_costs
+    from fivefold.plan.operators import dense_block_operators
+
+    h100 = CLUSTERS["h100-sxm"]
+    counted = dataclasses.replace(h100, accelerator=dataclasses.replace(h100.accelerator, pass_overhead_us=250.0))
+    measured = dataclasses.replace(counted, accelerator=dataclasses.replace(counted.accelerator, ring_step_operators=20.0))
+
+    def added(gpus: int, *changes: str, preset: str = "tiny") -> dict[bool, float]:
+        config = load_config(None, ["--model.preset", preset, "--model.vocab_size", "257", "--train.seq_len", "128",
+                                    "--context_parallel.degree", str(gpus), *changes])
+        model, d = model_for(config), degrees_of(config, gpus)
+        with_python, without = pass_costs(config, model, d, measured, 0.5), pass_costs(config, model, d, counted, 0.5)
+        return {kind: with_python.block[kind] - without.block[kind] for kind in without.block}
+
+    dense = dense_block_operators(load_config(None, ["--model.preset", "tiny"]).model)
+    assert dense == 108  # tiny's small copy, as plan/operators.py counts it
+    assert added(2)[False] == pytest.approx(250e-6 * 2 * 20.0 / dense, rel=1e-9)
+    assert added(4)[False] == pytest.approx(250e-6 * 4 * 20.0 / dense, rel=1e-9)
+    assert added(4, "--context_parallel.inner_ring", "2")[False] == pytest.approx(added(4)[False], rel=1e-9)
+    assert added(4, "--context_parallel.method", "2d", "--context_parallel.heads", "2")[False] == \
+        pytest.approx(added(2)[False], rel=1e-9)
+    assert added(2, "--context_parallel.method", "ulysses")[False] == 0.0 and added(1)[False] == 0.0
+    moe = added(2, preset="tiny-moe")  # a MoE block's ring runs the same Python, priced on the dense block's count
+    assert moe[True] == pytest.approx(250e-6 * 2 * 20.0 / dense, rel=1e-9)
+    free = dataclasses.replace(h100, accelerator=dataclasses.replace(h100.accelerator, ring_step_operators=20.0))
+    config = load_config(None, ["--model.preset", "tiny", "--model.vocab_size", "257", "--context_parallel.degree", "2"])
+    model, d = model_for(config), degrees_of(config, 2)  # no fixed cost per block (a GPU preset): nothing to add
+    assert pass_costs(config, model, d, free, 0.5) == pass_costs(config, model, d, h100, 0.5)
+
+
+def test_ring_host_measurement_reads_the_functions_own_time_per_counted_operator():
+    """plan/ring_host.py: the ring's functions' own time P over the rest of the block's time per counted operator,
+    per ring step, averaged over the rings; on this host a real profile gives a positive figure, rows for rings 2
+    and 4 with their counted operators."""
+    from fivefold.plan.operators import count_block_operators, dense_small_copy, loopback_ring
+    from fivefold.model.presets import PRESETS
+    from fivefold.plan.ring_host import measure_ring_host, ring_step_operators_of
+
+    # ring 2: 400 us of Python beside 1,600 us for 160 operators (10 us each): 40 operators, 20 a step;
+    # ring 4: 600 us beside 1,800 us for 180: 60 operators, 15 a step; the mean 17.5
+    assert ring_step_operators_of([[2, 400.0, 2000.0, 160], [4, 600.0, 2400.0, 180]]) == pytest.approx(17.5)
+    assert ring_step_operators_of([]) == 0.0 and ring_step_operators_of([[2, 5.0, 5.0, 100]]) == 0.0
+    result = measure_ring_host(passes=3)
+    small = dense_small_copy(PRESETS["tiny"])
+    assert [row[0] for row in result["measured"]] == [2, 4]
+    for ring, python, total, counted in result["measured"]:
+        assert 0 < python < total and counted == count_block_operators(small, 0, core=loopback_ring(ring))
+    assert result["ring_step_operators"] == pytest.approx(ring_step_operators_of(result["measured"]))
+    assert result["ring_step_operators"] > 0
+
+
 def test_parameter_server_roles_on_one_host_take_turns_with_its_cores():
     """Parameter servers on a CPU host (accelerator.shared_cores; rates measured with every rank computing): the
     workers compute while the servers wait for their pushes, and the servers update while the workers wait, so each
@@ -991,7 +1046,10 @@ def test_optimizer_step_is_priced_at_the_accelerators_optimizer_rate(tmp_path):
     path.write_text(cluster_toml(posted))
     assert load_cluster(str(path)) == posted and posted.accelerator.post_seconds(8e6) == pytest.approx(450e-6 + 1e-3)
     data = json.loads(json.dumps(cpu.to_dict()))
-    for key in ("optimizer_gbs", "optimizer_tensor_us", "p2p_post_us", "p2p_post_gbs"):
+    ringed = dataclasses.replace(cpu, accelerator=dataclasses.replace(cpu.accelerator, ring_step_operators=20.5))
+    path.write_text(cluster_toml(ringed))
+    assert load_cluster(str(path)) == ringed
+    for key in ("optimizer_gbs", "optimizer_tensor_us", "p2p_post_us", "p2p_post_gbs", "ring_step_operators"):
         for bad in (-1, "fast", float("inf"), float("nan"), True):
             broken = json.loads(json.dumps(data))
             broken["accelerator"][key] = bad

@@ -140,6 +140,10 @@ def test_bench_comm_table_and_json(tmp_path, world_size):
     assert all(t > 0 for _, t in post["measured"]) and post["p2p_post_us"] >= 0 and post["p2p_post_gbs"] >= 0
     assert (here.accelerator.p2p_post_us, here.accelerator.p2p_post_gbs) == (post["p2p_post_us"], post["p2p_post_gbs"])
     assert here.accelerator.post_seconds(1 << 20) > 0 and "ring exchange posted" in run.stdout
+    # ring attention's own Python per ring step (plan/ring_host.py), the ranks' mean, in the accelerator
+    ring = report["ring_host"]
+    assert [row[0] for row in ring["measured"]] == [2, 4] and ring["ring_step_operators"] > 0
+    assert here.accelerator.ring_step_operators == ring["ring_step_operators"] and "ring attention's own Python" in run.stdout
     assert "arrival skew" in run.stdout
 
 

@@ -16,7 +16,8 @@ CPU a call beside compute takes 2-3x its time back to back): the planner prices 
 It also times a 4-byte all-reduce after bursts of 0 to 20 ms of compute (`measure_arrival`): how far
 apart the ranks reach a sync point after that much compute, the file's [arrival]; and the time a rank's
 thread spends posting a ring exchange (a send and a receive in one batch_isend_irecv) beside compute
-(`measure_post`), the accelerator's p2p_post_us and p2p_post_gbs.
+(`measure_post`), the accelerator's p2p_post_us and p2p_post_gbs; and ring attention's own Python per ring step
+(plan/ring_host.py), the accelerator's ring_step_operators.
 
 Run under torchrun (`fivefold bench comm --nproc-per-node 4` starts it); gloo on CPU, NCCL on GPU.
 """
@@ -224,6 +225,17 @@ def measure_post(device: torch.device, sizes: tuple[int, ...] = POST_SIZES, iter
     return fit_post(points)
 
 
+def measure_ring_host_here() -> dict:
+    """Ring attention's own Python per ring step (plan/ring_host.py), measured on every rank at once and averaged
+    (collective): {"ring_step_operators", "measured": rank 0's rows}."""
+    from fivefold.plan.ring_host import measure_ring_host
+
+    result = measure_ring_host()
+    mean = torch.tensor(result["ring_step_operators"], dtype=torch.float64)
+    dist.all_reduce(mean)
+    return {"ring_step_operators": float(mean) / dist.get_world_size(), "measured": result["measured"]}
+
+
 def fit_post(points: list[list[float]]) -> dict:
     """The least-squares line through [bytes, us] points as {"p2p_post_us", "p2p_post_gbs", "measured"}; a line
     that does not rise is their mean (no per-byte part: p2p_post_gbs 0)."""
@@ -324,9 +336,10 @@ def run(args: argparse.Namespace) -> dict:
         if args.cluster_file and p > 1 else {}
     arrival = measure_arrival(device) if args.cluster_file and p > 1 else {}
     posting = measure_post(device) if args.cluster_file and p > 1 and device.type == "cpu" else {}
+    ring_host = measure_ring_host_here() if args.cluster_file and device.type == "cpu" else {}
     return {"world_size": p, "backend": dist.get_backend(), "device": device.type, "node_size": node_size,
             "links": {"intra": asdict(cluster.intra), "inter": asdict(cluster.inter)}, "native_links": native,
-            "native_links_beside_compute": beside, "arrival": arrival, "post": posting,
+            "native_links_beside_compute": beside, "arrival": arrival, "post": posting, "ring_host": ring_host,
             "matmul_tflops": rates, "memory_gbs": bandwidth, "oversubscribed_efficiency": efficiency,
             "optimizer_gbs": optimizer[0], "optimizer_tensor_us": optimizer[1],
             "codec_ns": codecs[0], "codec_encode_ns": codecs[1],
@@ -568,7 +581,8 @@ def cluster_file_of(report: dict) -> str:
                                     optimizer_tensor_us=report.get("optimizer_tensor_us", 0.0),
                                     codec_ns=report.get("codec_ns", {}), codec_encode_ns=report.get("codec_encode_ns", {}),
                                     p2p_post_us=report.get("post", {}).get("p2p_post_us", 0.0),
-                                    p2p_post_gbs=report.get("post", {}).get("p2p_post_gbs", 0.0)),
+                                    p2p_post_gbs=report.get("post", {}).get("p2p_post_gbs", 0.0),
+                                    ring_step_operators=report.get("ring_host", {}).get("ring_step_operators", 0.0)),
                         report["node_size"], LinkSpec.from_fit(report["links"]["intra"]), LinkSpec.from_fit(report["links"]["inter"]),
                         source=f"fivefold bench comm on {report['world_size']} ranks: fitted links and native "
                                "collectives, timed matmuls (achieved rates: plan with --efficiency 1)",
@@ -613,6 +627,9 @@ def format_table(report: dict) -> str:
     if report.get("post", {}).get("measured"):
         lines.append("# ring exchange posted beside compute (a rank's own time): " + ", ".join(
             f"{size / 1024:.0f} KB {us:.0f} us" for size, us in report["post"]["measured"]))
+    if report.get("ring_host", {}).get("measured"):
+        lines.append(f"# ring attention's own Python: {report['ring_host']['ring_step_operators']:.1f} operators' worth "
+                     "per ring step and block pass (plan/ring_host.py)")
     for name, link in report.get("native_links_beside_compute", {}).items():
         lines.append(f"# native {name} beside compute (the cluster file's): "
                      + ", ".join(f"{size / 1024:.0f} KB {us * 1e6:.0f} us" for size, us in link["measured"]))

@@ -95,7 +95,7 @@ from fivefold.plan.gemms import block_gemms, core_narrowest, head_gemm
 from fivefold.plan.expert_load import busiest_received, exchange_matrices, expert_rows_by_load, imbalance, routed_rows
 from fivefold.plan.flops import flops_per_token
 from fivefold.plan.memory import nvme_host_bytes, sharded_model_states, zero_model_states
-from fivefold.plan.operators import operator_ratio, ring_attention_operators
+from fivefold.plan.operators import operator_ratio, ring_attention_operators, ring_host_share
 from fivefold.plan.parameters import (RankParameters, first_block, block_norm_parameters, block_parameters, expert_values, flat_group_sizes, padded_vocab,
                                       powersgd_shares, priority_slice_bytes, rank_parameters, rank_tensors)
 
@@ -936,7 +936,7 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
     written = _written_per_block(model, config, d) if bandwidth else {}
     sp = config.tensor_parallel.sequence_parallel and d.tp > 1
     overhead = cluster.accelerator.pass_overhead_us * 1e-6  # a dense block's; a MoE block's by its operators
-    ring = ring_operators(config, model, d) if overhead else 0.0  # ring attention's own, a share of a dense block's
+    ring = ring_operators(config, model, d, cluster) if overhead else 0.0  # ring attention's own, a dense block's share
     rows = expert_rows(config, model, d)
     routed = operator_ratio(model, rows.kernel) if overhead and model.n_experts else 1.0
     fixed = {False: overhead * (1 + ring), True: overhead * (routed + ring)}
@@ -979,16 +979,18 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
     return profiled_costs(profile, costs, pass_costs(measured, model, one, cluster, dataclasses.replace(eff, profile=None)))
 
 
-def ring_operators(config: JobConfig, model: ModelConfig, d: Degrees) -> float:
-    """The operators ring attention adds to each block (context parallelism with a ring: `ring` and `2d`), as a share
-    of a dense block's (plan/operators.py `ring_attention_operators`); 0 without a ring."""
+def ring_operators(config: JobConfig, model: ModelConfig, d: Degrees, cluster: ClusterSpec) -> float:
+    """The host work ring attention adds to each block (context parallelism with a ring: `ring` and `2d`), as a share
+    of a dense block's: the operators it dispatches (plan/operators.py `ring_attention_operators`) and, on a host
+    whose accelerator measured it, its own Python beside them (`ring_host_share`); 0 without a ring."""
     if d.cp == 1:
         return 0.0
     from fivefold.parallel.context_parallel import ContextParallelLayout
 
     cp = config.context_parallel
     layout = ContextParallelLayout.for_method(cp.method, d.cp, cp.heads, cp.inner_ring, cp.placement)
-    return ring_attention_operators(model, layout.ring, layout.inner)
+    return ring_attention_operators(model, layout.ring, layout.inner) + \
+        ring_host_share(model, layout.ring, cluster.accelerator.ring_step_operators)
 
 
 def profiled_costs(profile, modelled: PassCosts, at_profile: PassCosts) -> PassCosts:

@@ -27,6 +27,12 @@ halves, copied out); the exchanges' own operators (the receive buffer, the send 
 since posting an exchange is priced apart (`Accelerator.post_seconds`). tests/distributed/test_ring_operators.py
 checks the count against ring rank 0 of a real ring. Ulysses' all-to-alls (and the 2D method's) are not
 counted: their few reshapes are left in the fitted cost.
+
+A count does not see what ring attention's two autograd functions do in Python between their operators (the
+loop over the ring's steps, the slicing, the bookkeeping of what is in flight): on the small copy some 20
+operators' worth per ring step (2026-11-28), as much again as the ring's counted operators at cp 2. That is a
+property of the host, so it is measured there (plan/ring_host.py, by `fivefold bench comm --cluster-file`,
+stored as the accelerator's `ring_step_operators`) and added to the count (`ring_host_share`).
 """
 
 from __future__ import annotations
@@ -108,12 +114,48 @@ def ring_attention_operators(model: ModelConfig, ring: int, inner: int = 0) -> f
 
 @functools.lru_cache(maxsize=64)
 def _ring_attention_operators(fields: tuple, ring: int, inner: int) -> float:
+    counted, posts, plain = ring_block_counts(ModelConfig(*fields), ring, inner)
+    return max(0.0, (counted - 2 * posts - plain) / plain)  # each loopback exchange: a buffer and a copy
+
+
+def dense_small_copy(model: ModelConfig) -> ModelConfig:
+    """The small copy a ring is counted (and timed) on: a dense block, whatever layer kinds the model has."""
+    return dataclasses.replace(small_copy(model), n_experts=0)
+
+
+def loopback_ring(ring: int, inner: int = 0):
+    """Ring attention on a loopback (no process group), as ring rank 0 runs it: the core that replaces a block's."""
     from fivefold.parallel.context_parallel import ContextParallelAttention, ContextParallelGroups, ContextParallelLayout
 
-    small = dataclasses.replace(small_copy(ModelConfig(*fields)), n_experts=0)
-    layer = 0
-    plain = count_block_operators(small, layer)
     groups = ContextParallelGroups(ContextParallelLayout(ring=ring, heads=1, inner=inner), 0, None, None, list(range(ring)),
                                    loopback=True)
-    counted = count_block_operators(small, layer, core=ContextParallelAttention(groups))
-    return max(0.0, (counted - 2 * groups.posts - plain) / plain)  # each loopback exchange: a buffer and a copy
+    return ContextParallelAttention(groups)
+
+
+def ring_block_counts(model: ModelConfig, ring: int, inner: int = 0) -> tuple[int, int, int]:
+    """(operators of a dense block of the small copy with ring attention as its core, the loopback exchanges it
+    posted, operators of the same block without the ring), per forward and backward."""
+    small = dense_small_copy(model)
+    core = loopback_ring(ring, inner)
+    counted = count_block_operators(small, 0, core=core)
+    return counted, core.groups.posts, count_block_operators(small, 0)
+
+
+def dense_block_operators(model: ModelConfig) -> int:
+    """Operators a dense block of `model`'s small copy dispatches in a forward and backward (the unit of
+    `ring_host_share`)."""
+    return _dense_block_operators(dataclasses.astuple(model))
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_block_operators(fields: tuple) -> int:
+    return count_block_operators(dense_small_copy(ModelConfig(*fields)), 0)
+
+
+def ring_host_share(model: ModelConfig, ring: int, step_operators: float) -> float:
+    """The host time ring attention's own Python adds to a block's forward and backward beyond its operators: `ring`
+    steps of `step_operators` (the accelerator's `ring_step_operators`, measured by plan/ring_host.py) as a share
+    of a dense block's operators; 0 without a ring."""
+    if ring < 2 or not step_operators:
+        return 0.0
+    return ring * step_operators / dense_block_operators(model)
