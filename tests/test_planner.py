@@ -712,23 +712,29 @@ def test_a_moe_blocks_fixed_cost_scales_with_its_operators():
     assert 1.5 < ratios["grouped"] < ratios["loop"]
 
 
+def _context_parallel_block_difference(more, less, gpus: int, *changes: str, preset: str = "tiny") -> dict[bool, float]:
+    """Each block kind's forward cost on cluster `more` less on `less`: `preset` at seq 128 on `gpus` cp ranks."""
+    from fivefold.plan.estimate import degrees_of, model_for, pass_costs
+
+    config = load_config(None, ["--model.preset", preset, "--model.vocab_size", "257", "--train.seq_len", "128",
+                                "--context_parallel.degree", str(gpus), *changes])
+    model, d = model_for(config), degrees_of(config, gpus)
+    high, low = pass_costs(config, model, d, more, 0.5), pass_costs(config, model, d, less, 0.5)
+    return {kind: high.block[kind] - low.block[kind] for kind in low.block}
+
+
 def test_ring_attentions_own_operators_add_to_a_blocks_fixed_cost():
     """Context parallelism with a ring adds ring attention's operators (plan/operators.py
     `ring_attention_operators`, the loopback count tests/distributed/test_ring_operators.py holds to a real ring's)
     to every block's pass overhead, dense and MoE alike, as a share of a dense block's: more for a longer ring, the
     same for a double ring of as many ranks, 2D's ring counted, Ulysses none; its FLOPs are priced as before."""
-    from fivefold.plan.estimate import degrees_of, model_for, pass_costs
     from fivefold.plan.operators import ring_attention_operators
 
     h100 = CLUSTERS["h100-sxm"]
     slow = dataclasses.replace(h100, accelerator=dataclasses.replace(h100.accelerator, pass_overhead_us=250.0))
 
     def overhead(gpus: int, *changes: str, preset: str = "tiny") -> dict[bool, float]:
-        config = load_config(None, ["--model.preset", preset, "--model.vocab_size", "257", "--train.seq_len", "128",
-                                    "--context_parallel.degree", str(gpus), *changes])
-        model, d = model_for(config), degrees_of(config, gpus)
-        slow_costs, free_costs = pass_costs(config, model, d, slow, 0.5), pass_costs(config, model, d, h100, 0.5)
-        return {kind: slow_costs.block[kind] - free_costs.block[kind] for kind in slow_costs.block}
+        return _context_parallel_block_difference(slow, h100, gpus, *changes, preset=preset)
 
     model = load_config(None, ["--model.preset", "tiny", "--model.vocab_size", "257"]).model
     two, four = ring_attention_operators(model, 2), ring_attention_operators(model, 4)
@@ -756,11 +762,7 @@ def test_ring_attentions_own_python_adds_the_measured_operators_per_ring_step():
     measured = dataclasses.replace(counted, accelerator=dataclasses.replace(counted.accelerator, ring_step_operators=20.0))
 
     def added(gpus: int, *changes: str, preset: str = "tiny") -> dict[bool, float]:
-        config = load_config(None, ["--model.preset", preset, "--model.vocab_size", "257", "--train.seq_len", "128",
-                                    "--context_parallel.degree", str(gpus), *changes])
-        model, d = model_for(config), degrees_of(config, gpus)
-        with_python, without = pass_costs(config, model, d, measured, 0.5), pass_costs(config, model, d, counted, 0.5)
-        return {kind: with_python.block[kind] - without.block[kind] for kind in without.block}
+        return _context_parallel_block_difference(measured, counted, gpus, *changes, preset=preset)
 
     dense = dense_block_operators(load_config(None, ["--model.preset", "tiny"]).model)
     assert dense == 108  # tiny's small copy, as plan/operators.py counts it
