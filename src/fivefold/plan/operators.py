@@ -30,7 +30,7 @@ counted: their few reshapes are left in the fitted cost.
 
 A count does not see what ring attention's two autograd functions do in Python between their operators (the
 loop over the ring's steps, the slicing, the bookkeeping of what is in flight): on the small copy some 20
-operators' worth per ring step (2026-11-28), as much again as the ring's counted operators at cp 2. That is a
+operators' worth per ring step (2026-11-28), more than the 31 operators a ring of 2 is counted to add. That is a
 property of the host, so it is measured there (plan/ring_host.py, by `fivefold bench comm --cluster-file`,
 stored as the accelerator's `ring_step_operators`) and added to the count (`ring_host_share`).
 """
