@@ -738,6 +738,10 @@ def test_every_step_option_changes_what_is_simulated(capsys):
     slow_experts = _step_json(capsys, *moe, "--expert-efficiency", "0.1")
     assert slow_experts["seconds"] > _step_json(capsys, *moe)["seconds"] and slow_experts["expert_efficiency"] == 0.1
     assert _step_json(capsys, *base, "--expert-efficiency", "0.1")["seconds"] == plain["seconds"]  # no experts
+    # under the width law with no share of their own, the routed GEMMs' share is the law's at their narrowest side
+    # (tiny's experts: min(256, 704) = 256), not the --efficiency the wide matmuls approach
+    by_law = _step_json(capsys, *moe, "--half-width", "256")
+    assert by_law["expert_efficiency"] == pytest.approx(0.5 * 256 / (256 + 256))
     assert _step_json(capsys, *base, "--gpus", "32")["layout"].startswith("dp 16")
     assert _step_json(capsys, *base[:-1], "4")["layout"].startswith("dp 4 x tp 4")  # a config override
     bigger = _step_json(capsys, "--gpus", "16", "--vocab-size", "32000", "--tensor_parallel.degree", "2")

@@ -58,7 +58,7 @@ def block_gemms(model: ModelConfig, layer: int, tokens: int, tp: int, cp: int, s
             gemms.append(Gemm("shared gate", outside * h, rows, h, 1))
         routed = block_parameters(model, layer).experts * model.moe_top_k // model.n_experts
         width = max(model.expert_hidden_dim // etp, 1)
-        gemms.append(Gemm("experts", outside * routed, rows, h, width, routed=True))
+        gemms.append(Gemm("experts", outside * routed, rows, h, width, routed=True))  # narrowest: routed_narrowest
     else:
         f = model.ffn_hidden_dim
         gemms += [Gemm("w1 w3", inside * 2 * h * f, m, h, max(f // tp, 1)),
@@ -103,6 +103,11 @@ def core_narrowest(model: ModelConfig) -> int:
     if model.attention == "mla":
         return max(model.qk_nope_head_dim + model.qk_rope_head_dim, model.v_head_dim)
     return model.head_size
+
+
+def routed_narrowest(model: ModelConfig, etp: int = 1) -> int:
+    """A routed expert GEMM's narrowest weight side on a rank (`block_gemms`' "experts"): min(dim, hidden / etp)."""
+    return min(model.dim, max(model.expert_hidden_dim // etp, 1))
 
 
 def head_gemm(model: ModelConfig, tokens: int, tp: int, cp: int) -> Gemm:

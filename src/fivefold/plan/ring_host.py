@@ -36,7 +36,7 @@ def measure_ring_host(passes: int = PASSES) -> dict:
     from fivefold.model.llama import TransformerBlock, rope_tables
     from fivefold.model.presets import PRESETS
     from fivefold.parallel.context_parallel import _RingAttention
-    from fivefold.plan.operators import count_block_operators, dense_small_copy, loopback_ring
+    from fivefold.plan.operators import dense_small_copy, loopback_ring, ring_block_counts
 
     model = dense_small_copy(PRESETS["tiny"])
     cos, sin = rope_tables(model, torch.device("cpu"))
@@ -56,7 +56,7 @@ def measure_ring_host(passes: int = PASSES) -> dict:
         events = prof.key_averages()
         python = sum(e.self_cpu_time_total for e in events if e.key in own) / passes
         total = sum(e.self_cpu_time_total for e in events) / passes
-        counted = count_block_operators(model, 0, core=loopback_ring(ring))  # the posts' buffers and copies included
+        counted = ring_block_counts(PRESETS["tiny"], ring)[0]  # the posts' buffers and copies included
         measured.append([ring, python, total, counted])
     return {"ring_step_operators": ring_step_operators_of(measured), "measured": measured}
 

@@ -108,7 +108,7 @@ def _write_trace(result, path: str) -> None:
 def run_step(args: argparse.Namespace, overrides: list[str]) -> int:
     from fivefold.config import load_config
     from fivefold.plan.estimate import model_for
-    from fivefold.plan.gemms import core_narrowest
+    from fivefold.plan.gemms import core_narrowest, routed_narrowest
     from fivefold.plan.expert_load import describe_routing, load_positions
     from fivefold.sim.step import PHASES, simulate_step
 
@@ -127,12 +127,14 @@ def run_step(args: argparse.Namespace, overrides: list[str]) -> int:
     phases = run_.breakdown()
     links = run_.link_utilisation()
     work, spec = run_.workload, cluster.topology
+    model = model_for(config, args.vocab_size)
     summary = {
         "gpus": args.gpus, "layout": work.degrees.describe(), "cluster": cluster.name, "topology": spec.kind,
         "fabric": run_.topology.describe(), "routing": spec.routing, "fidelity": args.fidelity,
         "congestion": args.congestion,
-        "efficiency": efficiency.matmul, "attention_efficiency": efficiency.core_share(core_narrowest(model_for(config, args.vocab_size))),
-        "expert_efficiency": efficiency.experts or efficiency.matmul, "half_width": efficiency.half_width,
+        "efficiency": efficiency.matmul, "attention_efficiency": efficiency.core_share(core_narrowest(model)),
+        "expert_efficiency": efficiency.expert_share(routed_narrowest(model, work.degrees.etp)) if model.n_experts
+        else efficiency.experts or efficiency.matmul, "half_width": efficiency.half_width,
         "seconds": run_.time,
         "phases_seconds": phases, "expert_load": args.expert_load or "balanced",
         "expert_imbalance": work.expert_imbalance, "expert_load_positions": load_positions(load) if load else 0,
