@@ -57,8 +57,7 @@ def block_gemms(model: ModelConfig, layer: int, tokens: int, tp: int, cp: int, s
         if model.moe_shared_gate:
             gemms.append(Gemm("shared gate", outside * h, rows, h, 1))
         routed = block_parameters(model, layer).experts * model.moe_top_k // model.n_experts
-        width = max(model.expert_hidden_dim // etp, 1)
-        gemms.append(Gemm("experts", outside * routed, rows, h, width, routed=True))  # narrowest: routed_narrowest
+        gemms.append(Gemm("experts", outside * routed, rows, h, _expert_width(model, etp), routed=True))
     else:
         f = model.ffn_hidden_dim
         gemms += [Gemm("w1 w3", inside * 2 * h * f, m, h, max(f // tp, 1)),
@@ -105,9 +104,14 @@ def core_narrowest(model: ModelConfig) -> int:
     return model.head_size
 
 
+def _expert_width(model: ModelConfig, etp: int) -> int:
+    """A routed expert's hidden width on one expert-tensor-parallel rank."""
+    return max(model.expert_hidden_dim // etp, 1)
+
+
 def routed_narrowest(model: ModelConfig, etp: int = 1) -> int:
     """A routed expert GEMM's narrowest weight side on a rank (`block_gemms`' "experts"): min(dim, hidden / etp)."""
-    return min(model.dim, max(model.expert_hidden_dim // etp, 1))
+    return min(model.dim, _expert_width(model, etp))
 
 
 def head_gemm(model: ModelConfig, tokens: int, tp: int, cp: int) -> Gemm:
