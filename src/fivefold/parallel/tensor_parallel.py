@@ -135,7 +135,8 @@ class _SumGradOverReplicas(torch.autograd.Function):
             return _all_reduce(grad, ctx.group), None, None, None
         buffer = grad.new_zeros((ctx.slots, *grad.shape))
         buffer[ctx.slot] = grad
-        return _all_reduce(buffer, ctx.group)[ctx.slot], None, None, None
+        # a copy: the view would become the weight's .grad and keep the whole buffer (slots x the gradient) alive
+        return _all_reduce(buffer, ctx.group)[ctx.slot].clone(), None, None, None
 
 
 def copy_to_tensor_parallel_region(x, group):
