@@ -117,6 +117,41 @@ def _config(*overrides):
                               "--train.dtype", "bf16", *overrides])
 
 
+@pytest.mark.parametrize("overrides, forward, backward", [
+    ([], (), ()),
+    # Qwen3's per-head gains: each gradient summed (head_dim x 4 bytes)
+    (["--model.qk_norm", "head"], (), (128 * 4,) * 2),
+    # OLMo 2's norm over the projection: each token's sum of squares (s / cp tokens x 4 bytes) both ways
+    (["--model.qk_norm", "projection", "--context_parallel.degree", "2"], (1024 * 4,) * 2, (1024 * 4,) * 2),
+    # 8 key/value heads over tp 16: wk's and wv's gradients in a kv_heads x head_dim x dim buffer, biases too
+    (["--tensor_parallel.degree", "16", "--model.attention_bias", "qkv"], (),
+     (8 * 128 * 4096 * 4,) * 2 + (8 * 128 * 4,) * 2),
+])
+def test_attention_all_reduces_are_the_runtimes_and_priced(overrides, forward, backward):
+    """plan/estimate.py `attention_all_reduces` lists what parallel/tensor_parallel.py sends (checked call by call
+    against a recorded step in tests/distributed/test_step_traffic.py); the planner's tp term prices each once
+    per block and micro-batch, the forward ones again under full recomputation."""
+    from fivefold.plan.estimate import attention_all_reduces, degrees_of, model_for, native_collective
+
+    tp = ["--tensor_parallel.degree", "4"] if "--tensor_parallel.degree" not in overrides else []
+    config = load_config(None, ["--model.preset", "llama3-8b", "--train.seq_len", "2048", "--train.micro_batch_size", "1",
+                                "--train.grad_accum_steps", "2", *tp, *overrides])
+    gpus = 2 * 16 if "--tensor_parallel.degree" in overrides else 4 * (2 if "--context_parallel.degree" in overrides else 1)
+    d = degrees_of(config, gpus)
+    assert attention_all_reduces(config, model_for(config), d) == (forward, backward)
+    cluster = CLUSTERS["h100-sxm"]
+    plain = dataclasses.replace(config, model=dataclasses.replace(config.model, qk_norm="none", attention_bias="none",
+                                                                  n_kv_heads=max(config.model.n_kv_heads, d.tp)))
+    if not forward and not backward:
+        return
+    link = cluster.collective_link("all_reduce", d.tp)
+    per_block = [sum(native_collective("all_reduce", n, d.tp, link) for n in calls) for calls in (forward, backward)]
+    for recompute, again in (("none", 0), ("full", 1)):
+        with_recompute = [dataclasses.replace(c, train=dataclasses.replace(c.train, recompute=recompute)) for c in (config, plain)]
+        extra = estimate(with_recompute[0], gpus, cluster).time.tp - estimate(with_recompute[1], gpus, cluster).time.tp
+        assert extra == pytest.approx(2 * 32 * ((1 + again) * per_block[0] + per_block[1]), rel=1e-9)
+
+
 def test_estimate_components():
     config = _config("--tensor_parallel.degree", "4", "--tensor_parallel.sequence_parallel", "true",
                      "--data_parallel.zero_stage", "1", "--data_parallel.shard", "4", "--data_parallel.param_dtype", "bf16")

@@ -878,12 +878,17 @@ def test_collectives_by_formula_read_their_measured_times():
     ["--tensor_parallel.sequence_parallel", "true", "--tensor_parallel.comm_overlap", "true"],
     ["--tensor_parallel.sequence_parallel", "true", "--tensor_parallel.comm_overlap", "true", "--train.recompute", "full"],
     ["--tensor_parallel.sequence_parallel", "true", "--tensor_parallel.comm_overlap", "true", "--train.seq_len", "1024"],
+    ["--model.qk_norm", "head", "--model.head_dim", "48"],
+    ["--model.qk_norm", "projection", "--model.n_kv_heads", "1", "--model.attention_bias", "qkv", "--train.recompute", "full"],
+    ["--model.qk_norm", "projection", "--context_parallel.degree", "2", "--train.recompute", "selective"],
+    ["--model.attention", "mla", "--model.n_kv_heads", "0", "--model.kv_lora_rank", "32", "--model.q_lora_rank", "48"],
 ])
 def test_tensor_parallel_time_is_priced_as_the_simulator_plays_it(overrides):
     """Inside one node (collectives by formula) the planner's tp term is the simulated step's tp phase: the blocks'
     regions and the collectives outside them (the vocab-parallel embedding, the head, the loss's three
-    all-reduces, and with sequence parallelism each norm's weight-gradient sum); with the overlapped rings of
-    `comm_overlap` a backward hides its steps behind twice the forward's matmul."""
+    all-reduces, and with sequence parallelism each norm's weight-gradient sum) and the attention's other
+    all-reduces (q/k norms, replicated key/value heads, multi-latent attention's down-projections); with the
+    overlapped rings of `comm_overlap` a backward hides its steps behind twice the forward's matmul."""
     config = _config("--tensor_parallel.degree", "2", *overrides)
     gpus = 4 if "--context_parallel.degree" in overrides else 2
     for posting in (0.0, 30.0):  # and each overlapped ring step posted on the rank's thread

@@ -7,7 +7,8 @@ point-to-point send as (sender, receiver, bytes). The simulator builds the same 
 be equal. This covers DDP's buckets (backend and hand-written all-reduce, in which case every
 message of the algorithm is compared, and the int8, sign, top-k and PowerSGD codecs' exchanges), ZeRO-1/2/3 (one collective per flat group, tensor-parallel cut too), hybrid sharding and independent P/G/OS degrees (AMSP, MiCS), tensor parallelism with and
 without sequence parallelism (blocks, vocab-parallel embedding, head and loss, the norms' summed
-gradients), the pipeline schedules' activations and gradients (whole, or scattered over tp and all-gathered; stages outermost or
+gradients, the attention's other all-reduces: q/k norms per head and per projection, replicated key/value heads'
+weights and biases, multi-latent attention's down-projections), the pipeline schedules' activations and gradients (whole, or scattered over tp and all-gathered; stages outermost or
 inside data parallelism), a tied
 embedding's gradient summed over the first and last stages, ring, Ulysses and 2D context
 parallelism, recomputation, collective matmuls (tensor_parallel.comm_overlap), ZeRO++ (quantised gathers, hpZ's in-node backward gathers, qgZ's two levels
@@ -59,6 +60,14 @@ LAYOUTS = {
         "dp2-zero2-accum2": dict(data_parallel={"zero_stage": 1, "shard": 2}, train={"grad_accum_steps": 2}),
         "dp2-zero3": dict(data_parallel={"zero_stage": 3, "shard": 2}),
         "cp2-ring": dict(context_parallel={"degree": 2}),
+        "tp2-qk-head": dict(model={"qk_norm": "head", "head_dim": 24}, tensor_parallel={"degree": 2}),
+        "tp2-sp-qk-projection-full-recompute": dict(model={"qk_norm": "projection"}, train={"recompute": "full"},
+                                                    tensor_parallel={"degree": 2, "sequence_parallel": True}),
+        "tp2-mla": dict(model={"attention": "mla", "n_kv_heads": 0, "kv_lora_rank": 16, "q_lora_rank": 24,
+                               "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8},
+                        tensor_parallel={"degree": 2}),
+        "cp2-tp1-qk-projection-selective": dict(model={"qk_norm": "projection"}, context_parallel={"degree": 2},
+                                                train={"recompute": "selective"}),
         "cp2-ulysses": dict(context_parallel={"degree": 2, "method": "ulysses"}),
         "moe-ep2": dict(model=MOE, expert_parallel={"degree": 2}),
         "moe-ep2-no-positions": dict(model=MOE, expert_parallel={"degree": 2}, logging={"moe_load_by_rank": False}),
@@ -99,6 +108,10 @@ LAYOUTS = {
                                                                       "scatter_gather": True},
                                                    model={"n_layers": 4}, train={"grad_accum_steps": 2}),
         "cp2-tp2": dict(context_parallel={"degree": 2}, tensor_parallel={"degree": 2}),
+        "tp4-qk-projection-replicated-kv-biases": dict(model={"qk_norm": "projection", "head_dim": 24, "attention_bias": "qkv"},
+                                                       tensor_parallel={"degree": 4}),
+        "cp2-tp2-qk-projection-selective": dict(model={"qk_norm": "projection"}, context_parallel={"degree": 2},
+                                                tensor_parallel={"degree": 2}, train={"recompute": "selective"}),
         "cp4-ulysses-selective": dict(context_parallel={"degree": 4, "method": "ulysses"},
                                       model={"n_heads": 4, "n_kv_heads": 4}, train={"recompute": "selective"}),
         "cp4-2d": dict(context_parallel={"degree": 4, "method": "2d", "heads": 2}),

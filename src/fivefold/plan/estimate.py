@@ -1044,6 +1044,12 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
                                               moe) if overlap else kind_tp[moe] for moe in costs.block}
     # arrival skew (ClusterSpec.sync_delay): per block pass, (forward, backward) waits of its tp, cp and ep syncs
     waits = {moe: block_sync_waits(config, d, cluster, costs.block[moe], moe) for moe in costs.block}
+    # the attention's other all-reduces (q/k norms, whole weights), once per block (kind_tp is per half: x 2)
+    qk = [sum(native_collective("all_reduce", n, d.tp, cluster.collective_link("all_reduce", d.tp)) for n in calls)
+          for calls in attention_all_reduces(config, model, d)]
+    for moe in costs.block:
+        kind_tp[moe] += qk[0] / 2
+        kind_tp_back[moe] += qk[1] / 2
     for moe, (fwd, bwd) in waits.items():  # a MoE block's tp half is per block; kind_tp is per half (x 2)
         kind_tp[moe] += fwd[0] / 2
         kind_tp_back[moe] += bwd[0] / 2
@@ -1306,6 +1312,38 @@ def _tensor_parallel_edges(config: JobConfig, model: ModelConfig, d: Degrees, cl
     return TensorParallelEdges(collective("reduce_scatter", activation), collective("all_gather", activation),
                                collective("all_gather", activation) + loss,
                                collective("reduce_scatter", activation) + norm, 2 * norm)
+
+
+def attention_all_reduces(config: JobConfig, model: ModelConfig, d: Degrees) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Bytes of each all-reduce one block's attention makes over the tensor-parallel group beside its region's
+    entry and exit (parallel/tensor_parallel.py), as (forward, backward); full recomputation re-runs the forward
+    ones. Weights whole on every rank of the group sum their gradients in backward: a `head` q/k norm's gains
+    (Qwen3, head_dim each); with key/value heads replicated over the group (kv_heads % tp) each of wk, wv (and
+    their biases) in one slot of a kv_heads-slot buffer; multi-latent attention's down-projections wq_a, wkv_a
+    and their norms. A `projection` q/k norm (OLMo 2) all-reduces each norm's local sums of squares (4 bytes
+    per token on this rank's s / cp tokens, whole inside the region under sequence parallelism) forward, their
+    gradients backward, and with replicated key heads the key gain's gradient in its slot."""
+    if d.tp == 1:
+        return (), ()
+    weight = weight_element(config)
+    if model.attention == "mla":
+        whole = [(model.kv_lora_rank + model.qk_rope_head_dim) * model.dim, model.kv_lora_rank]
+        if model.q_lora_rank:
+            whole += [model.q_lora_rank * model.dim, model.q_lora_rank]
+        return (), tuple(n * weight for n in whole)
+    forward, backward = [], []
+    kv_width = model.kv_heads * model.head_size  # a kv-slot buffer's elements per row of the input
+    if model.kv_heads % d.tp:
+        biases = model.attention_bias != "none"
+        backward += [kv_width * model.dim * weight] * 2 + [kv_width * weight] * (2 if biases else 0)
+    if model.qk_norm == "head":
+        backward += [model.head_size * weight] * 2
+    elif model.qk_norm == "projection":
+        t = config.train
+        sums = t.micro_batch_size * (t.seq_len // d.cp) * 4
+        forward += [sums, sums]
+        backward += [sums, sums] + ([kv_width * weight] if model.kv_heads % d.tp else [])
+    return tuple(forward), tuple(backward)
 
 
 def _context_parallel_block(config: JobConfig, model: ModelConfig, d: Degrees, core: float, element: int,

@@ -104,7 +104,7 @@ from fivefold.plan.efficiency import Efficiency, as_efficiency
 from fivefold.plan.estimate import (Degrees, PassCosts, codec_exchanges, compute_dtype, core_sharing, degrees_of, dispatch_rows, model_for,
                                     offload_seconds, pass_costs, priority_schedule, routing_report_values, server_loads,
                                     server_update_seconds,
-                                    scalar_groups, tied_embedding_bytes, tied_embedding_pair, weight_element,
+                                    attention_all_reduces, scalar_groups, tied_embedding_bytes, tied_embedding_pair, weight_element,
                                     zero_degrees)
 from fivefold.plan.expert_load import Matrix, exchange_matrices, expert_rows_by_load, imbalance
 from fivefold.plan.parameters import (experts_per_rank, expert_values, flat_group_sizes, local_tensor, padded_vocab,
@@ -753,8 +753,26 @@ class _Builder:
     def attention(self, rank: int, other: float, core: float, label: str, backward: bool) -> None:
         """The attention half: its projections, then the core as the context-parallel method runs it
         (parallel/context_parallel.py): Ulysses all-to-alls q, k and v to heads and the output back (backward:
-        the inverse ones), ring attention passes K/V blocks around its ring, overlapped with the core's steps."""
+        the inverse ones), ring attention passes K/V blocks around its ring, overlapped with the core's steps.
+        The attention's other tensor-parallel all-reduces (plan/estimate.py `attention_all_reduces`: q/k norms,
+        weights whole on every rank) follow the projections in forward and the core in backward."""
         self.compute(rank, other, label)
+        if not backward:
+            self.attention_all_reduces(rank, False)
+        self.attention_core(rank, core, label, backward)
+        if backward:
+            self.attention_all_reduces(rank, True)
+
+    def attention_all_reduces(self, rank: int, backward: bool) -> None:
+        """The attention's all-reduces over the tensor-parallel group beside its region's entry and exit."""
+        calls = attention_all_reduces(self.config, self.model, self.d)[int(backward)]
+        if calls:
+            group = self.grid.group(rank, ("tp",))
+            for nbytes in calls:
+                self.collective(rank, COMPUTE, "all_reduce", group, nbytes, "tp")
+
+    def attention_core(self, rank: int, core: float, label: str, backward: bool) -> None:
+        """The attention core on this rank, with context parallelism's exchanges."""
         if self.d.cp == 1:
             self.compute(rank, core, label)
             return
@@ -1088,7 +1106,7 @@ class _Builder:
                     if recompute == "full":
                         self.block_pass(rank, unit, backward=False, recompute=True)
                     elif recompute == "selective":  # the attention core again, context parallelism's messages too
-                        self.attention(rank, 0.0, self.costs.core, "recompute", backward=False)
+                        self.attention_core(rank, self.costs.core, "recompute", backward=False)
                     if part == "B":
                         self.block_pass(rank, unit, backward=True)
                     else:  # the input gradient: half the compute, all of the block's collectives
