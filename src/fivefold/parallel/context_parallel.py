@@ -365,6 +365,12 @@ def _visible(source: int, ring_rank: int, half: int):
     return slice(half, None), slice(None), False  # only our second chunk follows the whole block
 
 
+def ring_attention_node_names() -> frozenset[str]:
+    """The names ring attention's autograd function runs under in torch.profiler, forward and backward
+    (plan/ring_host.py times its own Python by them)."""
+    return frozenset({_RingAttention.__name__, _RingAttention.__name__ + "Backward"})
+
+
 def _rounds(layout: ContextParallelLayout):
     """(round, step) in visiting order: `outer` rounds of `inner` steps."""
     return [(j, i) for j in range(layout.outer) for i in range(layout.inner_size)]

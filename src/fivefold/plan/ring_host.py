@@ -35,14 +35,14 @@ def measure_ring_host(passes: int = PASSES) -> dict:
 
     from fivefold.model.llama import TransformerBlock, rope_tables
     from fivefold.model.presets import PRESETS
-    from fivefold.parallel.context_parallel import _RingAttention
+    from fivefold.parallel.context_parallel import ring_attention_node_names
     from fivefold.plan.operators import dense_small_copy, loopback_ring, ring_block_counts
 
     model = dense_small_copy(PRESETS["tiny"])
     cos, sin = rope_tables(model, torch.device("cpu"))
     cos, sin = cos[:TOKENS], sin[:TOKENS]
     x = torch.randn(1, TOKENS, model.dim, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    own = {_RingAttention.__name__, _RingAttention.__name__ + "Backward"}  # the forward's and backward's nodes
+    own = ring_attention_node_names()
     measured = []
     for ring in RINGS:
         torch.manual_seed(0)
