@@ -1045,11 +1045,11 @@ def step_time(config: JobConfig, model: ModelConfig, d: Degrees, split: list[lis
     # arrival skew (ClusterSpec.sync_delay): per block pass, (forward, backward) waits of its tp, cp and ep syncs
     waits = {moe: block_sync_waits(config, d, cluster, costs.block[moe], moe) for moe in costs.block}
     # the attention's other all-reduces (q/k norms, whole weights), once per block (kind_tp is per half: x 2)
-    qk = [sum(native_collective("all_reduce", n, d.tp, cluster.collective_link("all_reduce", d.tp)) for n in calls)
-          for calls in attention_all_reduces(config, model, d)]
+    attention_calls = [sum(native_collective("all_reduce", n, d.tp, cluster.collective_link("all_reduce", d.tp))
+                           for n in calls) for calls in attention_all_reduces(config, model, d)]
     for moe in costs.block:
-        kind_tp[moe] += qk[0] / 2
-        kind_tp_back[moe] += qk[1] / 2
+        kind_tp[moe] += attention_calls[0] / 2
+        kind_tp_back[moe] += attention_calls[1] / 2
     for moe, (fwd, bwd) in waits.items():  # a MoE block's tp half is per block; kind_tp is per half (x 2)
         kind_tp[moe] += fwd[0] / 2
         kind_tp_back[moe] += bwd[0] / 2

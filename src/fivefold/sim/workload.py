@@ -361,6 +361,7 @@ class _Builder:
         # ranks sharing one CPU host's cores: a collective's transfers need the cores the compute holds
         self.shared_host = core_sharing(config, d, cluster) is not None
         self.weight_element = weight_element(config)
+        self.attention_calls = attention_all_reduces(config, self.model, d)  # (forward, backward) bytes per block
         self.reduce_element = 2 if config.gradient_comm.reduce_dtype == "bf16" else self.weight_element
         self.zero_node = config.gradient_comm.node_size or cluster.accelerators_per_node  # ZeRO++'s nodes
         self.expert_groups: dict[str, dict[int, tuple[int, ...]]] = {}  # "ep" / "etp" / "edp" -> rank -> its group
@@ -758,14 +759,14 @@ class _Builder:
         weights whole on every rank) follow the projections in forward and the core in backward."""
         self.compute(rank, other, label)
         if not backward:
-            self.attention_all_reduces(rank, False)
+            self.attention_tp_calls(rank, False)
         self.attention_core(rank, core, label, backward)
         if backward:
-            self.attention_all_reduces(rank, True)
+            self.attention_tp_calls(rank, True)
 
-    def attention_all_reduces(self, rank: int, backward: bool) -> None:
+    def attention_tp_calls(self, rank: int, backward: bool) -> None:
         """The attention's all-reduces over the tensor-parallel group beside its region's entry and exit."""
-        calls = attention_all_reduces(self.config, self.model, self.d)[int(backward)]
+        calls = self.attention_calls[int(backward)]
         if calls:
             group = self.grid.group(rank, ("tp",))
             for nbytes in calls:
