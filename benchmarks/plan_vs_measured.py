@@ -44,6 +44,11 @@ Each round also times rank 0 alone and a transformer's passes on every rank (sha
 predicts the same steps with a second set of compute rates and prints that set's summary (`# with the ...
 rates instead`): the square matmul loop's by default, the passes' with --rates passes.
 
+The rates are priced as medians over the whole run's rounds; every run also predicts each layout at the
+medians of its own batch's rounds only (the rates measured while it was timed) and prints that summary too (`#
+with the rates of each layout's own batch ...`; stored per row as `cluster_batch`). Each batch's own times of the
+backend's collectives are stored as well (`native_batches`), so a replay can read them another way.
+
 Prints one row per layout (predicted, measured, error) and
 RESULT name=plan_vs_measured layouts=N efficiency=... efficiency_bf16=... expert_ratio=... overhead_us=... median_abs_error=...
        multi_rank_median_abs_error=... within_10pct=... worst_abs_error=... kendall_tau=... best_gap=...
@@ -200,6 +205,8 @@ def _measure(rank: int, world_size: int, job) -> dict:
     bandwidths = []
     optimizer: list[tuple[float, float]] = []  # the runtime's AdamW: (GB/s of 28 bytes per parameter, us per tensor)
     codecs: list[tuple[dict, dict]] = []  # the gradient codecs' local work, ns per value (comm/bench.py codec_rates)
+    round_batch: list[int] = []  # each round's batch (each layout is also predicted at its own batch's rates)
+    batch_of: dict[str, int] = {}
     for first in range(0, len(configs), batch):
         trainers = {name: Trainer(config) for name, config in configs[first:first + batch]}
         for trainer in trainers.values():
@@ -213,7 +220,9 @@ def _measure(rank: int, world_size: int, job) -> dict:
             rings.append(measure_ring_host_here()["ring_step_operators"])
         compressed = [t for t in trainers.values() if t.config.gradient_comm.compression != "none"] if world_size > 1 else []
         names = list(trainers)
+        batch_of.update((name, first // batch) for name in names)
         for round_ in range(steps):
+            round_batch.append(first // batch)
             if compressed:  # on the job's own parameters' shapes, with the batch's trainers alive; every round, as the
                 # rates below: one timing can land on a slow spell (sign 79 ns a value once, 30 on the run before)
                 codecs.append(codec_rates(torch.device("cpu"), list(compressed[0].model.parameters()), seconds=0.15))
@@ -240,6 +249,22 @@ def _measure(rank: int, world_size: int, job) -> dict:
             trainer.close()
         trainers.clear()
         gc.collect()
+
+    def rates_over(kept: set[int]) -> dict:
+        """The compute rates' medians over the rounds of the batches `kept`."""
+        def median(values):
+            return statistics.median(v for v, b in zip(values, round_batch) if b in kept)
+        return {"rates": {dtype: median(values) for dtype, values in rates.items()},
+                "together_tflops": median(together),
+                "passes_rates": {dtype: median(values) for dtype, values in carried.items()},
+                "passes_oversubscribed_efficiency": median(efficiencies),
+                "memory_gbs": median(bandwidths),
+                "optimizer_gbs": median([g for g, _ in optimizer]),
+                "optimizer_tensor_us": median([u for _, u in optimizer]),
+                "oversubscribed_efficiency": oversubscribed_share(world_size, median(rates["fp32"]),
+                                                                  ranks_fitting(cores, threads), median(fitting))
+                if fitting else 1.0}
+
     return {"links": dataclasses.asdict(links) if links else None,
             **{key: {name: {"alpha": statistics.median(n[name].alpha for n in fits),
                             "beta": statistics.median(n[name].beta for n in fits), "ranks": world_size,
@@ -247,25 +272,18 @@ def _measure(rank: int, world_size: int, job) -> dict:
                                          for i, (size, _) in enumerate(fits[0][name].measured)]}
                      for name in fits[0]} if fits else {}
                for key, fits in (("native", natives), ("native_alone", alone))},
+            "native_batches": [{name: link.measured for name, link in n.items()} for n in natives],
             "arrival": {**arrivals[0], "measured": [[c, statistics.median(a["measured"][i][1] for a in arrivals)]
                                                      for i, (c, _) in enumerate(arrivals[0]["measured"])]}
             if arrivals else {},
             "post": fit_post([[size, statistics.median(p["measured"][i][1] for p in posts)]
                               for i, (size, _) in enumerate(posts[0]["measured"])]) if posts else {},
             "ring_step_operators": statistics.median(rings) if rings else 0.0,
-            "rates": {dtype: statistics.median(values) for dtype, values in rates.items()},
-            "together_tflops": statistics.median(together),
-            "passes_rates": {dtype: statistics.median(values) for dtype, values in carried.items()},
-            "passes_oversubscribed_efficiency": statistics.median(efficiencies),
-            "memory_gbs": statistics.median(bandwidths),
-            "optimizer_gbs": statistics.median(g for g, _ in optimizer),
-            "optimizer_tensor_us": statistics.median(u for _, u in optimizer),
+            **rates_over(set(round_batch)), "batches": [rates_over({b}) for b in sorted(set(round_batch))],
+            "batch_of": batch_of,
             **{key: {name: statistics.median(c[i][name] for c in codecs) for name in codecs[0][i]} if codecs else {}
                for i, key in enumerate(("codec_ns", "codec_encode_ns"))},
-            "times": {name: statistics.median(values) for name, values in samples.items()}, "cores": cores,
-            "oversubscribed_efficiency": oversubscribed_share(world_size, statistics.median(rates["fp32"]),
-                                                              ranks_fitting(cores, threads), statistics.median(fitting))
-            if fitting else 1.0}
+            "times": {name: statistics.median(values) for name, values in samples.items()}, "cores": cores}
 
 
 def _measure_solo(world_size: int, name: str, argv: list[str], out_root: Path, timed: int, timeout: float) -> float:
@@ -347,18 +365,19 @@ def _profiled(rows: list[dict], shares: dict[str, float]) -> None:
           f"{100 * statistics.median(model_errors):.1f}% modelled ({sum(e <= 0.1 for e in model_errors)} within 10%)")
 
 
-def _other_rates(rows: list[dict], shares: dict[str, float], name: str) -> None:
-    """Summarise the same measured steps predicted with the run's other compute rates (same fitted constants)."""
+def _other_rates(rows: list[dict], shares: dict[str, float], name: str, key: str = "cluster_other_rates") -> None:
+    """Summarise the same measured steps predicted on each row's cluster `key` (same fitted constants): the run's
+    other compute rates, or the compute rates of the rounds of the layout's own batch instead of the whole run's."""
     from fivefold.plan.estimate import estimate
 
-    errors = {r["name"]: estimate(r["config"], r["world_size"], r["cluster_other_rates"], efficiency_of(r, shares),
+    errors = {r["name"]: estimate(r["config"], r["world_size"], r[key], efficiency_of(r, shares),
                                   vocab_size=257).time.total / r["measured"] - 1 for r in rows}
     top = max(r["world_size"] for r in rows)
     four = [r for r in rows if r["world_size"] == top]
     tau, chosen, gap = rank_order(four, [(1 + errors[r["name"]]) * r["measured"] for r in four])
     multi = [abs(errors[r["name"]]) for r in rows if r["world_size"] > 1]
     worst = max(errors, key=lambda k: abs(errors[k]))
-    print(f"# with the {name} rates instead: median {100 * statistics.median(abs(e) for e in errors.values()):.1f}%, "
+    print(f"# with the {name} instead: median {100 * statistics.median(abs(e) for e in errors.values()):.1f}%, "
           f"multi-rank {100 * statistics.median(multi) if multi else 0.0:.1f}%, "
           f"{sum(abs(e) <= 0.10 for e in errors.values())} within 10%, worst {100 * errors[worst]:+.1f}% ({worst}), "
           f"tau {tau:.3f}, predicted best ({chosen['name']}) {100 * gap:.1f}% over the measured best; "
@@ -581,6 +600,9 @@ def main() -> int:
                 rows.append({"world_size": world_size, "name": name, "config": config,
                              "cluster": cluster_from_dict(chosen), "measured": stored[name]["measured"],
                              **({"cluster_other_rates": cluster_from_dict(other)} if other is not None else {}),
+                             **({"cluster_batch": cluster_from_dict(stored[name]["cluster_batch"])}  # since 2026-11-28
+                                if "cluster_batch" in stored[name] and args.rates == stored[name].get("rates", "matmul")
+                                and args.collectives == "beside" else {}),
                              "cores": stored[name].get("cores", os.cpu_count() or 1), "machine": measured_on,
                              **{key: stored[name][key] for key in ("fp32_tflops", "fp32_tflops_together")
                                 if key in stored[name]}})
@@ -594,14 +616,18 @@ def main() -> int:
         cluster = _cluster(world_size, measured, args.collectives, args.rates)
         other = _cluster(world_size, measured, "alone", args.rates)
         before = _cluster(world_size, measured, args.collectives, "matmul" if args.rates == "passes" else "passes")
-        for name, config in configs:
+        for name, config in configs:  # also at the rates of its own batch's rounds (an experiment, summarised)
+            own = measured | measured["batches"][measured["batch_of"][name]] if name in measured["batch_of"] else measured
             rows.append({"world_size": world_size, "name": name, "config": config, "cluster": cluster, "cluster_alone": other,
-                         "cluster_other_rates": before, "measured": measured["times"][name], "cores": measured["cores"],
+                         "cluster_other_rates": before,
+                         "cluster_batch": _cluster(world_size, own, args.collectives, args.rates),
+                         "measured": measured["times"][name], "cores": measured["cores"],
                          "machine": measured_on, "fp32_tflops": measured["rates"]["fp32"],
+                         "native_batches": measured["native_batches"],
                          "fp32_tflops_together": measured["together_tflops"]})
     shares, overhead, anchors = fit_compute(rows)
     for row in rows:  # the dispatch overhead is one thread's work: it slows once the ranks outnumber the cores
-        for key in ("cluster", "cluster_other_rates"):
+        for key in ("cluster", "cluster_other_rates", "cluster_batch"):
             if key in row:
                 row[key] = with_overhead(row[key], overhead * max(1.0, row["world_size"] / row["cores"]), row["cores"])
     from fivefold.errors import ConfigError
@@ -651,11 +677,13 @@ def main() -> int:
               f"TFLOP/s (priced), equal work between barriers {row['fp32_tflops_together']:.4f} "
               f"({100 * (row['fp32_tflops_together'] / row['fp32_tflops'] - 1):+.1f}%; recorded, not priced)")
     if all("cluster_other_rates" in r for r in rows):
-        _other_rates(rows, shares, "passes" if args.rates == "matmul" else "matmul")
+        _other_rates(rows, shares, f"{'passes' if args.rates == 'matmul' else 'matmul'} rates")
+    if all("cluster_batch" in r for r in rows):
+        _other_rates(rows, shares, "rates of each layout's own batch (not the whole run's)", "cluster_batch")
     if args.plot:
         print(f"wrote {plot_scatter(rows, args.plot)}")
     if args.json:
-        keys = ("cluster", "cluster_alone", "cluster_other_rates")
+        keys = ("cluster", "cluster_alone", "cluster_other_rates", "cluster_batch")
         Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k not in ("config", *keys)} |
                                                {key: r[key].to_dict() for key in keys if key in r} |
                                                {"rates": args.rates} for r in rows], indent=2))

@@ -69,6 +69,9 @@ def test_reliability_benchmark_runs_and_prints_result(script, args, expected):
     assert numbers.get("kendall_tau", 0.0) <= 1
     if script == "plan_vs_measured.py":  # the same steps predicted with the rates carried by a transformer's passes
         assert "# with the passes rates instead: median" in out
+        # one batch per world size here, so each layout's own batch's rates are the whole run's: the same errors
+        own = next(line for line in out.splitlines() if line.startswith("# with the rates of each layout's own batch"))
+        assert f"median {100 * numbers['median_abs_error']:.1f}%," in own, (own, numbers)
 
 
 def test_the_benchmarks_name_the_cpu_their_figures_come_from():
