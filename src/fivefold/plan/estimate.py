@@ -1506,7 +1506,8 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
     reduce-scatters in every micro-batch's backward; ZeRO-3 also gathers the weights in each forward and
     backward (prefetched: hidden behind that pass's compute); ZeRO's collectives are one per flat group
     (`flat_group_sizes`, `_sharded_time`). ZeRO-1/2 gather the updated weights after the
-    step, exposed. What one pass cannot hide is exposed, and never less than the last bucket. A gradient codec's
+    step, exposed. What one pass cannot hide is exposed, and never less than the last bucket (ZeRO-1/2: the
+    collectives issued after the last block's backward, `_sharded_time`). A gradient codec's
     local work (`Accelerator.codec_seconds`) runs on the communication thread with its messages: hidden with them
     behind backward on an accelerator; on a CPU host whose cores the ranks share (`core_sharing`) backward keeps
     every core busy, so it adds in full."""
@@ -1566,12 +1567,13 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
             + root_gather
     else:
         time = _sharded_time(zero_degrees(config, d), d, cluster, root, blocks, element, grad_element, m, forward,
-                             backward, buckets, once_behind) if group > 1 else 0.0
+                             backward, buckets, once_behind, len(layers), Counter(sizes.embedding)) if group > 1 else 0.0
     if routed and experts > 1:  # plain ZeRO at the same stage over the EDP group (the runtime's: no shard_* override)
         from fivefold.parallel.shard_layout import ShardDegrees
 
         time += _sharded_time(ShardDegrees.resolve(z.zero_stage, experts, experts), d, cluster, Counter(), routed_groups,
-                              element, grad_element, m, forward, backward, buckets, once_behind)
+                              element, grad_element, m, forward, backward, buckets, once_behind,
+                              sum(map(model.is_moe_layer, layers)), Counter())
     return time
 
 
@@ -1655,7 +1657,8 @@ def _compressed_reduce_time(g, numel: int, p: int, buckets: int, cluster: Cluste
 
 
 def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: Counter, blocks: Counter, element: int,
-                  grad_element: int, m: int, forward: float, backward: float, buckets: int, once_behind: float) -> float:
+                  grad_element: int, m: int, forward: float, backward: float, buckets: int, once_behind: float,
+                  units: int = 1, last_ready: Counter | None = None) -> float:
     """Exposed ZeRO seconds per step for sharding degrees p | g | o over D = dp x cp ranks (parallel/shard_layout.py),
     each collective on the links its group spans (members are tp ranks apart on the grid; params, grads and
     blocks are consecutive, split and publish groups strided within a block of o, replicas across blocks).
@@ -1670,7 +1673,13 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: Counter, blocks: 
                          `once_behind`: nothing under a pipeline);
                          g > 1: reduce-scatter of the gradient piece over o/g; all-reduce of the optimizer piece
                          over D/o replicas; all-gather of the updated weights over o/p: all exposed.
-    The stages are (1, 1, N), (1, N, N), (N, N, N)."""
+    The stages are (1, 1, N), (1, N, N), (N, N, N). Without a gather in the pass (ZeRO-1/2) each group's
+    reduce-scatter starts as its unit's backward completes it (parallel/zero.py `_on_grad_ready`), so what the
+    backward cannot hide is never less than what is issued after the last block's backward: one of the `units`
+    blocks' groups and the `last_ready` groups (the embedding's, complete last), not a DDP bucket's share (ZeRO
+    has no buckets; the simulator plays the same calls)."""
+    units = max(units, 1)
+    last_ready = last_ready or Counter()
     stride = d.tp
 
     def over(kind: str, collective: str, sizes: Counter, element: int, parts: int = 1) -> float:
@@ -1683,13 +1692,22 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: Counter, blocks: 
     def hidden_behind(comm: float, compute: float) -> float:
         return max(comm - compute, comm / buckets) if comm else 0.0
 
+    def issued_per_group(kind: str, compute: float) -> float:
+        scatter = over(kind, "reduce_scatter", groups, grad_element)
+        tail = over(kind, "reduce_scatter", blocks, grad_element) / units + \
+            over(kind, "reduce_scatter", last_ready, grad_element)
+        return max(scatter - compute, min(tail, scatter)) if scatter else 0.0
+
     groups = root + blocks
     gather = over("params", "all_gather", blocks, element)
-    per_micro = hidden_behind(gather, forward) + hidden_behind(gather + over("grads", "reduce_scatter", groups, grad_element),
-                                                                backward)
+    if gather:  # ZeRO-3: a backward's gathers and reduce-scatters share the communication thread
+        per_micro = hidden_behind(gather, forward) + \
+            hidden_behind(gather + over("grads", "reduce_scatter", groups, grad_element), backward)
+    else:
+        per_micro = issued_per_group("grads", backward)
     once = over("params", "all_gather", root, element)
     if deg.grads == 1:
-        once += hidden_behind(over("split", "reduce_scatter", groups, grad_element), once_behind)
+        once += issued_per_group("split", once_behind)
     else:
         once += over("split", "reduce_scatter", groups, grad_element, deg.grads)
     once += over("replica", "all_reduce", groups, grad_element, deg.optim) + \
