@@ -1658,7 +1658,7 @@ def _compressed_reduce_time(g, numel: int, p: int, buckets: int, cluster: Cluste
 
 def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: Counter, blocks: Counter, element: int,
                   grad_element: int, m: int, forward: float, backward: float, buckets: int, once_behind: float,
-                  units: int = 1, last_ready: Counter | None = None) -> float:
+                  units: int, last_ready: Counter) -> float:
     """Exposed ZeRO seconds per step for sharding degrees p | g | o over D = dp x cp ranks (parallel/shard_layout.py),
     each collective on the links its group spans (members are tp ranks apart on the grid; params, grads and
     blocks are consecutive, split and publish groups strided within a block of o, replicas across blocks).
@@ -1678,8 +1678,7 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: Counter, blocks: 
     backward cannot hide is never less than what is issued after the last block's backward: one of the `units`
     blocks' groups and the `last_ready` groups (the embedding's, complete last), not a DDP bucket's share (ZeRO
     has no buckets; the simulator plays the same calls)."""
-    units = max(units, 1)
-    last_ready = last_ready or Counter()
+    units = max(units, 1)  # (a pipeline rank may hold no MoE block)
     stride = d.tp
 
     def over(kind: str, collective: str, sizes: Counter, element: int, parts: int = 1) -> float:
