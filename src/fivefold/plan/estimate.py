@@ -1504,7 +1504,8 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
     pipeline, whose micro-batches all run under no_sync, after the schedule (`once_behind` = 0: the compute
     the once-per-step reduction hides behind; default `backward`); ZeRO-2
     reduce-scatters in every micro-batch's backward; ZeRO-3 also gathers the weights in each forward and
-    backward (prefetched: hidden behind that pass's compute); ZeRO's collectives are one per flat group
+    backward (prefetched: on an accelerator hidden behind that pass's compute, on a CPU host's shared cores
+    exposed); ZeRO's collectives are one per flat group
     (`flat_group_sizes`, `_sharded_time`). ZeRO-1/2 gather the updated weights after the
     step, exposed. What one pass cannot hide is exposed, and never less than the last bucket (ZeRO-1/2: the
     collectives issued after the last block's backward, `_sharded_time`). A gradient codec's
@@ -1561,19 +1562,30 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
     sizes = flat_group_sizes(model, d.tp, d.etp, d.ep, d.replicas)
     blocks, routed_groups = (Counter(n) for n in sizes.of(layers, False, False))  # a few distinct sizes, many times
     root = Counter(sizes.of([], True, len(split) == 1)[0])
+    shared_host = core_sharing(config, d, cluster) is not None
     if z.quantized_weights or z.hpz_partition > 1 or z.gradient_bits:  # the dense groups' ZeRO-3, through ZeRO++
         forward_gather, backward_gather, scatter, root_gather = _zero_pp_times(config, root, blocks, d, cluster)
-        time = m * (hidden_behind(forward_gather, forward) + hidden_behind(backward_gather + scatter, backward)) \
-            + root_gather
+        if shared_host:  # gathers exposed, reduce-scatters hidden group by group (as `_sharded_time`'s)
+            def scatter_of(root_groups: Counter, block_groups: Counter = Counter()) -> float:
+                return _zero_pp_times(config, root_groups, block_groups, d, cluster)[2]
+
+            last, early = Counter(sizes.embedding), root - Counter(sizes.embedding)
+            rest = scatter - scatter_of(early)
+            tail = scatter_of(Counter(), blocks) / max(len(layers), 1) + scatter_of(last)
+            per_micro = forward_gather + backward_gather + scatter_of(early) + max(rest - backward, min(tail, rest))
+        else:
+            per_micro = hidden_behind(forward_gather, forward) + hidden_behind(backward_gather + scatter, backward)
+        time = m * per_micro + root_gather
     else:
         time = _sharded_time(zero_degrees(config, d), d, cluster, root, blocks, element, grad_element, m, forward,
-                             backward, buckets, once_behind, len(layers), Counter(sizes.embedding)) if group > 1 else 0.0
+                             backward, buckets, once_behind, len(layers), Counter(sizes.embedding),
+                             shared_host) if group > 1 else 0.0
     if routed and experts > 1:  # plain ZeRO at the same stage over the EDP group (the runtime's: no shard_* override)
         from fivefold.parallel.shard_layout import ShardDegrees
 
         time += _sharded_time(ShardDegrees.resolve(z.zero_stage, experts, experts), d, cluster, Counter(), routed_groups,
                               element, grad_element, m, forward, backward, buckets, once_behind,
-                              sum(map(model.is_moe_layer, layers)), Counter())
+                              sum(map(model.is_moe_layer, layers)), Counter(), shared_host)
     return time
 
 
@@ -1658,7 +1670,7 @@ def _compressed_reduce_time(g, numel: int, p: int, buckets: int, cluster: Cluste
 
 def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: Counter, blocks: Counter, element: int,
                   grad_element: int, m: int, forward: float, backward: float, buckets: int, once_behind: float,
-                  units: int, last_ready: Counter) -> float:
+                  units: int, last_ready: Counter, shared_host: bool) -> float:
     """Exposed ZeRO seconds per step for sharding degrees p | g | o over D = dp x cp ranks (parallel/shard_layout.py),
     each collective on the links its group spans (members are tp ranks apart on the grid; params, grads and
     blocks are consecutive, split and publish groups strided within a block of o, replicas across blocks).
@@ -1677,7 +1689,10 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: Counter, blocks: 
     reduce-scatter starts as its unit's backward completes it (parallel/zero.py `_on_grad_ready`), so what the
     backward cannot hide is never less than what is issued after the last block's backward: one of the `units`
     blocks' groups and the `last_ready` groups (the embedding's, complete last), not a DDP bucket's share (ZeRO
-    has no buckets; the simulator plays the same calls)."""
+    has no buckets; the simulator plays the same calls). ZeRO-3 on ranks sharing a CPU host's cores (`shared_host`,
+    `core_sharing`): gloo moves a prefetched gather's bytes on the cores the block's compute holds, so every gather
+    is exposed; the runtime queues the prefetch (the previous block's, at a block's backward pre-hook) before the
+    block's reduce-scatters, which then run beside the next block's backward and hide group by group as above."""
     units = max(units, 1)  # (a pipeline rank may hold no MoE block)
     stride = d.tp
 
@@ -1699,7 +1714,16 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: Counter, blocks: 
 
     groups = root + blocks
     gather = over("params", "all_gather", blocks, element)
-    if gather:  # ZeRO-3: a backward's gathers and reduce-scatters share the communication thread
+    if gather and shared_host:  # ZeRO-3 on shared cores: the gathers exposed, the reduce-scatters hide per group,
+        # but those of the root's groups ready before the first block's backward (final norm, untied head) are queued
+        # ahead of that block's gather, which waits for them
+        early = root - last_ready
+        rest = over("grads", "reduce_scatter", groups - early, grad_element)
+        tail = over("grads", "reduce_scatter", blocks, grad_element) / units + \
+            over("grads", "reduce_scatter", last_ready, grad_element)
+        per_micro = 2 * gather + over("grads", "reduce_scatter", early, grad_element) + \
+            (max(rest - backward, min(tail, rest)) if rest else 0.0)
+    elif gather:  # ZeRO-3: a backward's gathers and reduce-scatters share the communication thread
         per_micro = hidden_behind(gather, forward) + \
             hidden_behind(gather + over("grads", "reduce_scatter", groups, grad_element), backward)
     else:

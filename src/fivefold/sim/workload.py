@@ -21,7 +21,8 @@ the runtime runs them:
               one per block and weight-decay class) reduced as their block's backward ends
               (stage 1 all-reduces in the last micro-batch, stages 2-3 reduce-scatter in every
               one), ZeRO-3's per-block all-gathers before forward and backward with the runtime's
-              one-block prefetch (none on ranks sharing a CPU host's cores). The optimizer step waits for all of it; ZeRO-1/2 then gather
+              one-block prefetch (on ranks sharing a CPU host's cores started once the block's pass is
+              done, still ahead of its reduce-scatters). The optimizer step waits for all of it; ZeRO-1/2 then gather
               the updated weights, hybrid sharding all-reduces the shards over the replicas.
               Routed experts are a second instance over their expert-data-parallel group.
 
@@ -1027,9 +1028,9 @@ class _Builder:
     def zero3_before(self, rank: int, stage: int, blocks: list[Unit], position: int, backward: bool = False) -> None:
         """ZeRO-3's pre-hook of blocks[position]: gather it and wait, prefetch the next block (forward order
         in forward, reverse in backward: `blocks` is in the pass's order). On ranks sharing a CPU host's cores
-        the prefetch is not played: gloo moves the bytes on the cores the block's compute holds, so the
-        prefetched gather does not finish sooner (`dp4-zero3` on 2 cores waited 57.7 ms a step in its
-        gathers, the whole of what they take alone; docs/planner.md)."""
+        the prefetch starts after the block's pass (`zero3_after`): gloo moves the bytes on the cores the block's
+        compute holds, so the prefetched gather does not finish sooner (`dp4-zero3` on 2 cores waited 57.7 ms a
+        step in its gathers, the whole of what they take alone; docs/planner.md)."""
         if not self.zero3:
             return
         done = self.gather(rank, stage, blocks[position], backward)
@@ -1038,6 +1039,14 @@ class _Builder:
         if done:
             self.programs[(rank, COMPUTE)].append(Await(done, "dp"))
         self.gathering.pop((stage, blocks[position].name), None)  # freed after this pass (runtime: _free)
+
+    def zero3_after(self, rank: int, stage: int, blocks: list[Unit], position: int, backward: bool = False) -> None:
+        """On ranks sharing a CPU host's cores: the prefetch of the block after blocks[position], handed to the
+        communication thread once the block's pass is done, still ahead of the block's reduce-scatters (the
+        runtime queues it at the block's pre-hook, before its gradients are ready), which then run beside the
+        next block's backward."""
+        if self.zero3 and self.shared_host and position + 1 < len(blocks):
+            self.gather(rank, stage, blocks[position + 1], backward)
 
     def zero3_root(self, rank: int, stage: int) -> None:
         """ZeRO-3's model pre-hook: the root unit (embedding, final norm, head) is gathered once per step."""
@@ -1063,8 +1072,9 @@ class _Builder:
                 self.deferred_update(rank, stage, unit)
             if unit.index >= 0:
                 self.zero3_before(rank, stage, blocks, position)
-                position += 1
                 self.block_pass(rank, unit, backward=False)
+                self.zero3_after(rank, stage, blocks, position)
+                position += 1
             elif unit.name == "head":
                 self.vocab_parallel(rank, "head", backward=False)
                 self.compute(rank, self.costs.head, "forward")
@@ -1112,6 +1122,7 @@ class _Builder:
                         self.block_pass(rank, unit, backward=True)
                     else:  # the input gradient: half the compute, all of the block's collectives
                         self.half_block_backward(rank, unit)
+                    self.zero3_after(rank, stage, blocks, position - 1, backward=True)
             elif unit.name == "head":
                 self.compute(rank, 2 * self.costs.head * share, "backward")
                 if part != "W":
