@@ -1125,10 +1125,12 @@ def test_codec_rates_in_cluster_files(tmp_path):
 
 def test_sharding_degrees_are_chosen_by_predicted_time_under_the_memory_cap():
     """AMSP's scale-aware choice (plan/search.py choose_degrees): Llama-3 8B on 8 nodes of 8 H100s with 8 micro-
-    batches. With room, parameters and gradients sharded within a node and optimizer states over half or all of the
-    64 ranks are fastest (8/8/32 and 8/8/64 within 0.1%: the per-group latencies of 2 replicas' all-reduce against
-    the wider split and publish), about twice as fast as ZeRO-3 over 64 (whose gathers and reduce-scatters cross
-    nodes every micro-batch);
+    batches. With room, the optimizer states sharded within a node and nothing else (1/1/8, 69.7 GiB) is fastest:
+    no gathers, where each micro-batch's first gather of a pass and its last reduce-scatters cannot hide (the
+    simulator, playing the runtime's calls, orders 1/1/8, 8/8/32, 8/8/64 the same way: 3.834, 3.835, 3.846 s);
+    parameters and gradients sharded within a node and optimizer states over half or all of the 64 ranks follow
+    within 0.5%, about twice as fast as ZeRO-3 over 64 (whose gathers and reduce-scatters cross nodes every
+    micro-batch);
     under a 35 GiB cap the gradients spread over all 64 ranks while parameter gathers stay in the node (8/64/64),
     and under 34.05 GiB the parameters must span two nodes (16/64/64)."""
     from fivefold.plan.estimate import zero_degrees
@@ -1145,7 +1147,7 @@ def test_sharding_degrees_are_chosen_by_predicted_time_under_the_memory_cap():
 
     roomy = choose_degrees(config, 64, cluster)
     times = {degrees(pair): pair[1].time.total for pair in roomy}
-    assert degrees(roomy[0]) in ((8, 8, 32), (8, 8, 64)) and times[(8, 8, 64)] < 1.001 * roomy[0][1].time.total
+    assert degrees(roomy[0]) == (1, 1, 8) and max(times[(8, 8, 32)], times[(8, 8, 64)]) < 1.005 * times[(1, 1, 8)]
     assert times[(64, 64, 64)] > 1.8 * times[(8, 8, 64)]
     for cap, chosen in ((35, (8, 64, 64)), (34.05, (16, 64, 64))):
         tight = choose_degrees(config, 64, dataclasses.replace(cluster, accelerator=dataclasses.replace(
@@ -1199,7 +1201,7 @@ def test_plan_sharding_degrees_prints_the_ranking_and_writes_the_winner(tmp_path
     assert main(args) == 0
     printed = capsys.readouterr().out
     winner = tuple(int(n) for n in printed.splitlines()[1].split()[1].split("/"))
-    assert winner in ((8, 8, 32), (8, 8, 64))  # within 0.1% of each other (the test above)
+    assert winner == (1, 1, 8)  # 8/8/32 and 8/8/64 within 0.5% of it (the test above)
     best = load_config(str(out)).data_parallel
     assert (best.shard_params, best.shard_grads, best.shard_optim) == winner
     ddp = ["plan", "--model.preset", "llama3-8b", "--gpus", "64", "--sharding-degrees"]

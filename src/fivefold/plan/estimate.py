@@ -1578,13 +1578,13 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
         time = m * per_micro + root_gather
     else:
         time = _sharded_time(zero_degrees(config, d), d, cluster, root, blocks, element, grad_element, m, forward,
-                             backward, buckets, once_behind, len(layers), Counter(sizes.embedding),
+                             backward, once_behind, len(layers), Counter(sizes.embedding),
                              shared_host) if group > 1 else 0.0
     if routed and experts > 1:  # plain ZeRO at the same stage over the EDP group (the runtime's: no shard_* override)
         from fivefold.parallel.shard_layout import ShardDegrees
 
         time += _sharded_time(ShardDegrees.resolve(z.zero_stage, experts, experts), d, cluster, Counter(), routed_groups,
-                              element, grad_element, m, forward, backward, buckets, once_behind,
+                              element, grad_element, m, forward, backward, once_behind,
                               sum(map(model.is_moe_layer, layers)), Counter(), shared_host)
     return time
 
@@ -1669,15 +1669,14 @@ def _compressed_reduce_time(g, numel: int, p: int, buckets: int, cluster: Cluste
 
 
 def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: Counter, blocks: Counter, element: int,
-                  grad_element: int, m: int, forward: float, backward: float, buckets: int, once_behind: float,
+                  grad_element: int, m: int, forward: float, backward: float, once_behind: float,
                   units: int, last_ready: Counter, shared_host: bool) -> float:
     """Exposed ZeRO seconds per step for sharding degrees p | g | o over D = dp x cp ranks (parallel/shard_layout.py),
     each collective on the links its group spans (members are tp ranks apart on the grid; params, grads and
     blocks are consecutive, split and publish groups strided within a block of o, replicas across blocks).
     Every collective is one per flat group (groups of each size: the `root` module's, embedding, final norm and
     head, and the `blocks`'), as parallel/zero.py issues them:
-        per micro-batch  p > 1: all-gather of the blocks' weights over p before forward (hidden behind it) and
-                         backward;
+        per micro-batch  p > 1: all-gather of the blocks' weights over p before forward and backward (prefetched);
                          g > 1: reduce-scatter of the gradients over g (hidden behind backward)
         once             p > 1: all-gather of the root's weights before the first forward, waited for at once
                          (exposed), kept until the step;
@@ -1689,10 +1688,12 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: Counter, blocks: 
     reduce-scatter starts as its unit's backward completes it (parallel/zero.py `_on_grad_ready`), so what the
     backward cannot hide is never less than what is issued after the last block's backward: one of the `units`
     blocks' groups and the `last_ready` groups (the embedding's, complete last), not a DDP bucket's share (ZeRO
-    has no buckets; the simulator plays the same calls). ZeRO-3 on ranks sharing a CPU host's cores (`shared_host`,
-    `core_sharing`): gloo moves a prefetched gather's bytes on the cores the block's compute holds, so every gather
-    is exposed; the runtime queues the prefetch (the previous block's, at a block's backward pre-hook) before the
-    block's reduce-scatters, which then run beside the next block's backward and hide group by group as above."""
+    has no buckets; the simulator plays the same calls). ZeRO-3 prefetches the next block's gather (the previous
+    block's in backward, queued at a block's pre-hook, ahead of that block's reduce-scatters): on an accelerator
+    each gather but a pass's first hides behind the block before it, block by block (not a DDP bucket's share,
+    until 2026-11-29); on ranks sharing a CPU host's cores (`shared_host`, `core_sharing`) gloo moves a prefetched
+    gather's bytes on the cores the block's compute holds, so every gather is exposed, and the reduce-scatters,
+    behind the prefetch, run beside the next block's backward and hide group by group as ZeRO-1/2's."""
     units = max(units, 1)  # (a pipeline rank may hold no MoE block)
     stride = d.tp
 
@@ -1703,9 +1704,6 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: Counter, blocks: 
         link = cluster.collective_link(collective, d.fibre_span(deg.span(kind) * stride))
         return _per_group(sizes, lambda n: native_collective(collective, n * element / parts, size, link))
 
-    def hidden_behind(comm: float, compute: float) -> float:
-        return max(comm - compute, comm / buckets) if comm else 0.0
-
     def issued_per_group(kind: str, compute: float) -> float:
         scatter = over(kind, "reduce_scatter", groups, grad_element)
         tail = over(kind, "reduce_scatter", blocks, grad_element) / units + \
@@ -1714,18 +1712,21 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: Counter, blocks: 
 
     groups = root + blocks
     gather = over("params", "all_gather", blocks, element)
-    if gather and shared_host:  # ZeRO-3 on shared cores: the gathers exposed, the reduce-scatters hide per group,
-        # but those of the root's groups ready before the first block's backward (final norm, untied head) are queued
-        # ahead of that block's gather, which waits for them
+    if gather:  # ZeRO-3. The root's groups ready before the first block's backward (final norm, an untied head)
+        # are reduce-scattered ahead of that block's gather, which waits for them; the last block's and the
+        # embedding's are issued after the last backward
         early = root - last_ready
-        rest = over("grads", "reduce_scatter", groups - early, grad_element)
-        tail = over("grads", "reduce_scatter", blocks, grad_element) / units + \
-            over("grads", "reduce_scatter", last_ready, grad_element)
-        per_micro = 2 * gather + over("grads", "reduce_scatter", early, grad_element) + \
-            (max(rest - backward, min(tail, rest)) if rest else 0.0)
-    elif gather:  # ZeRO-3: a backward's gathers and reduce-scatters share the communication thread
-        per_micro = hidden_behind(gather, forward) + \
-            hidden_behind(gather + over("grads", "reduce_scatter", groups, grad_element), backward)
+        scatter_early = over("grads", "reduce_scatter", early, grad_element)
+        block_scatter = over("grads", "reduce_scatter", blocks, grad_element) / units
+        tail = block_scatter + over("grads", "reduce_scatter", last_ready, grad_element)
+        if shared_host:  # every gather exposed; the reduce-scatters hide per group beside the next block's backward
+            rest = over("grads", "reduce_scatter", groups - early, grad_element)
+            per_micro = 2 * gather + scatter_early + (max(rest - backward, min(tail, rest)) if rest else 0.0)
+        else:  # the prefetch: each gather but the first beside the block before it, per block of the pass; in
+            # backward a block's reduce-scatters and the next prefetch share the communication thread after it
+            a, r, c_f, c_b = gather / units, block_scatter, forward / units, backward / units
+            per_micro = a + (units - 1) * max(0.0, a - c_f) + scatter_early + a + \
+                (units > 1) * (max(0.0, a - c_b) + max(0.0, r - c_b)) + max(0, units - 2) * max(0.0, r + a - c_b) + tail
     else:
         per_micro = issued_per_group("grads", backward)
     once = over("params", "all_gather", root, element)
