@@ -1019,18 +1019,21 @@ def test_zero3_prefetch_on_an_accelerator_is_priced_block_by_block_as_the_simula
     ("--data_parallel.quantized_weights", "true", "--data_parallel.hpz_partition", "2",
      "--data_parallel.quantized_gradients", "int8", "--train.grad_accum_steps", "2"),
 ])
-def test_zero_pp_is_priced_per_flat_group_as_the_simulator_plays_it(options):
-    """ZeRO++ on 4 ranks posing as 2 nodes of 2, on a host whose cores the ranks share (nothing hides: one bucket,
-    no prefetch): the planner's data-parallel term is the simulated one, whose calls are the runtime's
-    (tests/distributed/test_step_traffic.py): per flat group, qwZ's two gathers (codes, scales), hpZ's in-node
-    backward gather, qgZ's four all-to-alls, and the root's gather once a step."""
-    cluster = dataclasses.replace(H100, accelerator=dataclasses.replace(H100.accelerator, shared_cores=2))
+@pytest.mark.parametrize("shared", [2, 0])
+def test_zero_pp_is_priced_per_flat_group_as_the_simulator_plays_it(options, shared):
+    """ZeRO++ on 4 ranks posing as 2 nodes of 2: the planner's data-parallel term is the simulated one, whose calls
+    are the runtime's (tests/distributed/test_step_traffic.py): per flat group, qwZ's two gathers (codes, scales),
+    hpZ's in-node backward gather, qgZ's four all-to-alls, and the root's gather once a step. On a host whose cores
+    the ranks share every gather is exposed and the reduce-scatters hide per group (equal); on an H100 the prefetch
+    hides them block by block (within 2%; until 2026-11-29 down to a DDP bucket's share, 48-93% over)."""
+    cluster = dataclasses.replace(H100, accelerator=dataclasses.replace(H100.accelerator, shared_cores=shared))
     config = _config("--data_parallel.zero_stage", "3", "--data_parallel.shard", "4", "--gradient_comm.node_size", "2",
                      *options)
     run = simulate_step(config, 4, cluster, 0.5, "hybrid", vocab_size=257)
     planned = estimate(config, 4, cluster, 0.5, vocab_size=257).time
-    assert planned.dp > 0 and run.breakdown()["dp"] == pytest.approx(planned.dp, rel=1e-9)
-    assert run.time == pytest.approx(planned.total, rel=1e-9)
+    tolerance = 1e-9 if shared else 0.02
+    assert planned.dp > 0 and run.breakdown()["dp"] == pytest.approx(planned.dp, rel=tolerance)
+    assert run.time == pytest.approx(planned.total, rel=tolerance)
 
 
 @pytest.mark.parametrize("gpus, overrides", [

@@ -1565,17 +1565,13 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
     shared_host = core_sharing(config, d, cluster) is not None
     if z.quantized_weights or z.hpz_partition > 1 or z.gradient_bits:  # the dense groups' ZeRO-3, through ZeRO++
         forward_gather, backward_gather, scatter, root_gather = _zero_pp_times(config, root, blocks, d, cluster)
-        if shared_host:  # gathers exposed, reduce-scatters hidden group by group (as `_sharded_time`'s)
-            def scatter_of(root_groups: Counter, block_groups: Counter = Counter()) -> float:
-                return _zero_pp_times(config, root_groups, block_groups, d, cluster)[2]
 
-            last, early = Counter(sizes.embedding), root - Counter(sizes.embedding)
-            rest = scatter - scatter_of(early)
-            tail = scatter_of(Counter(), blocks) / max(len(layers), 1) + scatter_of(last)
-            per_micro = forward_gather + backward_gather + scatter_of(early) + max(rest - backward, min(tail, rest))
-        else:
-            per_micro = hidden_behind(forward_gather, forward) + hidden_behind(backward_gather + scatter, backward)
-        time = m * per_micro + root_gather
+        def scatter_of(root_groups: Counter, block_groups: Counter = Counter()) -> float:
+            return _zero_pp_times(config, root_groups, block_groups, d, cluster)[2]
+
+        last, early = Counter(sizes.embedding), root - Counter(sizes.embedding)
+        time = m * _zero3_pass_time(forward_gather, backward_gather, scatter, scatter_of(early), scatter_of(Counter(), blocks),
+                                    scatter_of(last), forward, backward, len(layers), shared_host) + root_gather
     else:
         time = _sharded_time(zero_degrees(config, d), d, cluster, root, blocks, element, grad_element, m, forward,
                              backward, once_behind, len(layers), Counter(sizes.embedding),
@@ -1688,12 +1684,8 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: Counter, blocks: 
     reduce-scatter starts as its unit's backward completes it (parallel/zero.py `_on_grad_ready`), so what the
     backward cannot hide is never less than what is issued after the last block's backward: one of the `units`
     blocks' groups and the `last_ready` groups (the embedding's, complete last), not a DDP bucket's share (ZeRO
-    has no buckets; the simulator plays the same calls). ZeRO-3 prefetches the next block's gather (the previous
-    block's in backward, queued at a block's pre-hook, ahead of that block's reduce-scatters): on an accelerator
-    each gather but a pass's first hides behind the block before it, block by block (not a DDP bucket's share,
-    until 2026-11-29); on ranks sharing a CPU host's cores (`shared_host`, `core_sharing`) gloo moves a prefetched
-    gather's bytes on the cores the block's compute holds, so every gather is exposed, and the reduce-scatters,
-    behind the prefetch, run beside the next block's backward and hide group by group as ZeRO-1/2's."""
+    has no buckets; the simulator plays the same calls). ZeRO-3's pass: `_zero3_pass_time` (`shared_host`: the
+    ranks share a CPU host's cores, `core_sharing`); until 2026-11-29 it hid down to a DDP bucket's share."""
     units = max(units, 1)  # (a pipeline rank may hold no MoE block)
     stride = d.tp
 
@@ -1712,21 +1704,13 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: Counter, blocks: 
 
     groups = root + blocks
     gather = over("params", "all_gather", blocks, element)
-    if gather:  # ZeRO-3. The root's groups ready before the first block's backward (final norm, an untied head)
-        # are reduce-scattered ahead of that block's gather, which waits for them; the last block's and the
-        # embedding's are issued after the last backward
+    if gather:  # ZeRO-3
         early = root - last_ready
-        scatter_early = over("grads", "reduce_scatter", early, grad_element)
-        block_scatter = over("grads", "reduce_scatter", blocks, grad_element) / units
-        tail = block_scatter + over("grads", "reduce_scatter", last_ready, grad_element)
-        if shared_host:  # every gather exposed; the reduce-scatters hide per group beside the next block's backward
-            rest = over("grads", "reduce_scatter", groups - early, grad_element)
-            per_micro = 2 * gather + scatter_early + (max(rest - backward, min(tail, rest)) if rest else 0.0)
-        else:  # the prefetch: each gather but the first beside the block before it, per block of the pass; in
-            # backward a block's reduce-scatters and the next prefetch share the communication thread after it
-            a, r, c_f, c_b = gather / units, block_scatter, forward / units, backward / units
-            per_micro = a + (units - 1) * max(0.0, a - c_f) + scatter_early + a + \
-                (units > 1) * (max(0.0, a - c_b) + max(0.0, r - c_b)) + max(0, units - 2) * max(0.0, r + a - c_b) + tail
+        per_micro = _zero3_pass_time(gather, gather, over("grads", "reduce_scatter", groups, grad_element),
+                                     over("grads", "reduce_scatter", early, grad_element),
+                                     over("grads", "reduce_scatter", blocks, grad_element),
+                                     over("grads", "reduce_scatter", last_ready, grad_element), forward, backward, units,
+                                     shared_host)
     else:
         per_micro = issued_per_group("grads", backward)
     once = over("params", "all_gather", root, element)
@@ -1737,6 +1721,31 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: Counter, blocks: 
     once += over("replica", "all_reduce", groups, grad_element, deg.optim) + \
         over("publish", "all_gather", groups, element, deg.params)
     return m * per_micro + once
+
+
+def _zero3_pass_time(forward_gather: float, backward_gather: float, scatter: float, early: float, blocks_scatter: float,
+                     last_scatter: float, forward: float, backward: float, units: int, shared_host: bool) -> float:
+    """Exposed seconds of one micro-batch's ZeRO-3 collectives (plain or ZeRO++): the blocks' gathers before forward
+    and backward, every group's reduce-scatter (`scatter`; `early`: the root's groups ready before the first block's
+    backward, the final norm's and an untied head's, queued ahead of that block's gather, which waits for them;
+    `blocks_scatter`: the blocks'; `last_scatter`: the embedding's, complete last), over `units` blocks and the
+    pass's compute. On an accelerator the runtime's prefetch (the next block's gather at a block's pre-hook: the
+    previous block's in backward, ahead of that block's reduce-scatters) hides each gather but a pass's first behind
+    the block before it, block by block (a against c: max(0, a - c)); in backward a block's reduce-scatters and the
+    next prefetch share the communication thread behind the next block (max(0, r + a - c)), and the last block's
+    and the embedding's follow the last backward. On ranks sharing a CPU host's cores gloo moves a prefetched
+    gather's bytes on the cores the block's compute holds: every gather is exposed, and the reduce-scatters, behind
+    the prefetch, run beside the next block's backward, never less exposed than the last block's and the
+    embedding's (ZeRO-1/2's rule, `_sharded_time`). The simulator plays the same calls (sim/workload.py)."""
+    units = max(units, 1)
+    r = blocks_scatter / units
+    tail = r + last_scatter
+    if shared_host:
+        rest = scatter - early
+        return forward_gather + backward_gather + early + (max(rest - backward, min(tail, rest)) if rest else 0.0)
+    a_f, a_b, c_f, c_b = forward_gather / units, backward_gather / units, forward / units, backward / units
+    return a_f + (units - 1) * max(0.0, a_f - c_f) + early + a_b + \
+        (units > 1) * (max(0.0, a_b - c_b) + max(0.0, r - c_b)) + max(0, units - 2) * max(0.0, r + a_b - c_b) + tail
 
 
 def _overlapped_tp_block(model: ModelConfig, d: Degrees, block: float, core: float, activation: float,
