@@ -1504,8 +1504,8 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
     pipeline, whose micro-batches all run under no_sync, after the schedule (`once_behind` = 0: the compute
     the once-per-step reduction hides behind; default `backward`); ZeRO-2
     reduce-scatters in every micro-batch's backward; ZeRO-3 also gathers the weights in each forward and
-    backward (prefetched: on an accelerator hidden behind that pass's compute, on a CPU host's shared cores
-    exposed); ZeRO's collectives are one per flat group
+    backward (prefetched: on an accelerator hidden block by block behind the pass's compute, on a CPU host's
+    shared cores exposed; `_zero3_pass_time`); ZeRO's collectives are one per flat group
     (`flat_group_sizes`, `_sharded_time`). ZeRO-1/2 gather the updated weights after the
     step, exposed. What one pass cannot hide is exposed, and never less than the last bucket (ZeRO-1/2: the
     collectives issued after the last block's backward, `_sharded_time`). A gradient codec's
