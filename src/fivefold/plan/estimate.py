@@ -1565,13 +1565,9 @@ def _data_parallel_time(config: JobConfig, model: ModelConfig, d: Degrees, split
     shared_host = core_sharing(config, d, cluster) is not None
     if z.quantized_weights or z.hpz_partition > 1 or z.gradient_bits:  # the dense groups' ZeRO-3, through ZeRO++
         forward_gather, backward_gather, scatter, root_gather = _zero_pp_times(config, root, blocks, d, cluster)
-
-        def scatter_of(root_groups: Counter, block_groups: Counter = Counter()) -> float:
-            return _zero_pp_times(config, root_groups, block_groups, d, cluster)[2]
-
-        last, early = Counter(sizes.embedding), root - Counter(sizes.embedding)
-        time = m * _zero3_pass_time(forward_gather, backward_gather, scatter, scatter_of(early), scatter_of(Counter(), blocks),
-                                    scatter_of(last), forward, backward, len(layers), shared_host) + root_gather
+        last = Counter(sizes.embedding)
+        time = m * _zero3_pass_time(forward_gather, backward_gather, scatter(root - last), scatter(blocks), scatter(last),
+                                    forward, backward, len(layers), shared_host) + root_gather
     else:
         time = _sharded_time(zero_degrees(config, d), d, cluster, root, blocks, element, grad_element, m, forward,
                              backward, once_behind, len(layers), Counter(sizes.embedding),
@@ -1697,20 +1693,16 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: Counter, blocks: 
         return _per_group(sizes, lambda n: native_collective(collective, n * element / parts, size, link))
 
     def issued_per_group(kind: str, compute: float) -> float:
-        scatter = over(kind, "reduce_scatter", groups, grad_element)
-        tail = over(kind, "reduce_scatter", blocks, grad_element) / units + \
-            over(kind, "reduce_scatter", last_ready, grad_element)
-        return max(scatter - compute, min(tail, scatter)) if scatter else 0.0
+        return _hidden_per_group(over(kind, "reduce_scatter", groups, grad_element),
+                                 over(kind, "reduce_scatter", blocks, grad_element) / units
+                                 + over(kind, "reduce_scatter", last_ready, grad_element), compute)
 
     groups = root + blocks
     gather = over("params", "all_gather", blocks, element)
     if gather:  # ZeRO-3
-        early = root - last_ready
-        per_micro = _zero3_pass_time(gather, gather, over("grads", "reduce_scatter", groups, grad_element),
-                                     over("grads", "reduce_scatter", early, grad_element),
-                                     over("grads", "reduce_scatter", blocks, grad_element),
-                                     over("grads", "reduce_scatter", last_ready, grad_element), forward, backward, units,
-                                     shared_host)
+        per_micro = _zero3_pass_time(gather, gather, *(over("grads", "reduce_scatter", sizes, grad_element)
+                                                       for sizes in (root - last_ready, blocks, last_ready)),
+                                     forward, backward, units, shared_host)
     else:
         per_micro = issued_per_group("grads", backward)
     once = over("params", "all_gather", root, element)
@@ -1723,10 +1715,16 @@ def _sharded_time(deg, d: Degrees, cluster: ClusterSpec, root: Counter, blocks: 
     return m * per_micro + once
 
 
-def _zero3_pass_time(forward_gather: float, backward_gather: float, scatter: float, early: float, blocks_scatter: float,
+def _hidden_per_group(scatter: float, tail: float, compute: float) -> float:
+    """Exposed seconds of reduce-scatters issued group by group as backward completes each (`scatter` in all) behind
+    `compute`: never less than the `tail` issued after the last block's backward."""
+    return max(scatter - compute, min(tail, scatter)) if scatter else 0.0
+
+
+def _zero3_pass_time(forward_gather: float, backward_gather: float, early: float, blocks_scatter: float,
                      last_scatter: float, forward: float, backward: float, units: int, shared_host: bool) -> float:
     """Exposed seconds of one micro-batch's ZeRO-3 collectives (plain or ZeRO++): the blocks' gathers before forward
-    and backward, every group's reduce-scatter (`scatter`; `early`: the root's groups ready before the first block's
+    and backward, and every group's reduce-scatter (`early`: the root's groups ready before the first block's
     backward, the final norm's and an untied head's, queued ahead of that block's gather, which waits for them;
     `blocks_scatter`: the blocks'; `last_scatter`: the embedding's, complete last), over `units` blocks and the
     pass's compute. On an accelerator the runtime's prefetch (the next block's gather at a block's pre-hook: the
@@ -1741,8 +1739,7 @@ def _zero3_pass_time(forward_gather: float, backward_gather: float, scatter: flo
     r = blocks_scatter / units
     tail = r + last_scatter
     if shared_host:
-        rest = scatter - early
-        return forward_gather + backward_gather + early + (max(rest - backward, min(tail, rest)) if rest else 0.0)
+        return forward_gather + backward_gather + early + _hidden_per_group(blocks_scatter + last_scatter, tail, backward)
     a_f, a_b, c_f, c_b = forward_gather / units, backward_gather / units, forward / units, backward / units
     return a_f + (units - 1) * max(0.0, a_f - c_f) + early + a_b + \
         (units > 1) * (max(0.0, a_b - c_b) + max(0.0, r - c_b)) + max(0, units - 2) * max(0.0, r + a_b - c_b) + tail
@@ -1769,9 +1766,9 @@ def _overlapped_tp_block(model: ModelConfig, d: Degrees, block: float, core: flo
 
 
 def _zero_pp_times(config: JobConfig, root: Counter, blocks: Counter, d: Degrees,
-                   cluster: ClusterSpec) -> tuple[float, float, float, float]:
-    """Seconds of ZeRO-3's forward gathers of the blocks, their backward gathers, the reduce-scatters of every group
-    (per micro-batch) and the root's gather (once a step) with ZeRO++ (parallel/zero_pp.py), one collective (or
+                   cluster: ClusterSpec) -> tuple[float, float, Callable[[Counter], float], float]:
+    """Seconds of ZeRO-3's forward gathers of the blocks, their backward gathers, the reduce-scatters of a set of
+    groups (a function of their sizes; per micro-batch) and the root's gather (once a step) with ZeRO++ (parallel/zero_pp.py), one collective (or
     set of them) per flat group (`root`, `blocks`: groups of each size), as the runtime issues them: qwZ gathers
     each group's int8 codes and its fp32 scales (one per block of values) in two all-gathers; hpZ's backward
     gather runs over h ranks of one node; qgZ all-to-alls each group's codes and scales within the node (L ranks)
@@ -1809,7 +1806,7 @@ def _zero_pp_times(config: JobConfig, root: Counter, blocks: Counter, d: Degrees
                      for part in quantized_parts(shard, z.gradient_bits, z.quantization_block)) if nodes > 1 else 0.0
         return within + across
 
-    return (_per_group(blocks, gather), _per_group(blocks, regather), _per_group(root + blocks, scatter),
+    return (_per_group(blocks, gather), _per_group(blocks, regather), lambda sizes: _per_group(sizes, scatter),
             _per_group(root, gather))
 
 
