@@ -9,7 +9,8 @@ the ranks' arrival skew (comm/bench.py measure_arrival: a tiny all-reduce after 
 median per burst over batches; the cluster's [arrival]) and the time a rank's thread spends posting a ring
 exchange beside compute (measure_post, the median per size over batches; accelerator.p2p_post_us) and ring
 attention's own Python per ring step (plan/ring_host.py, the median over batches of the ranks' mean;
-accelerator.ring_step_operators). Then, in batches of --batch layouts (their trainers alive together and
+accelerator.ring_step_operators) and, at every world size, the grouped GEMM's fixed cost per expert
+(plan/expert_host.py, the same way; accelerator.expert_group_us). Then, in batches of --batch layouts (their trainers alive together and
 freed before the next batch: a score of live trainers slows every step by a quarter or more), every
 layout builds the real Trainer (configs/tiny.toml's model on the
 embedded corpus, shrunk by the options), takes warm-up steps, and is timed in rotating rounds: one step
@@ -176,9 +177,9 @@ def _measure(rank: int, world_size: int, job) -> dict:
     import torch.distributed as dist
 
     from fivefold.comm.bench import (codec_rates, fit_post, matmul_tflops, matmul_tflops_together, measure_arrival,
-                                     measure_native_links,
-                                     measure_post, measure_ring_host_here, memory_gbs, optimizer_rate,
-                                     oversubscribed_share, ranks_fitting)
+                                     measure_expert_groups_here, measure_native_links, measure_post,
+                                     measure_ring_host_here, memory_gbs, optimizer_rate, oversubscribed_share,
+                                     ranks_fitting)
     from fivefold.comm.measure import measure_cluster
     from fivefold.comm.p2p import Ranks
     from shared_rates import alone_measurements, shared_rates
@@ -196,6 +197,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
     arrivals: list[dict] = []  # a tiny all-reduce after bursts of compute (the cluster's [arrival]), each batch
     posts: list[dict] = []  # a ring exchange's post on the rank's thread, beside compute (p2p_post_us), each batch
     rings: list[float] = []  # ring attention's own Python per ring step (ring_step_operators), each batch
+    groups: list[float] = []  # the grouped GEMM's fixed cost per expert and call (expert_group_us), each batch
     samples: dict[str, list[float]] = {name: [] for name, _ in configs}
     rates: dict[str, list[float]] = {"fp32": [], "bf16": []}  # a square matmul loop on every rank at once
     together: list[float] = []  # its fp32 rate per rank over equal work between barriers (recorded, not priced)
@@ -218,6 +220,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
             arrivals.append(measure_arrival(torch.device("cpu")))
             posts.append(measure_post(torch.device("cpu")))
             rings.append(measure_ring_host_here()["ring_step_operators"])
+        groups.append(measure_expert_groups_here()["expert_group_us"])  # with the batch's trainers alive
         compressed = [t for t in trainers.values() if t.config.gradient_comm.compression != "none"] if world_size > 1 else []
         names = list(trainers)
         batch_of.update((name, first // batch) for name in names)
@@ -279,6 +282,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
             "post": fit_post([[size, statistics.median(p["measured"][i][1] for p in posts)]
                               for i, (size, _) in enumerate(posts[0]["measured"])]) if posts else {},
             "ring_step_operators": statistics.median(rings) if rings else 0.0,
+            "expert_group_us": statistics.median(groups) if groups else 0.0,
             **rates_over(set(round_batch)), "batches": [rates_over({b}) for b in sorted(set(round_batch))],
             "batch_of": batch_of,
             **{key: {name: statistics.median(c[i][name] for c in codecs) for name in codecs[0][i]} if codecs else {}
@@ -319,7 +323,8 @@ def _cluster(world_size: int, measured: dict, collectives: str = "beside", rates
                                    codec_ns=measured.get("codec_ns", {}), codec_encode_ns=measured.get("codec_encode_ns", {}),
                                    p2p_post_us=measured.get("post", {}).get("p2p_post_us", 0.0),
                                    p2p_post_gbs=measured.get("post", {}).get("p2p_post_gbs", 0.0),
-                                   ring_step_operators=measured.get("ring_step_operators", 0.0)),
+                                   ring_step_operators=measured.get("ring_step_operators", 0.0),
+                                   expert_group_us=measured.get("expert_group_us", 0.0)),
                        max(world_size, 1), link, link,
                        collectives={name: LinkSpec.from_fit(native) for name, native in
                                     measured.get("native" if collectives == "beside" else "native_alone", {}).items()},
@@ -671,6 +676,10 @@ def main() -> int:
         operators = next(r for r in rows if r["world_size"] == world_size)["cluster"].accelerator.ring_step_operators
         print(f"# {world_size} ranks: ring attention's own Python {operators:.1f} operators' worth per ring step and block "
               "pass (plan/ring_host.py, measured)")
+    for world_size in sorted({r["world_size"] for r in rows if r["cluster"].accelerator.expert_group_us}):
+        group = next(r for r in rows if r["world_size"] == world_size)["cluster"].accelerator.expert_group_us
+        print(f"# {world_size} ranks: the grouped GEMM's fixed cost {group:.1f} us per expert and call "
+              "(plan/expert_host.py, measured)")
     for world_size in sorted({r["world_size"] for r in rows if "fp32_tflops_together" in r}):
         row = next(r for r in rows if r["world_size"] == world_size and "fp32_tflops_together" in r)
         print(f"# {world_size} ranks, fp32 matmul per rank while all compute: the slowest rank's {row['fp32_tflops']:.4f} "

@@ -836,6 +836,55 @@ def test_ring_host_measurement_reads_the_functions_own_time_per_counted_operator
     assert result["ring_step_operators"] > 0
 
 
+def test_grouped_gemms_fixed_cost_grows_with_the_experts_a_rank_holds():
+    """A host that measured the grouped GEMM's fixed cost per expert (accelerator.expert_group_us,
+    plan/expert_host.py) adds it to a MoE block's forward three times (gate, up, down) per expert the rank holds:
+    8 experts on one rank, 4 under ep2, 2 under ep4 (etp slices each expert, it does not split them); backward pays
+    twice the forward, so the step grows by nine calls per expert and MoE block; nothing for a dense block, under
+    the loop kernel (its matmuls are counted operators), or on a host that did not measure it."""
+    from fivefold.plan.estimate import degrees_of, model_for, pass_costs
+
+    h100 = CLUSTERS["h100-sxm"]
+    measured = dataclasses.replace(h100, accelerator=dataclasses.replace(h100.accelerator, expert_group_us=80.0))
+
+    def added(gpus: int, *changes: str) -> tuple[dict[bool, float], float]:
+        config = load_config(None, ["--model.preset", "tiny-moe", "--model.vocab_size", "257", "--model.n_layers", "4",
+                                    "--train.seq_len", "128", *changes])
+        model, d = model_for(config), degrees_of(config, gpus)
+        high, low = pass_costs(config, model, d, measured, 0.5), pass_costs(config, model, d, h100, 0.5)
+        step = estimate(config, gpus, measured, 0.5).time.compute - estimate(config, gpus, h100, 0.5).time.compute
+        return {kind: high.block[kind] - low.block[kind] for kind in low.block}, step
+
+    moe_layers = len(load_config(None, ["--model.preset", "tiny-moe", "--model.n_layers", "4"]).model.moe_layers)
+    for gpus, experts, changes in ((1, 8, ()), (2, 4, ("--expert_parallel.degree", "2")),
+                                   (4, 2, ("--expert_parallel.degree", "4")),
+                                   (4, 4, ("--expert_parallel.degree", "2", "--expert_parallel.tensor", "2"))):
+        block, step = added(gpus, *changes)
+        assert block[True] == pytest.approx(3 * experts * 80e-6, rel=1e-9) and block.get(False, 0.0) == 0.0
+        assert step == pytest.approx(9 * experts * 80e-6 * moe_layers, rel=1e-6)
+    loop, _ = added(1, "--expert_parallel.kernel", "loop")
+    assert loop[True] == 0.0
+    config = load_config(None, ["--model.preset", "tiny", "--model.vocab_size", "257"])
+    model, d = model_for(config), degrees_of(config, 1)
+    assert pass_costs(config, model, d, measured, 0.5) == pass_costs(config, model, d, h100, 0.5)
+
+
+def test_expert_group_measurement_is_the_slope_per_expert_and_call():
+    """plan/expert_host.py: the least-squares slope of a forward and backward's time over the experts holding the
+    same rows, per grouped call (nine); a real measurement on this host times one expert and eight, eight dearer."""
+    from fivefold.plan.expert_host import CALLS, EXPERTS, measure_expert_groups, expert_group_us_of
+
+    assert CALLS == 9 and EXPERTS == 8
+    assert expert_group_us_of([[1, 1000.0], [8, 1000.0 + 7 * 9 * 50.0]]) == pytest.approx(50.0)
+    assert expert_group_us_of([[1, 1000.0], [2, 1090.0], [4, 1270.0]]) == pytest.approx(10.0)
+    assert expert_group_us_of([[1, 1000.0], [8, 900.0]]) == 0.0  # a slope that does not rise: none
+    assert expert_group_us_of([[1, 1000.0]]) == 0.0 and expert_group_us_of([]) == 0.0
+    result = measure_expert_groups(rounds=3, passes=2)
+    assert [row[0] for row in result["measured"]] == [1, 8] and all(us > 0 for _, us in result["measured"])
+    assert result["expert_group_us"] == pytest.approx(expert_group_us_of(result["measured"]))
+    assert result["expert_group_us"] > 0
+
+
 def test_parameter_server_roles_on_one_host_take_turns_with_its_cores():
     """Parameter servers on a CPU host (accelerator.shared_cores; rates measured with every rank computing): the
     workers compute while the servers wait for their pushes, and the servers update while the workers wait, so each
@@ -1086,7 +1135,11 @@ def test_optimizer_step_is_priced_at_the_accelerators_optimizer_rate(tmp_path):
     ringed = dataclasses.replace(cpu, accelerator=dataclasses.replace(cpu.accelerator, ring_step_operators=20.5))
     path.write_text(cluster_toml(ringed))
     assert load_cluster(str(path)) == ringed
-    for key in ("optimizer_gbs", "optimizer_tensor_us", "p2p_post_us", "p2p_post_gbs", "ring_step_operators"):
+    grouped = dataclasses.replace(cpu, accelerator=dataclasses.replace(cpu.accelerator, expert_group_us=74.5))
+    path.write_text(cluster_toml(grouped))
+    assert load_cluster(str(path)) == grouped
+    for key in ("optimizer_gbs", "optimizer_tensor_us", "p2p_post_us", "p2p_post_gbs", "ring_step_operators",
+                "expert_group_us"):
         for bad in (-1, "fast", float("inf"), float("nan"), True):
             broken = json.loads(json.dumps(data))
             broken["accelerator"][key] = bad

@@ -144,6 +144,10 @@ def test_bench_comm_table_and_json(tmp_path, world_size):
     ring = report["ring_host"]
     assert [row[0] for row in ring["measured"]] == [2, 4] and ring["ring_step_operators"] > 0
     assert here.accelerator.ring_step_operators == ring["ring_step_operators"] and "ring attention's own Python" in run.stdout
+    # the grouped GEMM's fixed cost per expert and call (plan/expert_host.py), the ranks' mean, in the accelerator
+    groups = report["expert_groups"]
+    assert [row[0] for row in groups["measured"]] == [1, 8] and groups["expert_group_us"] > 0
+    assert here.accelerator.expert_group_us == groups["expert_group_us"] and "grouped GEMM's fixed cost" in run.stdout
     assert "arrival skew" in run.stdout
 
 

@@ -16,8 +16,9 @@ CPU a call beside compute takes 2-3x its time back to back): the planner prices 
 It also times a 4-byte all-reduce after bursts of 0 to 20 ms of compute (`measure_arrival`): how far
 apart the ranks reach a sync point after that much compute, the file's [arrival]; and the time a rank's
 thread spends posting a ring exchange (a send and a receive in one batch_isend_irecv) beside compute
-(`measure_post`), the accelerator's p2p_post_us and p2p_post_gbs; and ring attention's own Python per ring step
-(plan/ring_host.py), the accelerator's ring_step_operators.
+(`measure_post`), the accelerator's p2p_post_us and p2p_post_gbs; ring attention's own Python per ring step
+(plan/ring_host.py), the accelerator's ring_step_operators; and the grouped GEMM's fixed cost per expert
+(plan/expert_host.py), the accelerator's expert_group_us.
 
 Run under torchrun (`fivefold bench comm --nproc-per-node 4` starts it); gloo on CPU, NCCL on GPU.
 """
@@ -236,6 +237,17 @@ def measure_ring_host_here() -> dict:
     return {"ring_step_operators": float(mean) / dist.get_world_size(), "measured": result["measured"]}
 
 
+def measure_expert_groups_here() -> dict:
+    """The grouped GEMM's fixed cost per expert and call (plan/expert_host.py), measured on every rank at once and
+    averaged (collective): {"expert_group_us", "measured": rank 0's rows}."""
+    from fivefold.plan.expert_host import measure_expert_groups
+
+    result = measure_expert_groups()
+    mean = torch.tensor(result["expert_group_us"], dtype=torch.float64)
+    dist.all_reduce(mean)
+    return {"expert_group_us": float(mean) / dist.get_world_size(), "measured": result["measured"]}
+
+
 def fit_post(points: list[list[float]]) -> dict:
     """The least-squares line through [bytes, us] points as {"p2p_post_us", "p2p_post_gbs", "measured"}; a line
     that does not rise is their mean (no per-byte part: p2p_post_gbs 0)."""
@@ -337,9 +349,11 @@ def run(args: argparse.Namespace) -> dict:
     arrival = measure_arrival(device) if args.cluster_file and p > 1 else {}
     posting = measure_post(device) if args.cluster_file and p > 1 and device.type == "cpu" else {}
     ring_host = measure_ring_host_here() if args.cluster_file and device.type == "cpu" else {}
+    expert_groups = measure_expert_groups_here() if args.cluster_file and device.type == "cpu" else {}
     return {"world_size": p, "backend": dist.get_backend(), "device": device.type, "node_size": node_size,
             "links": {"intra": asdict(cluster.intra), "inter": asdict(cluster.inter)}, "native_links": native,
             "native_links_beside_compute": beside, "arrival": arrival, "post": posting, "ring_host": ring_host,
+            "expert_groups": expert_groups,
             "matmul_tflops": rates, "memory_gbs": bandwidth, "oversubscribed_efficiency": efficiency,
             "optimizer_gbs": optimizer[0], "optimizer_tensor_us": optimizer[1],
             "codec_ns": codecs[0], "codec_encode_ns": codecs[1],
@@ -582,7 +596,8 @@ def cluster_file_of(report: dict) -> str:
                                     codec_ns=report.get("codec_ns", {}), codec_encode_ns=report.get("codec_encode_ns", {}),
                                     p2p_post_us=report.get("post", {}).get("p2p_post_us", 0.0),
                                     p2p_post_gbs=report.get("post", {}).get("p2p_post_gbs", 0.0),
-                                    ring_step_operators=report.get("ring_host", {}).get("ring_step_operators", 0.0)),
+                                    ring_step_operators=report.get("ring_host", {}).get("ring_step_operators", 0.0),
+                                    expert_group_us=report.get("expert_groups", {}).get("expert_group_us", 0.0)),
                         report["node_size"], LinkSpec.from_fit(report["links"]["intra"]), LinkSpec.from_fit(report["links"]["inter"]),
                         source=f"fivefold bench comm on {report['world_size']} ranks: fitted links and native "
                                "collectives, timed matmuls (achieved rates: plan with --efficiency 1)",
@@ -630,6 +645,10 @@ def format_table(report: dict) -> str:
     if report.get("ring_host", {}).get("measured"):
         lines.append(f"# ring attention's own Python: {report['ring_host']['ring_step_operators']:.1f} operators' worth "
                      "per ring step and block pass (plan/ring_host.py)")
+    if report.get("expert_groups", {}).get("measured"):
+        lines.append(f"# grouped GEMM's fixed cost: {report['expert_groups']['expert_group_us']:.1f} us per expert and call "
+                     "(plan/expert_host.py: " + ", ".join(f"{e} experts {us / 1e3:.2f} ms" for e, us in
+                                                         report["expert_groups"]["measured"]) + ")")
     for name, link in report.get("native_links_beside_compute", {}).items():
         lines.append(f"# native {name} beside compute (the cluster file's): "
                      + ", ".join(f"{size / 1024:.0f} KB {us * 1e6:.0f} us" for size, us in link["measured"]))

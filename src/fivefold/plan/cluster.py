@@ -33,6 +33,7 @@ A cluster file is TOML, read without running anything:
     codec_ns = {int8 = 22.4}         # optional: a gradient codec's bucket reduction, ns per value (on one rank)
     codec_encode_ns = {int8 = 2.1}   # optional: the two-phase codecs' compression within it
     ring_step_operators = 0          # optional: ring attention's own Python per ring step (plan/ring_host.py)
+    expert_group_us = 0              # optional: a grouped GEMM's fixed cost per expert and call (plan/expert_host.py)
     [intra]                          # inside a node, per accelerator and direction
     bandwidth_gbs = 450
     latency_us = 3
@@ -156,6 +157,10 @@ class Accelerator:
     # --cluster-file` on a CPU (plan/ring_host.py: the runtime's ring on its loopback, profiled); 0 where the host
     # runs ahead of the device (the GPU presets) or where it was not measured
     ring_step_operators: float = 0.0
+    # a grouped GEMM's fixed cost per expert and call (us), beside its FLOPs: a CPU's grouped GEMM runs one GEMM per
+    # expert, so a MoE block's routed work costs more the more experts a rank holds (plan/expert_host.py). Measured
+    # by `fivefold bench comm --cluster-file` on a CPU; 0 where one kernel runs every group (the GPU presets)
+    expert_group_us: float = 0.0
     # the share of memory_bandwidth_gbs that PyTorch's memory-bound kernels reach (fused AdamW, the foreach norm,
     # scaling and copies, elementwise work): 1 where the figure is itself a measured rate (`fivefold bench comm
     # --cluster-file` times an in-place add on every rank, comm/bench.py memory_gbs), `STREAMING_SHARE` on the GPU
@@ -485,7 +490,8 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
         raise ConfigError(f"cluster file {source}: accelerator.memory_efficiency = {streaming!r}: must be in (0, 1] (the "
                           "share of memory_bandwidth_gbs memory-bound kernels reach; 1 where that figure is measured)")
     optimizer = {key: _number(acc, key, "accelerator", positive=False) if key in acc else 0.0
-                 for key in ("optimizer_gbs", "optimizer_tensor_us", "p2p_post_us", "p2p_post_gbs", "ring_step_operators")}
+                 for key in ("optimizer_gbs", "optimizer_tensor_us", "p2p_post_us", "p2p_post_gbs", "ring_step_operators",
+                                 "expert_group_us")}
     codecs = {key: _codec_rates(acc, key, source) for key in ("codec_ns", "codec_encode_ns")}
     for name, ns in codecs["codec_encode_ns"].items():
         if ns > codecs["codec_ns"].get(name, math.inf):
@@ -580,6 +586,7 @@ def cluster_toml(spec: ClusterSpec) -> str:
         f"p2p_post_us = {acc.p2p_post_us!r}",
         f"p2p_post_gbs = {acc.p2p_post_gbs!r}",
         f"ring_step_operators = {acc.ring_step_operators!r}",
+        f"expert_group_us = {acc.expert_group_us!r}",
         *(f"{key} = {{{', '.join(f'{k} = {v!r}' for k, v in table.items())}}}"
           for key, table in (("codec_ns", acc.codec_ns), ("codec_encode_ns", acc.codec_encode_ns)) if table),
         "", "[intra]", f"bandwidth_gbs = {intra.bandwidth_gbs!r}", f"latency_us = {intra.latency_us!r}",

@@ -40,7 +40,8 @@ Step time (seconds) = pipeline makespan + exposed data-parallel communication:
                 block's routed expert GEMMs at the expert efficiency when one is given; the head on the last stage), plus the bytes the blocks write outside their
                 matmuls (the kept activations, the logits) at its memory bandwidth, plus the
                 accelerator's fixed pass_overhead_us per block (a MoE block's by its operators over a
-                dense block's, plan/operators.py); backward twice the forward;
+                dense block's, plan/operators.py; under the grouped kernel plus expert_group_us per
+                expert the rank holds and grouped call, plan/expert_host.py); backward twice the forward;
                 `full` recompute adds a forward to every backward, `selective` the attention
                 core's
     optimizer   AdamW reads 16 and writes 12 bytes per parameter it updates (its ZeRO shard) at the
@@ -95,6 +96,7 @@ from fivefold.plan.gemms import block_gemms, core_narrowest, head_gemm
 from fivefold.plan.expert_load import busiest_received, exchange_matrices, expert_rows_by_load, imbalance, routed_rows
 from fivefold.plan.flops import flops_per_token
 from fivefold.plan.memory import nvme_host_bytes, sharded_model_states, zero_model_states
+from fivefold.plan.expert_host import group_seconds
 from fivefold.plan.operators import operator_ratio, ring_attention_operators, ring_host_share
 from fivefold.plan.parameters import (RankParameters, first_block, block_norm_parameters, block_parameters, expert_values, flat_group_sizes, padded_vocab,
                                       powersgd_shares, priority_slice_bytes, rank_parameters, rank_tensors)
@@ -939,7 +941,9 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
     ring = ring_operators(config, model, d, cluster) if overhead else 0.0  # ring attention's own, a dense block's share
     rows = expert_rows(config, model, d)
     routed = operator_ratio(model, rows.kernel) if overhead and model.n_experts else 1.0
-    fixed = {False: overhead * (1 + ring), True: overhead * (routed + ring)}
+    groups = group_seconds(cluster.accelerator.expert_group_us, model.n_experts // d.ep, rows.kernel) \
+        if model.n_experts else 0.0  # the grouped GEMMs' fixed cost per expert the rank holds (plan/expert_host.py)
+    fixed = {False: overhead * (1 + ring), True: overhead * (routed + ring) + groups}
     moe = first_block(model, True)
     if eff.half_width:  # the width law: each GEMM at its own share (plan/gemms.py)
         gemms = {kind: block_gemms(model, layer, tokens, d.tp, d.cp, sp, d.etp)
