@@ -47,8 +47,9 @@ def measure_expert_groups(rounds: int = 11, passes: int = 4) -> dict:
     x = torch.randn(ROWS, DIM, generator=generator, requires_grad=True)
     runs = {}
     for experts in (1, EXPERTS):
-        torch.manual_seed(0)
-        layers = [FeedForward(DIM, HIDDEN) for _ in range(experts)]
+        with torch.random.fork_rng(devices=[]):  # leave the caller's generator (a live trainer's) where it was
+            torch.manual_seed(0)
+            layers = [FeedForward(DIM, HIDDEN) for _ in range(experts)]
         counts = [ROWS // experts] * experts
 
         def run(layers=layers, counts=counts) -> None:
