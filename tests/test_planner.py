@@ -836,10 +836,11 @@ def test_ring_host_measurement_reads_the_functions_own_time_per_counted_operator
     assert result["ring_step_operators"] > 0
 
 
-def test_grouped_gemms_fixed_cost_grows_with_the_experts_a_rank_holds():
+def test_grouped_gemms_fixed_cost_grows_with_the_experts_a_rank_holds(tmp_path):
     """A host that measured the grouped GEMM's fixed cost per expert (accelerator.expert_group_us,
     plan/expert_host.py) adds it to a MoE block's forward three times (gate, up, down) per expert the rank holds:
-    8 experts on one rank, 4 under ep2, 2 under ep4 (etp slices each expert, it does not split them); backward pays
+    8 experts on one rank, 4 under ep2, 2 under ep4 (etp slices each expert, it does not split them), 5 slots under
+    ep2 with one EPLB replica per rank; backward pays
     twice the forward, so the step grows by nine calls per expert and MoE block; nothing for a dense block, under
     the loop kernel (its matmuls are counted operators), or on a host that did not measure it."""
     from fivefold.plan.estimate import degrees_of, model_for, pass_costs
@@ -856,9 +857,13 @@ def test_grouped_gemms_fixed_cost_grows_with_the_experts_a_rank_holds():
         return {kind: high.block[kind] - low.block[kind] for kind in low.block}, step
 
     moe_layers = len(load_config(None, ["--model.preset", "tiny-moe", "--model.n_layers", "4"]).model.moe_layers)
+    load = [400.0, 300.0, 100.0, 50.0, 50.0, 40.0, 30.0, 30.0]  # a measured load for EPLB's replicas
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "moe_load": {str(i): load for i in range(4)}}) + "\n")
     for gpus, experts, changes in ((1, 8, ()), (2, 4, ("--expert_parallel.degree", "2")),
                                    (4, 2, ("--expert_parallel.degree", "4")),
-                                   (4, 4, ("--expert_parallel.degree", "2", "--expert_parallel.tensor", "2"))):
+                                   (4, 4, ("--expert_parallel.degree", "2", "--expert_parallel.tensor", "2")),
+                                   (2, 5, ("--expert_parallel.degree", "2", "--expert_parallel.replicas", "1",
+                                           "--expert_parallel.load_from", str(tmp_path)))):
         block, step = added(gpus, *changes)
         assert block[True] == pytest.approx(3 * experts * 80e-6, rel=1e-9) and block.get(False, 0.0) == 0.0
         assert step == pytest.approx(9 * experts * 80e-6 * moe_layers, rel=1e-6)

@@ -491,7 +491,7 @@ def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSp
                           "share of memory_bandwidth_gbs memory-bound kernels reach; 1 where that figure is measured)")
     optimizer = {key: _number(acc, key, "accelerator", positive=False) if key in acc else 0.0
                  for key in ("optimizer_gbs", "optimizer_tensor_us", "p2p_post_us", "p2p_post_gbs", "ring_step_operators",
-                                 "expert_group_us")}
+                             "expert_group_us")}
     codecs = {key: _codec_rates(acc, key, source) for key in ("codec_ns", "codec_encode_ns")}
     for name, ns in codecs["codec_encode_ns"].items():
         if ns > codecs["codec_ns"].get(name, math.inf):

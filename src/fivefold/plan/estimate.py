@@ -941,8 +941,8 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
     ring = ring_operators(config, model, d, cluster) if overhead else 0.0  # ring attention's own, a dense block's share
     rows = expert_rows(config, model, d)
     routed = operator_ratio(model, rows.kernel) if overhead and model.n_experts else 1.0
-    groups = group_seconds(cluster.accelerator.expert_group_us, model.n_experts // d.ep, rows.kernel) \
-        if model.n_experts else 0.0  # the grouped GEMMs' fixed cost per expert the rank holds (plan/expert_host.py)
+    slots = model.n_experts // d.ep + d.replicas  # the experts a rank's grouped GEMMs run over, EPLB's replicas too
+    groups = group_seconds(cluster.accelerator.expert_group_us, slots, rows.kernel) if model.n_experts else 0.0
     fixed = {False: overhead * (1 + ring), True: overhead * (routed + ring) + groups}
     moe = first_block(model, True)
     if eff.half_width:  # the width law: each GEMM at its own share (plan/gemms.py)
