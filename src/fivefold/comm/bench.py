@@ -231,10 +231,7 @@ def measure_ring_host_here() -> dict:
     (collective): {"ring_step_operators", "measured": rank 0's rows}."""
     from fivefold.plan.ring_host import measure_ring_host
 
-    result = measure_ring_host()
-    mean = torch.tensor(result["ring_step_operators"], dtype=torch.float64)
-    dist.all_reduce(mean)
-    return {"ring_step_operators": float(mean) / dist.get_world_size(), "measured": result["measured"]}
+    return _mean_over_ranks(measure_ring_host(), "ring_step_operators")
 
 
 def measure_expert_groups_here() -> dict:
@@ -242,10 +239,14 @@ def measure_expert_groups_here() -> dict:
     averaged (collective): {"expert_group_us", "measured": rank 0's rows}."""
     from fivefold.plan.expert_host import measure_expert_groups
 
-    result = measure_expert_groups()
-    mean = torch.tensor(result["expert_group_us"], dtype=torch.float64)
+    return _mean_over_ranks(measure_expert_groups(), "expert_group_us")
+
+
+def _mean_over_ranks(result: dict, key: str) -> dict:
+    """{key: the ranks' mean of result[key], "measured": this rank's rows} (collective)."""
+    mean = torch.tensor(result[key], dtype=torch.float64)
     dist.all_reduce(mean)
-    return {"expert_group_us": float(mean) / dist.get_world_size(), "measured": result["measured"]}
+    return {key: float(mean) / dist.get_world_size(), "measured": result["measured"]}
 
 
 def fit_post(points: list[list[float]]) -> dict:

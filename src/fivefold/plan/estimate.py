@@ -98,7 +98,7 @@ from fivefold.plan.flops import flops_per_token
 from fivefold.plan.memory import nvme_host_bytes, sharded_model_states, zero_model_states
 from fivefold.plan.expert_host import group_seconds
 from fivefold.plan.operators import operator_ratio, ring_attention_operators, ring_host_share
-from fivefold.plan.parameters import (RankParameters, first_block, block_norm_parameters, block_parameters, expert_values, flat_group_sizes, padded_vocab,
+from fivefold.plan.parameters import (RankParameters, first_block, block_norm_parameters, block_parameters, expert_values, experts_per_rank, flat_group_sizes, padded_vocab,
                                       powersgd_shares, priority_slice_bytes, rank_parameters, rank_tensors)
 
 if TYPE_CHECKING:
@@ -941,8 +941,8 @@ def pass_costs(config: JobConfig, model: ModelConfig, d: Degrees, cluster: Clust
     ring = ring_operators(config, model, d, cluster) if overhead else 0.0  # ring attention's own, a dense block's share
     rows = expert_rows(config, model, d)
     routed = operator_ratio(model, rows.kernel) if overhead and model.n_experts else 1.0
-    slots = model.n_experts // d.ep + d.replicas  # the experts a rank's grouped GEMMs run over, EPLB's replicas too
-    groups = group_seconds(cluster.accelerator.expert_group_us, slots, rows.kernel) if model.n_experts else 0.0
+    groups = group_seconds(cluster.accelerator.expert_group_us, experts_per_rank(model, d.ep, d.replicas),
+                           rows.kernel) if model.n_experts else 0.0  # per expert slot the rank's grouped GEMMs run over
     fixed = {False: overhead * (1 + ring), True: overhead * (routed + ring) + groups}
     moe = first_block(model, True)
     if eff.half_width:  # the width law: each GEMM at its own share (plan/gemms.py)

@@ -71,17 +71,13 @@ def measure_expert_groups(rounds: int = 11, passes: int = 4) -> dict:
 
 def expert_group_us_of(measured: list[list[float]]) -> float:
     """The fixed cost per expert and grouped call from [[experts, us of a forward and backward], ...]: the
-    least-squares slope over the experts, per call (0.0 when it does not rise or fewer than two rows)."""
-    if len(measured) < 2:
+    least-squares slope over the experts (comm/cost.py `fit_link`), per call (0.0 when it does not rise or fewer
+    than two expert counts were timed)."""
+    if len({experts for experts, _ in measured}) < 2:
         return 0.0
-    n = len(measured)
-    mean_e = sum(e for e, _ in measured) / n
-    mean_t = sum(t for _, t in measured) / n
-    spread = sum((e - mean_e) ** 2 for e, _ in measured)
-    if not spread:
-        return 0.0
-    slope = sum((e - mean_e) * (t - mean_t) for e, t in measured) / spread
-    return max(0.0, slope / CALLS)
+    from fivefold.comm.cost import fit_link  # (comm/ imports torch: not at this module's import)
+
+    return fit_link([e for e, _ in measured], [t for _, t in measured]).beta / CALLS
 
 
 def group_seconds(per_expert_us: float, experts: int, kernel: str) -> float:
