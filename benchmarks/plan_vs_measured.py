@@ -36,6 +36,8 @@ parallel splits, communication, recomputation, the pipeline bubble.
     python benchmarks/plan_vs_measured.py --replay rows.json --fidelity flow  # ... simulating at flow level
     python benchmarks/plan_vs_measured.py --only single,ep2  # the named layouts only
     python benchmarks/plan_vs_measured.py --rates passes     # priced with the rates shared_rates.py carries
+    python benchmarks/plan_repeatability.py A.json B.json ...  # several runs' --json together (each layout's
+    #   median error over the runs, and how far the measured steps repeat between them)
 
 Each round also times the fp32 matmul rate per rank over equal work between barriers (comm/bench.py
 matmul_tflops_together), beside the slowest rank's rate it prices with; both are printed per world size and
