@@ -4,7 +4,8 @@ on this machine.
 For each world size the ranks first describe this machine as the planner sees it: links fitted by
 ping-pong (comm/measure.py) and each gloo collective's own link (comm/bench.py measure_native_links,
 at the sizes a step sends; measured again in each batch with its trainers alive, the median alpha and
-beta over batches, and each size's median time, which the planner interpolates at this world size), and
+beta over batches, and each size's median time, which the planner interpolates at this world size; on 4 ranks
+also over pairs of ranks, both pairs calling at once, read for a layout's groups of 2), and
 the ranks' arrival skew (comm/bench.py measure_arrival: a tiny all-reduce after 0-20 ms of compute, the
 median per burst over batches; the cluster's [arrival]) and the time a rank's thread spends posting a ring
 exchange beside compute (measure_post, the median per size over batches; accelerator.p2p_post_us) and ring
@@ -270,11 +271,17 @@ def _measure(rank: int, world_size: int, job) -> dict:
                                                                   ranks_fitting(cores, threads), median(fitting))
                 if fitting else 1.0}
 
+    def median_times(points_per_batch: list[tuple]) -> list[tuple[float, float]]:
+        """Each size's median time over the batches' (bytes, seconds) points."""
+        return [(size, statistics.median(points[i][1] for points in points_per_batch))
+                for i, (size, _) in enumerate(points_per_batch[0])]
+
     return {"links": dataclasses.asdict(links) if links else None,
             **{key: {name: {"alpha": statistics.median(n[name].alpha for n in fits),
                             "beta": statistics.median(n[name].beta for n in fits), "ranks": world_size,
-                            "measured": [(size, statistics.median(n[name].measured[i][1] for n in fits))
-                                         for i, (size, _) in enumerate(fits[0][name].measured)]}
+                            "measured": median_times([n[name].measured for n in fits]),
+                            "subgroups": [(q, median_times([dict(n[name].subgroups)[q] for n in fits]))
+                                          for q, _ in fits[0][name].subgroups]}
                      for name in fits[0]} if fits else {}
                for key, fits in (("native", natives), ("native_alone", alone))},
             "native_batches": [{name: link.measured for name, link in n.items()} for n in natives],

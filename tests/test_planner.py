@@ -556,6 +556,71 @@ def test_a_collectives_measured_times_are_read_at_the_ranks_they_were_timed_over
         calls * extra(4 * 128 * 256 * 4) + 3 * extra(4 * 128 * 4))
 
 
+def test_a_collectives_times_over_smaller_groups_price_those_groups(tmp_path):
+    """Measured over 4 ranks, a native collective also carries its times over groups of 2 inside them (every group
+    calling at once: on shared cores a pair's call waits on the other ranks too, which the four-rank line does not
+    see). A group of 2 reads those times (exact at a timed size, linear between), a group of 4 the world's, any
+    other size the line. They round-trip through the cluster file; a malformed `subgroups` is refused naming the key.
+    The planner and the simulator price a dp2 x tp2 job's pair collectives on them: its tensor-parallel all-reduces
+    take the pairs' extra time, call by call, in both."""
+    from fivefold.comm.cost import Link, native_collective
+    from fivefold.plan.cluster import LinkSpec, SubgroupTimes
+    from fivefold.plan.efficiency import Efficiency
+    from fivefold.sim.step import simulate_step
+
+    world = ((16384.0, 3000e-6), (4194304.0, 9000e-6))
+    pairs = ((16384.0, 1900e-6), (524288.0, 2600e-6), (4194304.0, 5700e-6))
+    line = Link(alpha=500e-6, beta=1 / 1.4e9)
+    link = dataclasses.replace(line, measured=world, ranks=4, subgroups=((2, pairs),))
+    for size, seconds in pairs:
+        assert native_collective("all_reduce", size, 2, link) == pytest.approx(seconds)
+    assert native_collective("all_reduce", (524288 + 4194304) / 2, 2, link) == pytest.approx(4150e-6)
+    assert native_collective("all_reduce", 16384, 4, link) == pytest.approx(3000e-6)
+    assert native_collective("all_reduce", 16384, 8, link) == native_collective("all_reduce", 16384, 8, line)
+    assert native_collective("all_reduce", 16384, 2, dataclasses.replace(link, subgroups=())) == \
+        native_collective("all_reduce", 16384, 2, line)  # no pair times: the line, as before
+
+    base = dataclasses.replace(CLUSTERS["h100-sxm"], accelerators_per_node=4)
+    us = lambda points: tuple((size, seconds * 1e6) for size, seconds in points)  # noqa: E731
+    spec = LinkSpec(1.4, 500.0, 4, us(world), (SubgroupTimes(2, us(pairs)),))
+    timed = dataclasses.replace(base, collectives={"all_reduce": spec})
+    path = tmp_path / "timed.toml"
+    path.write_text(cluster_toml(timed))
+    assert "subgroups = [{ranks = 2, measured = [[16384.0, 1900.0]" in path.read_text()
+    assert load_cluster(str(path)) == timed
+    data = json.loads(json.dumps(timed.to_dict()))
+    assert cluster_from_dict(data) == timed
+    for bad in ([{"ranks": 3, "measured": [[16384, 1.0], [32768, 2.0]]}],  # not a divisor of 4
+                [{"ranks": 4, "measured": [[16384, 1.0], [32768, 2.0]]}],  # not smaller than 4
+                [{"ranks": 2, "measured": [[16384, 1.0]]}],  # one point
+                [{"ranks": 2, "measured": [[16384, 1.0], [32768, 2.0]], "spread": 1}],
+                [{"ranks": 2, "measured": [[16384, 1.0], [32768, 2.0]]}] * 2, "pairs", [2]):
+        broken = json.loads(json.dumps(data))
+        broken["collectives"]["all_reduce"]["subgroups"] = bad
+        with pytest.raises(ConfigError, match="collectives.all_reduce.*subgroups"):
+            cluster_from_dict(broken)
+    bare = json.loads(json.dumps(data))  # pair times beside no times of the world's
+    del bare["collectives"]["all_reduce"]["ranks"], bare["collectives"]["all_reduce"]["measured"]
+    with pytest.raises(ConfigError, match="subgroups"):
+        cluster_from_dict(bare)
+
+    plain = dataclasses.replace(timed, collectives={"all_reduce": dataclasses.replace(spec, subgroups=())})
+    config = load_config(None, ["--model.preset", "tiny", "--model.vocab_size", "257", "--train.seq_len", "128",
+                                "--train.micro_batch_size", "4", "--tensor_parallel.degree", "2"])
+    flat = dataclasses.replace(link, subgroups=())
+
+    def extra(n: float) -> float:
+        return native_collective("all_reduce", n, 2, link) - native_collective("all_reduce", n, 2, flat)
+
+    calls = 4 * config.model.n_layers + 2  # as in the test above: the blocks', the embedding's and the head's
+    expected = calls * extra(4 * 128 * 256 * 4) + 3 * extra(4 * 128 * 4)
+    assert expected > 0
+    assert estimate(config, 4, timed).time.tp - estimate(config, 4, plain).time.tp == pytest.approx(expected)
+    simulated = [simulate_step(config, 4, cluster, Efficiency(0.5), vocab_size=257, record_spans=False).time
+                 for cluster in (plain, timed)]
+    assert simulated[1] > simulated[0]
+
+
 def test_a_collectives_measured_times_are_read_nondecreasing_in_size():
     """More bytes cannot take less time: a measured time below a smaller size's (a mean that met a stall) is pooled
     with its neighbours into their mean (the least-squares nondecreasing fit), so the planner never prices a larger

@@ -10,7 +10,8 @@ and their ratio. Rank 0 prints the table and writes JSON with `--json`. `--clust
 times a matmul (fp32 and bf16), an add, the runtime's AdamW step (`optimizer_rate`) and its gradient
 codecs' local work (`codec_rates`) on every rank at once (the rates a rank achieves while the others
 compute too) and writes this machine as a planner cluster file (plan/cluster.py) with the fitted links
-and each backend collective's times and the link its ring form runs at (cost.fit_native_link), timed
+and each backend collective's times (over the world and, on more than two ranks, over each smaller group size
+dividing it, every group at once: the file's `subgroups`) and the link its ring form runs at (cost.fit_native_link), timed
 again each after a burst of compute, as a training step calls them (`time_beside_compute`: on a shared
 CPU a call beside compute takes 2-3x its time back to back): the planner prices that collective on it.
 It also times a 4-byte all-reduce after bursts of 0 to 20 ms of compute (`measure_arrival`): how far
@@ -84,26 +85,28 @@ class Row:
 
 
 def operation(collective: str, algorithm: str, x: torch.Tensor, ranks: Ranks, node_size: int):
-    """A zero-argument callable running one collective on x (in place where the collective allows)."""
-    p = ranks.size
+    """A zero-argument callable running one collective on x (in place where the collective allows), over `ranks`
+    (the backend's own over their process group: the world's unless `ranks.group` names one)."""
+    p, group = ranks.size, ranks.group
     if collective == "all_reduce":
         if algorithm == "native":
-            return lambda: dist.all_reduce(x)
+            return lambda: dist.all_reduce(x, group=group)
         return lambda: all_reduce(x, algorithm, ranks, node_size)
     if collective == "reduce_scatter":
         out = torch.empty(x.numel() // p, dtype=x.dtype, device=x.device)
-        return {"native": lambda: reduce_scatter_flat(out, x),
+        return {"native": lambda: reduce_scatter_flat(out, x, group=group),
                 "ring": lambda: ring_reduce_scatter(x, ranks), "recursive": lambda: recursive_reduce_scatter(x, ranks)}[algorithm]
     if collective == "all_gather":
         whole = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
         part = x[:x.numel() // p]
-        return {"native": lambda: all_gather_flat(whole, part),
+        return {"native": lambda: all_gather_flat(whole, part, group=group),
                 "ring": lambda: ring_all_gather(x, ranks), "recursive": lambda: recursive_all_gather(x, ranks)}[algorithm]
     if collective == "broadcast":
-        return {"native": lambda: dist.broadcast(x, 0), "binomial": lambda: binomial_broadcast(x, ranks),
-                "chain": lambda: chain_broadcast(x, ranks)}[algorithm]
+        return {"native": lambda: dist.broadcast(x, ranks.global_rank(0), group=group),
+                "binomial": lambda: binomial_broadcast(x, ranks), "chain": lambda: chain_broadcast(x, ranks)}[algorithm]
     out = torch.empty_like(x)
-    return {"native": lambda: dist.all_to_all_single(out, x), "pairwise": lambda: pairwise_all_to_all(out, x, ranks)}[algorithm]
+    return {"native": lambda: dist.all_to_all_single(out, x, group=group),
+            "pairwise": lambda: pairwise_all_to_all(out, x, ranks)}[algorithm]
 
 
 @contextlib.contextmanager
@@ -258,19 +261,32 @@ def fit_post(points: list[list[float]]) -> dict:
     return {"p2p_post_us": line.alpha, "p2p_post_gbs": 1e-3 / line.beta, "measured": points}
 
 
-def fit_native_links(rows: list[Row], p: int) -> dict[str, Link]:
-    """Per backend collective measured at two or more sizes: the link its ring form runs at (cost.fit_native_link)."""
+def _times_by_size(rows: list[Row], collective: str) -> tuple[tuple[float, float], ...]:
+    """(bytes, mean seconds) of a backend collective's rows, ascending."""
+    by_size: dict[int, list[float]] = {}
+    for r in rows:
+        if r.collective == collective and r.algorithm == "native":
+            by_size.setdefault(r.size, []).append(r.time_us * 1e-6)
+    return tuple((float(size), statistics.fmean(times)) for size, times in sorted(by_size.items()))
+
+
+def fit_native_links(rows: list[Row], p: int, subgroups: dict[int, list[Row]] | None = None) -> dict[str, Link]:
+    """Per backend collective measured at two or more sizes: the link its ring form runs at (cost.fit_native_link),
+    carrying its times, and its times over groups of fewer ranks (`subgroups`: rows per group size) as well."""
     fitted = {}
     for collective in NATIVE_COLLECTIVES:
         mine = [r for r in rows if r.collective == collective and r.algorithm == "native"]
         if p > 1 and len({r.size for r in mine}) >= 2:
             line = fit_native_link(collective, p, [r.size for r in mine], [r.time_us * 1e-6 for r in mine])
-            by_size = {}
-            for r in mine:
-                by_size.setdefault(r.size, []).append(r.time_us * 1e-6)
-            fitted[collective] = replace(line, ranks=p, measured=tuple(
-                (float(size), statistics.fmean(times)) for size, times in sorted(by_size.items())))
+            groups = tuple((q, points) for q, group_rows in sorted((subgroups or {}).items())
+                           if len(points := _times_by_size(group_rows, collective)) >= 2)
+            fitted[collective] = replace(line, ranks=p, measured=_times_by_size(rows, collective), subgroups=groups)
     return fitted
+
+
+def subgroup_sizes(p: int) -> list[int]:
+    """The group sizes, between 2 and p - 1, that divide p ranks into equal groups (a layout's smaller folds)."""
+    return [q for q in range(2, p) if p % q == 0]
 
 
 def measure_native_links(device: torch.device, sizes: tuple[int, ...] = (16 << 10, 64 << 10, 256 << 10, 512 << 10,
@@ -279,21 +295,33 @@ def measure_native_links(device: torch.device, sizes: tuple[int, ...] = (16 << 1
     """Time the backend's own collectives over the world at `sizes` bytes per rank and fit their links (collective),
     each carrying its measured times too (`Link.measured`, read by comm/cost.py native_collective at this world size);
     beside_compute: each call after a burst of compute (`time_beside_compute`), as a training step makes them.
+    Over groups of each smaller size dividing the world as well (`subgroup_sizes`: consecutive ranks, every group
+    calling at once, as a layout's tensor- or data-parallel groups do; `Link.subgroups`): on a CPU whose cores the
+    ranks share, a pair's call inside a world of four waits on the other ranks' compute too.
 
     The sizes span what a training step sends (a tensor-parallel all-reduce of a small model is tens
     of KB to a MB, a DDP bucket MBs) and the fit weighs them alike (`fit_link(relative=True)`): on a
     shared CPU a gloo collective's fixed cost is milliseconds, which a fit ruled by the large sizes misses.
     """
-    ranks, rows = Ranks.world(), []
-    for collective in NATIVE_COLLECTIVES:
-        for size in sizes:
-            count = max(ranks.size, size // 4 // ranks.size * ranks.size)
-            x = torch.zeros(count, dtype=torch.float32, device=device)
-            call = operation(collective, "native", x, ranks, ranks.size)
-            seconds = time_beside_compute(call, iterations, device) if beside_compute else \
-                time_call(call, iterations, 2, device)
-            rows.append(Row(collective, "native", count * 4, count, "float32", seconds * 1e6, 0.0, 0.0, None))
-    return fit_native_links(rows, ranks.size)
+    def timed(ranks: Ranks) -> list[Row]:
+        rows = []
+        for collective in NATIVE_COLLECTIVES:
+            for size in sizes:
+                count = max(ranks.size, size // 4 // ranks.size * ranks.size)
+                x = torch.zeros(count, dtype=torch.float32, device=device)
+                call = operation(collective, "native", x, ranks, ranks.size)
+                seconds = time_beside_compute(call, iterations, device) if beside_compute else \
+                    time_call(call, iterations, 2, device)
+                rows.append(Row(collective, "native", count * 4, count, "float32", seconds * 1e6, 0.0, 0.0, None))
+        return rows
+
+    world = Ranks.world()
+    subgroups = {}
+    for q in subgroup_sizes(world.size):  # consecutive groups of q, all at once; freed after (live groups slow steps)
+        own, _ = dist.new_subgroups(group_size=q)
+        subgroups[q] = timed(Ranks.of_group(own))
+        dist.destroy_process_group(own)
+    return fit_native_links(timed(world), world.size, subgroups)
 
 
 def sizes_between(low: int, high: int, factor: int) -> list[int]:
@@ -653,6 +681,9 @@ def format_table(report: dict) -> str:
     for name, link in report.get("native_links_beside_compute", {}).items():
         lines.append(f"# native {name} beside compute (the cluster file's): "
                      + ", ".join(f"{size / 1024:.0f} KB {us * 1e6:.0f} us" for size, us in link["measured"]))
+        for ranks, points in link.get("subgroups", ()):
+            lines.append(f"#   over groups of {ranks}, all at once: "
+                         + ", ".join(f"{size / 1024:.0f} KB {us * 1e6:.0f} us" for size, us in points))
     return "\n".join(lines)
 
 

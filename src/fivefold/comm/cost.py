@@ -46,6 +46,9 @@ class Link:
     # many ranks native_collective reads them rather than the straight alpha-beta line fitted through them
     measured: tuple[tuple[float, float], ...] = ()
     ranks: int = 0
+    # its times over groups of fewer ranks, every such group of the `ranks` running it at once (a layout's tensor-
+    # or data-parallel groups inside the world), as (group ranks, ((bytes, seconds), ...)): read at that group size
+    subgroups: tuple[tuple[int, tuple[tuple[float, float], ...]], ...] = ()
 
     def message(self, n: float) -> float:
         return self.alpha + n * self.beta
@@ -274,7 +277,10 @@ def ring_form(collective: str, p: int) -> tuple[int, float]:
 
 def native_collective(collective: str, n: float, p: int, link: Link) -> float:
     """Seconds of the backend's `collective` over n bytes (a rank's whole vector) in the ring form, or, where the
-    link carries the collective's measured times at p ranks, those times interpolated (`measured_seconds`)."""
+    link carries the collective's measured times at p ranks (over the world it was measured on, or over its groups
+    of p, `Link.subgroups`), those times interpolated (`measured_seconds`). On a CPU host whose cores the ranks
+    share, a pair's call inside four ranks is not a two-rank world's: its peers wait on the other ranks' compute
+    too (2026-11-29: 1.2-1.6x the ring form's line from the four-rank fit at 256 KB-4 MB)."""
     if p == 1:
         return 0.0
     messages, volume = ring_form(collective, p)
@@ -284,6 +290,9 @@ def native_collective(collective: str, n: float, p: int, link: Link) -> float:
 
     if link.measured and p == link.ranks:
         return measured_seconds(link.measured, n, line)
+    for ranks, points in link.subgroups:
+        if p == ranks:
+            return measured_seconds(points, n, line)
     return line(n)
 
 

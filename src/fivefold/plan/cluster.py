@@ -45,6 +45,7 @@ A cluster file is TOML, read without running anything:
     latency_us = 900
     ranks = 2                        # optional: the times it was fitted to, over this many ranks,
     measured = [[16384, 450.0], [524288, 1900.0], [4194304, 4300.0]]   # [bytes, us]: read at that size
+    # subgroups = [{ranks = 2, measured = [[16384, 1900.0], [4194304, 5700.0]]}]   # with ranks = 4: its pairs
     [topology]                       # optional, for `fivefold simulate` (sim/topology.py)
     kind = "fat_tree"                # nvswitch | fat_tree | rail_optimized | torus_2d
     nodes_per_leaf = 4               # nodes per leaf switch (rail_optimized: per rail group)
@@ -64,6 +65,11 @@ link for that collective when it runs natively within a node: `fivefold bench co
 fits it from the backend's measured times, because gloo's collectives on a shared CPU run slower
 than its point-to-point messages predict, and writes those times too (`ranks`, `measured`): at that
 many ranks the planner interpolates them, since the times bend where a line through them cannot.
+Measured over more than two ranks, it also times the collective over each smaller group size that
+divides them (`subgroups`: consecutive ranks, every group calling at once, as a layout's tensor- or
+data-parallel groups do), and a group of that size reads those times: on a shared CPU a pair's call
+among four ranks waits on the other ranks' compute as well, 1.2-1.6x what the four-rank fit's line
+puts on a pair (2026-11-29).
 The GPU presets leave it out (NCCL is priced on the links).
 
 `[arrival]` is the arrival skew of ranks running the same compute between sync points: on a shared
@@ -210,6 +216,15 @@ class Accelerator:
 
 
 @dataclass(frozen=True)
+class SubgroupTimes:
+    """A native collective's times over groups of `ranks` ranks inside the `ranks` its link was measured on, every
+    such group calling at once, (bytes, microseconds) ascending (bench comm measures them)."""
+
+    ranks: int
+    measured: tuple[tuple[float, float], ...]
+
+
+@dataclass(frozen=True)
 class LinkSpec:
     bandwidth_gbs: float  # GB/s per accelerator per direction
     latency_us: float
@@ -217,17 +232,22 @@ class LinkSpec:
     # them): at that many ranks the planner interpolates them (comm/cost.py measured_seconds)
     ranks: int = 0
     measured: tuple[tuple[float, float], ...] = ()
+    subgroups: tuple[SubgroupTimes, ...] = ()  # and over its smaller groups, read at their size
 
     def link(self) -> Link:
         return Link(alpha=self.latency_us * 1e-6, beta=1 / (self.bandwidth_gbs * 1e9), ranks=self.ranks,
-                    measured=tuple((size, us * 1e-6) for size, us in self.measured))
+                    measured=tuple((size, us * 1e-6) for size, us in self.measured),
+                    subgroups=tuple((group.ranks, tuple((size, us * 1e-6) for size, us in group.measured))
+                                    for group in self.subgroups))
 
     @classmethod
     def from_fit(cls, link: dict) -> "LinkSpec":
         """The spec of a fitted `Link` given as a dict (comm/bench.py reports; a fit's latency can dip below 0),
-        with a native collective's measured times if it carries them."""
+        with a native collective's measured times, over the world and its smaller groups, if it carries them."""
         return cls(1 / max(link["beta"], 1e-30) / 1e9, max(link["alpha"], 0.0) * 1e6, link.get("ranks", 0),
-                   tuple((size, seconds * 1e6) for size, seconds in link.get("measured", ())))
+                   tuple((size, seconds * 1e6) for size, seconds in link.get("measured", ())),
+                   tuple(SubgroupTimes(ranks, tuple((size, seconds * 1e6) for size, seconds in points))
+                         for ranks, points in link.get("subgroups", ())))
 
 
 
@@ -429,24 +449,43 @@ def _number(table: dict, key: str, where: str, positive: bool = True) -> float:
     return float(value)
 
 
-def _collective_spec(table: dict, where: str) -> LinkSpec:
-    """[collectives.<name>]: its fitted link, and optionally the times it was fitted to (`ranks`, `measured`)."""
-    unknown = sorted(set(table) - {"bandwidth_gbs", "latency_us", "ranks", "measured"})
-    if unknown:
-        raise ConfigError(f"cluster file: {where} has unknown key(s) {', '.join(unknown)}; known: bandwidth_gbs, "
-                          "latency_us, ranks, measured")
-    ranks, measured = table.get("ranks", 0), table.get("measured", [])
+def _measured_points(ranks: Any, measured: Any, where: str) -> tuple[tuple[float, float], ...]:
+    """A collective's measured times: >= 2 [bytes, microseconds] pairs, bytes strictly increasing, over `ranks` >= 2."""
     usage = (f"cluster file: {where}: `measured` is a list of [bytes, microseconds] pairs with strictly increasing "
              "positive bytes and positive times, timed over `ranks` (an integer >= 2) ranks")
-    if (ranks or measured) and (
-            isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2 or not isinstance(measured, (list, tuple))
+    if (isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2 or not isinstance(measured, (list, tuple))
             or len(measured) < 2 or any(not isinstance(point, (list, tuple)) or len(point) != 2 for point in measured)):
         raise ConfigError(f"{usage}; found ranks = {ranks!r}, measured = {measured!r}")
     points = tuple((_number({"bytes": a}, "bytes", where), _number({"us": b}, "us", where)) for a, b in measured)
     if any(b[0] <= a[0] for a, b in zip(points, points[1:])):
         raise ConfigError(f"{usage}; found bytes {[size for size, _ in points]}")
+    return points
+
+
+def _collective_spec(table: dict, where: str) -> LinkSpec:
+    """[collectives.<name>]: its fitted link, and optionally the times it was fitted to (`ranks`, `measured`) and
+    its times over smaller groups of those ranks (`subgroups`)."""
+    unknown = sorted(set(table) - {"bandwidth_gbs", "latency_us", "ranks", "measured", "subgroups"})
+    if unknown:
+        raise ConfigError(f"cluster file: {where} has unknown key(s) {', '.join(unknown)}; known: bandwidth_gbs, "
+                          "latency_us, ranks, measured, subgroups")
+    ranks, measured = table.get("ranks", 0), table.get("measured", [])
+    points = _measured_points(ranks, measured, where) if ranks or measured else ()
+    groups, listed = [], table.get("subgroups", [])
+    usage = (f"cluster file: {where}: `subgroups` is a list of tables {{ranks = q, measured = [[bytes, us], ...]}}, "
+             f"each q >= 2 a divisor of `ranks` below it, once each, beside the collective's own `ranks` and `measured`")
+    if listed and (not points or not isinstance(listed, (list, tuple))):
+        raise ConfigError(f"{usage}; found subgroups = {listed!r} with ranks = {ranks!r}")
+    for entry in listed:
+        if not isinstance(entry, dict) or set(entry) != {"ranks", "measured"}:
+            raise ConfigError(f"{usage}; found {entry!r}")
+        q = entry["ranks"]
+        group = SubgroupTimes(q, _measured_points(q, entry["measured"], f"{where}, subgroups"))
+        if q >= ranks or ranks % q or any(g.ranks == q for g in groups):
+            raise ConfigError(f"{usage}; found ranks = {q!r} in a link measured over {ranks} ranks")
+        groups.append(group)
     return LinkSpec(_number(table, "bandwidth_gbs", where), _number(table, "latency_us", where, positive=False),
-                    ranks if points else 0, points)
+                    ranks if points else 0, points, tuple(groups))
 
 
 def cluster_from_dict(data: dict[str, Any], source: str = "<dict>") -> ClusterSpec:
@@ -564,6 +603,10 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
     return cluster_from_dict(data, str(path))
 
 
+def _subgroup_toml(group: SubgroupTimes) -> str:
+    return f"{{ranks = {group.ranks}, measured = {json.dumps([list(point) for point in group.measured])}}}"
+
+
 def cluster_toml(spec: ClusterSpec) -> str:
     """The TOML form `load_cluster` reads back."""
     acc, intra, inter = spec.accelerator, spec.intra, spec.inter
@@ -595,7 +638,9 @@ def cluster_toml(spec: ClusterSpec) -> str:
           for line in (f"[collectives.{name}]", f"bandwidth_gbs = {link.bandwidth_gbs!r}",
                        f"latency_us = {link.latency_us!r}",
                        *((f"ranks = {link.ranks}", f"measured = {json.dumps([list(point) for point in link.measured])}")
-                         if link.measured else ()), "")),
+                         if link.measured else ()),
+                       *((f"subgroups = [{', '.join(_subgroup_toml(g) for g in link.subgroups)}]",)
+                         if link.subgroups else ()), "")),
         "[topology]", *(f"{key} = {json.dumps(list(value) if isinstance(value, tuple) else value)}"
                         for key, value in asdict(spec.topology).items()), "",
         *(("[arrival]", f"after_us = {spec.arrival.after_us!r}", f"ranks = {spec.arrival.ranks}",
