@@ -42,13 +42,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from plan_vs_measured import kendall_tau  # noqa: E402  (torch-free)
+from plan_vs_measured import rank_order  # noqa: E402  (torch-free)
 
 ROW_KEYS = ("name", "world_size", "measured", "predicted")
+Key = tuple[int, str]  # (world size, layout name)
 
 
 def load_runs(paths: list[str]) -> dict[str, list[dict]]:
-    """{run name: rows} from plan_vs_measured --json files (one run each) or --compact files (several)."""
+    """{run name: rows} from plan_vs_measured --json files (one run each) or --compact files (several); every row's
+    seconds a positive finite number and its world size a positive integer."""
     runs: dict[str, list[dict]] = {}
     for path in paths:
         data = json.loads(Path(path).read_text())
@@ -57,10 +59,17 @@ def load_runs(paths: list[str]) -> dict[str, list[dict]]:
             if not isinstance(rows, list) or not rows:
                 raise ValueError(f"{path}: run {name!r} holds no rows (a list of plan_vs_measured's --json rows)")
             for row in rows:
-                missing = [key for key in ROW_KEYS if key not in row]
+                where = f"{path}: run {name!r}, row {row.get('name', '?')!r}" if isinstance(row, dict) else path
+                missing = [key for key in ROW_KEYS if not isinstance(row, dict) or key not in row]
                 if missing:
-                    raise ValueError(f"{path}: run {name!r}, row {row.get('name', '?')!r} lacks {', '.join(missing)} "
-                                     "(write rows with plan_vs_measured.py --json, or --replay RUN.json --json NOW.json)")
+                    raise ValueError(f"{where} lacks {', '.join(missing)} (write rows with plan_vs_measured.py "
+                                     "--json, or --replay RUN.json --json NOW.json)")
+                bad = [key for key in ("measured", "predicted") if isinstance(row[key], bool)
+                       or not isinstance(row[key], (int, float)) or not math.isfinite(row[key]) or row[key] <= 0]
+                if bad or isinstance(row["world_size"], bool) or not isinstance(row["world_size"], int) \
+                        or row["world_size"] < 1:
+                    raise ValueError(f"{where}: measured and predicted must be positive finite seconds and world_size "
+                                     f"a positive integer; found {', '.join(f'{k} = {row[k]!r}' for k in ROW_KEYS[1:])}")
             if name in runs:
                 raise ValueError(f"{path}: run {name!r} given twice")
             runs[name] = [{key: row[key] for key in ROW_KEYS} | {"machine": row.get("machine", "not recorded")}
@@ -68,43 +77,37 @@ def load_runs(paths: list[str]) -> dict[str, list[dict]]:
     return runs
 
 
-def common_layouts(runs: dict[str, list[dict]]) -> list[tuple[int, str]]:
+def common_layouts(runs: dict[str, list[dict]]) -> list[Key]:
     """(world size, name) of the layouts every run measured, in the first run's order."""
     first = next(iter(runs.values()))
     every = set.intersection(*({(r["world_size"], r["name"]) for r in rows} for rows in runs.values()))
     return [(r["world_size"], r["name"]) for r in first if (r["world_size"], r["name"]) in every]
 
 
-def deviations(runs: dict[str, list[dict]], layouts: list[tuple[int, str]]) -> dict[str, dict[tuple[int, str], float]]:
+def deviations(steps: dict[str, dict[Key, float]]) -> dict[str, dict[Key, float]]:
     """Each run's measured step of each layout over the layout's median across runs, divided by the run's drift at
-    that world size (the median of those ratios over its layouts), less 1."""
-    by_run = {run: {(r["world_size"], r["name"]): r["measured"] for r in rows} for run, rows in runs.items()}
-    median = {key: statistics.median(steps[key] for steps in by_run.values()) for key in layouts}
-    out: dict[str, dict[tuple[int, str], float]] = {}
-    for run, steps in by_run.items():
-        ratio = {key: steps[key] / median[key] for key in layouts}
+    that world size (the median of those ratios over its layouts), less 1 (steps: {run: {layout: seconds}})."""
+    layouts = list(next(iter(steps.values())))
+    median = {key: statistics.median(run[key] for run in steps.values()) for key in layouts}
+    out = {}
+    for run, mine in steps.items():
+        ratio = {key: mine[key] / median[key] for key in layouts}
         drift = {w: statistics.median(r for (world, _), r in ratio.items() if world == w) for w, _ in layouts}
         out[run] = {key: ratio[key] / drift[key[0]] - 1 for key in layouts}
     return out
 
 
-def errors(runs: dict[str, list[dict]], layouts: list[tuple[int, str]]) -> dict[str, dict[tuple[int, str], float]]:
-    """Each run's relative error predicted / measured - 1 per layout."""
-    return {run: {(r["world_size"], r["name"]): r["predicted"] / r["measured"] - 1 for r in rows
-                  if (r["world_size"], r["name"]) in set(layouts)} for run, rows in runs.items()}
-
-
-def summary(errs: dict[tuple[int, str], float], predicted: dict, measured: dict) -> dict[str, float]:
-    """Median and worst absolute error, rows within 10% and 20%, Kendall tau and the best's gap on the largest world
-    size (predicted and measured: {(world, name): seconds})."""
+def summary(errs: dict[Key, float], predicted: dict[Key, float], measured: dict[Key, float]) -> dict:
+    """Median and worst absolute error `errs`, rows within 10% and 20%, the worst row, and (plan_vs_measured's
+    `rank_order`) Kendall tau between `predicted` and `measured` and the predicted best's gap over the largest world
+    size's layouts."""
     absolute = [abs(e) for e in errs.values()]
-    top = max(w for w, _ in errs)
-    four = [key for key in errs if key[0] == top]
-    chosen = min(four, key=lambda k: predicted[k])
+    worst = max(errs, key=lambda k: abs(errs[k]))
+    top = [key for key in errs if key[0] == max(w for w, _ in errs)]
+    tau, _, gap = rank_order([{"measured": measured[k]} for k in top], [predicted[k] for k in top])
     return {"median_abs_error": statistics.median(absolute), "within_10pct": sum(e <= 0.10 for e in absolute),
             "within_20pct": sum(e <= 0.20 for e in absolute), "worst_abs_error": max(absolute),
-            "kendall_tau": kendall_tau([predicted[k] for k in four], [measured[k] for k in four]),
-            "best_gap": measured[chosen] / min(measured[k] for k in four) - 1}
+            "worst_error": errs[worst], "worst_layout": worst[1], "kendall_tau": tau, "best_gap": gap}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -120,33 +123,32 @@ def analyse(runs: dict[str, list[dict]]) -> dict:
     layouts = common_layouts(runs)
     if not layouts:
         raise ValueError("no layout was measured by every run")
-    errs, devs = errors(runs, layouts), deviations(runs, layouts)
-    per_run = {}
-    for run, rows in runs.items():
-        kept = {(r["world_size"], r["name"]): r for r in rows if (r["world_size"], r["name"]) in errs[run]}
-        per_run[run] = summary(errs[run], {k: r["predicted"] for k, r in kept.items()},
-                               {k: r["measured"] for k, r in kept.items()})
-        per_run[run]["worst_layout"] = max(errs[run], key=lambda k: abs(errs[run][k]))[1]
-        per_run[run]["worst_error"] = errs[run][max(errs[run], key=lambda k: abs(errs[run][k]))]
-        per_run[run]["deviation_median"] = statistics.median(abs(d) for d in devs[run].values())
+    rows = {run: {(r["world_size"], r["name"]): r for r in mine} for run, mine in runs.items()}
+    seconds = {kind: {run: {key: rows[run][key][kind] for key in layouts} for run in runs}
+               for kind in ("predicted", "measured")}
+    devs = deviations(seconds["measured"])
+    errs = {run: {key: seconds["predicted"][run][key] / seconds["measured"][run][key] - 1 for key in layouts}
+            for run in runs}
+    per_run = {run: summary(errs[run], seconds["predicted"][run], seconds["measured"][run]) for run in runs}
+    for run, s in per_run.items():
         worst = max(devs[run], key=lambda k: abs(devs[run][k]))
-        per_run[run]["deviation_worst"], per_run[run]["deviation_worst_layout"] = devs[run][worst], worst[1]
+        s.update(deviation_median=statistics.median(abs(d) for d in devs[run].values()),
+                 deviation_worst=devs[run][worst], deviation_worst_layout=worst[1])
     layout_rows = []
     for key in layouts:
         values = [errs[run][key] for run in runs]
-        sd = statistics.stdev(values)
-        mean = statistics.fmean(values)
+        sd, mean = statistics.stdev(values), statistics.fmean(values)
         layout_rows.append({"world_size": key[0], "name": key[1], "median": statistics.median(values), "mean": mean,
                             "sd": sd, "min": min(values), "max": max(values),
                             "biased": abs(mean) > 2 * sd / math.sqrt(len(values)),
                             "deviation_sd": statistics.pstdev(devs[run][key] for run in runs)})
-    medians = {(r["world_size"], r["name"]): r["median"] for r in layout_rows}
-    predicted = {key: statistics.median(r["predicted"] for rows in runs.values() for r in rows
-                                        if (r["world_size"], r["name"]) == key) for key in layouts}
-    measured = {key: statistics.median(r["measured"] for rows in runs.values() for r in rows
-                                       if (r["world_size"], r["name"]) == key) for key in layouts}
+    # the layouts' median errors, with tau between their median predicted and median measured steps
+    median = {kind: {key: statistics.median(by_run[key] for by_run in seconds[kind].values()) for key in layouts}
+              for kind in seconds}
+    together = summary({(r["world_size"], r["name"]): r["median"] for r in layout_rows}, median["predicted"],
+                       median["measured"])
     every = [abs(d) for run in devs.values() for d in run.values()]
-    return {"layouts": layout_rows, "runs": per_run, "together": summary(medians, predicted, measured),
+    return {"layouts": layout_rows, "runs": per_run, "together": together,
             "deviation": {"median": statistics.median(every), "p90": percentile(every, 0.9), "worst": max(every)}}
 
 

@@ -371,6 +371,9 @@ def test_plan_repeatability_divides_out_each_runs_drift_and_summarises_each_layo
     assert {"a*", "b*", "c*", "d", "e*"} <= listed  # d's mean (-1%) is within twice its standard error
     again = _repeatability(str(tmp_path / "runs.json"))  # the compact form reads back to the same report
     assert _result(again.stdout) == numbers
+    shown = _repeatability(str(tmp_path / "runs.json"), "--top", "2").stdout.splitlines()
+    table = shown[shown.index(next(line for line in shown if line.startswith("# layout"))) + 1:]
+    assert [line.split()[0] for line in table if line.startswith("  ")] == ["c*", "a*"]  # the two largest medians
 
 
 def test_plan_repeatability_refuses_what_it_cannot_compare(tmp_path):
@@ -386,6 +389,11 @@ def test_plan_repeatability_refuses_what_it_cannot_compare(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps([dict(rows[0], name="dp2", world_size=2)]))
     done = _repeatability(str(tmp_path / "one.json"), str(tmp_path / "other.json"), check=False)
     assert done.returncode == 2 and "no layout was measured by every run" in done.stderr
+    for bad in ({"measured": float("nan")}, {"predicted": 0.0}, {"measured": float("inf")}, {"world_size": 0},
+                {"predicted": "fast"}):
+        (tmp_path / "bad.json").write_text(json.dumps([dict(rows[0], **bad)]))
+        done = _repeatability(str(tmp_path / "one.json"), str(tmp_path / "bad.json"), check=False)
+        assert done.returncode == 2 and "must be positive finite seconds" in done.stderr, bad
 
 
 def test_plan_repeatability_of_the_stored_runs_is_what_the_docs_say():

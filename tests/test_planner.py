@@ -594,7 +594,9 @@ def test_a_collectives_times_over_smaller_groups_price_those_groups(tmp_path):
                 [{"ranks": 4, "measured": [[16384, 1.0], [32768, 2.0]]}],  # not smaller than 4
                 [{"ranks": 2, "measured": [[16384, 1.0]]}],  # one point
                 [{"ranks": 2, "measured": [[16384, 1.0], [32768, 2.0]], "spread": 1}],
-                [{"ranks": 2, "measured": [[16384, 1.0], [32768, 2.0]]}] * 2, "pairs", [2]):
+                [{"ranks": 2, "measured": [[16384, 1.0], [32768, 2.0]]}] * 2, "pairs", [2],
+                [{"ranks": 2, "measured": [[16384, float("nan")], [32768, 2.0]]}],  # a time not finite
+                [{"ranks": 2, "measured": [[16384, 1.0], [float("inf"), 2.0]]}]):
         broken = json.loads(json.dumps(data))
         broken["collectives"]["all_reduce"]["subgroups"] = bad
         with pytest.raises(ConfigError, match="collectives.all_reduce.*subgroups"):
