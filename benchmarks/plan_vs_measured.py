@@ -70,6 +70,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -190,7 +191,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
 
     import gc
 
-    configs, steps, warmup, batch = job
+    configs, steps, warmup, batch, control = job
     cores = os.cpu_count() or 1
     threads = max(1, cores // world_size)
     torch.set_num_threads(threads)
@@ -212,6 +213,14 @@ def _measure(rank: int, world_size: int, job) -> dict:
     codecs: list[tuple[dict, dict]] = []  # the gradient codecs' local work, ns per value (comm/bench.py codec_rates)
     round_batch: list[int] = []  # each round's batch (each layout is also predicted at its own batch's rates)
     batch_of: dict[str, int] = {}
+    # the control: a trainer of the world's first layout, alive through every batch and timed in each round with
+    # the batch's layouts, so each batch's slow or fast spell is measured on the same work (`batch_factors`)
+    reference = Trainer(dataclasses.replace(configs[0][1], train=dataclasses.replace(
+        configs[0][1].train, output_dir=f"{configs[0][1].train.output_dir}-reference"))) \
+        if control and len(configs) > batch else None
+    reference_samples: list[list[float]] = []
+    for _ in range(warmup if reference else 0):
+        reference.train_step()
     for first in range(0, len(configs), batch):
         trainers = {name: Trainer(config) for name, config in configs[first:first + batch]}
         for trainer in trainers.values():
@@ -227,6 +236,10 @@ def _measure(rank: int, world_size: int, job) -> dict:
         compressed = [t for t in trainers.values() if t.config.gradient_comm.compression != "none"] if world_size > 1 else []
         names = list(trainers)
         batch_of.update((name, first // batch) for name in names)
+        if reference:
+            trainers[REFERENCE] = reference
+            names.append(REFERENCE)
+            samples[REFERENCE] = []
         for round_ in range(steps):
             round_batch.append(first // batch)
             if compressed:  # on the job's own parameters' shapes, with the batch's trainers alive; every round, as the
@@ -251,10 +264,15 @@ def _measure(rank: int, world_size: int, job) -> dict:
                 elapsed = torch.tensor(time.perf_counter() - start)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 samples[name].append(float(elapsed))
+        if reference:
+            reference_samples.append(samples.pop(REFERENCE))
+            del trainers[REFERENCE]
         for trainer in trainers.values():  # its process groups too: kept, they slow every later step
             trainer.close()
         trainers.clear()
         gc.collect()
+    if reference:
+        reference.close()
 
     def rates_over(kept: set[int]) -> dict:
         """The compute rates' medians over the rounds of the batches `kept`."""
@@ -296,7 +314,34 @@ def _measure(rank: int, world_size: int, job) -> dict:
             "batch_of": batch_of,
             **{key: {name: statistics.median(c[i][name] for c in codecs) for name in codecs[0][i]} if codecs else {}
                for i, key in enumerate(("codec_ns", "codec_encode_ns"))},
-            "times": {name: statistics.median(values) for name, values in samples.items()}, "cores": cores}
+            **corrected_times({name: statistics.median(values) for name, values in samples.items()}, batch_of,
+                              batch_factors([statistics.median(values) for values in reference_samples])),
+            "cores": cores}
+
+
+REFERENCE = "_reference"  # the control trainer's key among a batch's trainers
+
+
+def batch_factors(reference_medians: list[float]) -> list[float]:
+    """Each batch's slowness: the control's median step in that batch over the median of those medians (1.0 for
+    every batch when there is no control or one batch). A shared machine's slow spell lasts minutes and lands on
+    every layout of a batch alike (batch-mean errors of -21% and +18% in one run of 2026-11-29 07:56); the control
+    runs the same work in every batch, so dividing a layout's step by its batch's factor leaves its time at the
+    run's typical speed, the speed the run's median rates price."""
+    if len(reference_medians) < 2:
+        return [1.0] * len(reference_medians)
+    if not all(math.isfinite(t) and t > 0 for t in reference_medians):
+        raise ValueError(f"the control's median steps must be finite and positive, got {reference_medians}")
+    typical = statistics.median(reference_medians)
+    return [t / typical for t in reference_medians]
+
+
+def corrected_times(raw: dict[str, float], batch_of: dict[str, int], factors: list[float]) -> dict:
+    """{"times": each layout's step divided by its batch's factor, "raw_times": as measured, "batch_factor": the
+    factor used}; a layout outside the batches (or with no factors) keeps its raw time, factor 1."""
+    factor = {name: factors[batch_of[name]] if factors and name in batch_of else 1.0 for name in raw}
+    return {"times": {name: t / factor[name] for name, t in raw.items()}, "raw_times": dict(raw),
+            "batch_factor": factor}
 
 
 def _measure_solo(world_size: int, name: str, argv: list[str], out_root: Path, timed: int, timeout: float) -> float:
@@ -377,6 +422,18 @@ def _profiled(rows: list[dict], shares: dict[str, float]) -> None:
           f"({sum(e <= 0.1 for e in errors)} within 10%, worst {100 * max(errors):.1f}%; simulator "
           f"{100 * statistics.median(sim_errors):.1f}%, {sum(e <= 0.1 for e in sim_errors)} within 10%), "
           f"{100 * statistics.median(model_errors):.1f}% modelled ({sum(e <= 0.1 for e in model_errors)} within 10%)")
+
+
+def _as_measured(rows: list[dict]) -> None:
+    """Summarise the same predictions against each layout's step as measured, its batch's spell not divided out."""
+    errors = {r["name"]: r["predicted"] / r["measured_raw"] - 1 for r in rows}
+    worst = max(errors, key=lambda k: abs(errors[k]))
+    top = max(r["world_size"] for r in rows)
+    four = [r for r in rows if r["world_size"] == top]
+    tau, _, gap = rank_order([r | {"measured": r["measured_raw"]} for r in four], [r["predicted"] for r in four])
+    print(f"# against the steps as measured (no control): median {100 * statistics.median(abs(e) for e in errors.values()):.1f}%, "
+          f"{sum(abs(e) <= 0.10 for e in errors.values())} within 10%, worst {100 * errors[worst]:+.1f}% ({worst}), "
+          f"tau {tau:.3f}, predicted best {100 * gap:.1f}% over the measured best")
 
 
 def _other_rates(rows: list[dict], shares: dict[str, float], name: str, key: str = "cluster_other_rates") -> None:
@@ -498,7 +555,9 @@ def _fit_share_and_overhead(system: list[tuple[float, float, float, float]]) -> 
     x, o = (sxy * soo - soy * sxo) / det, (soy * sxx - sxy * sxo) / det
     if o < 0:  # no fixed cost to find: the share alone
         return _fit_share(system, 0.0), 0.0
-    return min(1.0, 1 / max(x, 1e-12)), o
+    if x < 1:  # a share over the whole matmul rate: the share at 1, the fixed cost fitted again at that share
+        return 1.0, max(0.0, sum(v * (t - r - m) / t**2 for m, v, r, t in system) / soo)
+    return 1 / x, o
 
 
 def with_overhead(cluster, overhead_us: float, cores: int):
@@ -570,6 +629,10 @@ def main() -> int:
                              "once (default, as `fivefold bench comm --cluster-file` measures it) or one rank's alone "
                              "carried to all by a transformer's passes (benchmarks/shared_rates.py, an experiment); "
                              "the other is predicted too and summarised")
+    parser.add_argument("--no-control", action="store_true",
+                        help="time no control layout: each layout's step as measured, its batch's spell included "
+                             "(default: the world's first layout timed in every batch too, each batch's steps divided "
+                             "by its slowness)")
     parser.add_argument("--fidelity", default="hybrid", choices=FIDELITIES,
                         help="how the simulator plays collectives (default hybrid, as `fivefold simulate`)")
     args = parser.parse_args()
@@ -618,15 +681,20 @@ def main() -> int:
                                 if "cluster_batch" in stored[name] and args.rates == stored[name].get("rates", "matmul")
                                 and args.collectives == "beside" else {}),
                              "cores": stored[name].get("cores", os.cpu_count() or 1), "machine": measured_on,
+                             **{key: stored[name][key] for key in ("measured_raw", "batch_factor")  # since 2026-11-29
+                                if key in stored[name]},
                              **{key: stored[name][key] for key in ("fp32_tflops", "fp32_tflops_together")
                                 if key in stored[name]}})
             continue
         together = [(name, config) for name, config in configs if name not in alone] or \
             [("_fit", load_config(ROOT / "configs" / "tiny.toml", [*base, "--train.output_dir", str(out_root / "_fit")]))]
-        measured = spawn(_measure, world_size, (together, args.steps, args.warmup, args.batch), args.timeout)
-        for name, extra in alone.items():
-            measured["times"][name] = _measure_solo(world_size, name, ["--config", str(ROOT / "configs" / "tiny.toml"),
-                                                                       *base, *extra], out_root, args.steps, args.timeout)
+        measured = spawn(_measure, world_size, (together, args.steps, args.warmup, args.batch, not args.no_control),
+                         args.timeout)
+        for name, extra in alone.items():  # run alone, after the batches: no control, factor 1
+            measured["times"][name] = measured["raw_times"][name] = _measure_solo(
+                world_size, name, ["--config", str(ROOT / "configs" / "tiny.toml"), *base, *extra], out_root, args.steps,
+                args.timeout)
+            measured["batch_factor"][name] = 1.0
         cluster = _cluster(world_size, measured, args.collectives, args.rates)
         other = _cluster(world_size, measured, "alone", args.rates)
         before = _cluster(world_size, measured, args.collectives, "matmul" if args.rates == "passes" else "passes")
@@ -635,7 +703,8 @@ def main() -> int:
             rows.append({"world_size": world_size, "name": name, "config": config, "cluster": cluster, "cluster_alone": other,
                          "cluster_other_rates": before,
                          "cluster_batch": _cluster(world_size, own, args.collectives, args.rates),
-                         "measured": measured["times"][name], "cores": measured["cores"],
+                         "measured": measured["times"][name], "measured_raw": measured["raw_times"][name],
+                         "batch_factor": measured["batch_factor"][name], "cores": measured["cores"],
                          "machine": measured_on, "fp32_tflops": measured["rates"]["fp32"],
                          "native_batches": measured["native_batches"],
                          "fp32_tflops_together": measured["together_tflops"]})
@@ -694,6 +763,14 @@ def main() -> int:
         print(f"# {world_size} ranks, fp32 matmul per rank while all compute: the slowest rank's {row['fp32_tflops']:.4f} "
               f"TFLOP/s (priced), equal work between barriers {row['fp32_tflops_together']:.4f} "
               f"({100 * (row['fp32_tflops_together'] / row['fp32_tflops'] - 1):+.1f}%; recorded, not priced)")
+    for world_size in sorted({r["world_size"] for r in rows}):
+        factors = sorted({r["batch_factor"] for r in rows if r["world_size"] == world_size and "batch_factor" in r})
+        if len(factors) > 1:
+            first = next(r["name"] for r in rows if r["world_size"] == world_size)
+            print(f"# {world_size} ranks: each batch's control step ({first}) over its median: "
+                  + ", ".join(f"{f:.3f}" for f in factors) + " (each layout's step divided by its batch's)")
+    if all("measured_raw" in r for r in rows) and any(r["batch_factor"] != 1.0 for r in rows):
+        _as_measured(rows)
     if all("cluster_other_rates" in r for r in rows):
         _other_rates(rows, shares, f"{'passes' if args.rates == 'matmul' else 'matmul'} rates")
     if all("cluster_batch" in r for r in rows):

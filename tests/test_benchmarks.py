@@ -1,5 +1,6 @@
 """Benchmarks run and report (no timing assertions: performance is measured, not asserted)."""
 
+import json
 import math
 import subprocess
 import sys
@@ -338,6 +339,78 @@ def _repeatability(*args, check=True):
 def _result(out: str) -> dict[str, float]:
     line = next(line for line in out.splitlines() if line.startswith("RESULT name=plan_repeatability"))
     return {k: float(v) for k, v in (item.split("=", 1) for item in line.split()[1:]) if k != "name"}
+
+
+def _plan_vs_measured_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_vs_measured", ROOT / "benchmarks" / "plan_vs_measured.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plan_vs_measured_divides_each_batch_by_its_controls_slowness():
+    """The control layout's median step per batch over the median of those is each batch's factor; a layout's step
+    is divided by its batch's factor (a spell that slows a batch by 20% slows its control alike), and a layout outside
+    the batches (run alone) keeps its raw step. One batch (or none) has nothing to compare: factor 1."""
+    module = _plan_vs_measured_module()
+    factors = module.batch_factors([0.10, 0.12, 0.09])
+    assert factors == pytest.approx([1.0, 1.2, 0.9])
+    assert module.batch_factors([0.3]) == [1.0] and module.batch_factors([]) == []
+    with pytest.raises(ValueError, match="finite and positive"):
+        module.batch_factors([0.1, float("nan")])
+    with pytest.raises(ValueError, match="finite and positive"):
+        module.batch_factors([0.1, 0.0])
+    raw = {"a": 0.2, "b": 0.36, "c": 0.27, "solo": 0.5}
+    done = module.corrected_times(raw, {"a": 0, "b": 1, "c": 2}, factors)
+    assert done["times"] == pytest.approx({"a": 0.2, "b": 0.3, "c": 0.3, "solo": 0.5})
+    assert done["raw_times"] == raw and done["batch_factor"] == pytest.approx({"a": 1.0, "b": 1.2, "c": 0.9, "solo": 1.0})
+    assert module.corrected_times(raw, {"a": 0}, [])["times"] == raw
+
+
+def test_plan_vs_measured_fits_the_fixed_cost_again_when_the_share_would_pass_the_matmul_rate():
+    """A joint fit whose share comes out over 1 (steps faster than the matmul loop's rate would allow at that fixed
+    cost: a small model's few, cheap passes) caps the share at 1 and fits the fixed cost again at it, rather than
+    keeping the fixed cost that went with the impossible share (which put a 2-layer run 350% off)."""
+    module = _plan_vs_measured_module()
+    # t = M x + O o + R at x = 1 (share 1) and o = 2000 us, with one row off so the joint fit wants x < 1
+    system = [(0.0127, 6e-6, 0.0045, 0.0127 + 6e-6 * 2000 + 0.0045), (0.0168, 8e-6, 0.0047, 0.0168 + 8e-6 * 2000 + 0.0047),
+              (0.0255, 12e-6, 0.0051, 0.9 * (0.0255 + 12e-6 * 2000 + 0.0051))]
+    share, overhead = module._fit_share_and_overhead(system)
+    assert share == 1.0
+    errors = [(m + v * overhead + r) / t - 1 for m, v, r, t in system]
+    assert max(abs(e) for e in errors) < 0.1, errors  # the kept joint fixed cost gave errors over 300%
+    # exact data at a share under 1 is still recovered exactly
+    exact = [(m, v, r, m / 0.6 + v * 500 + r) for m, v, r, _ in system]
+    assert module._fit_share_and_overhead(exact) == pytest.approx((0.6, 500.0), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_plan_vs_measured_times_a_control_in_every_batch_and_replays_its_factors(tmp_path):
+    """Two one-rank batches: the control (the first layout) is timed in both, each row stores its raw step and its
+    batch's factor with measured = raw / factor, the run prints the factors and the summary against the raw steps,
+    and a replay keeps them."""
+    rows_path = tmp_path / "rows.json"
+    args = ["--only", "single,single-full", "--batch", "1", "--steps", "2", "--warmup", "1", "--layers", "2",
+            "--seq-len", "64"]
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_vs_measured.py"), *args, "--json",
+                          str(rows_path)], capture_output=True, text=True, timeout=600, check=True).stdout
+    assert "# 1 ranks: each batch's control step (single) over its median: " in out
+    assert "# against the steps as measured (no control): median " in out
+    rows = json.loads(rows_path.read_text())
+    assert [r["name"] for r in rows] == ["single", "single-full"]
+    for row in rows:
+        assert row["measured"] == pytest.approx(row["measured_raw"] / row["batch_factor"], rel=1e-12)
+    # two batches: the factors are t_b / median(t_0, t_1), symmetric about 1
+    assert rows[0]["batch_factor"] + rows[1]["batch_factor"] == pytest.approx(2.0)
+    replay = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_vs_measured.py"), *args, "--replay",
+                             str(rows_path), "--json", str(tmp_path / "again.json")],
+                            capture_output=True, text=True, timeout=600, check=True).stdout
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert [(r["measured"], r["measured_raw"], r["batch_factor"]) for r in again] == \
+        [(r["measured"], r["measured_raw"], r["batch_factor"]) for r in rows]
+    assert "# against the steps as measured (no control)" in replay
 
 
 def test_plan_repeatability_divides_out_each_runs_drift_and_summarises_each_layouts_median_error(tmp_path):
