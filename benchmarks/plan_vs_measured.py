@@ -22,7 +22,9 @@ matmul_tflops, memory_gbs, optimizer_rate) measured again each round, the gradie
 matmul rate with only as many ranks computing as the cores hold (the cluster's oversubscribed_efficiency; its shared_cores are this
 machine's: ranks idle in a pipeline bubble lend their cores); a layout's time is the median over
 rounds of its slowest rank's step. Rounds put a slow spell of
-this shared machine on every layout alike. The planner predicts each config on that cluster with
+this shared machine on every layout of a batch alike; a control, a trainer of the world size's first layout alive
+through every batch and timed in each round too, measures each batch's spell (its median step there over its median
+across batches, `batch_factors`), and each layout's step is divided by its batch's (`--no-control`: not). The planner predicts each config on that cluster with
 compute constants fitted on the one-rank layouts only (`fit_compute`): the achieved share of the
 matmul rate (--efficiency), one per compute dtype (fp32, and bf16 on `single-bf16`), and a block pass's
 fixed host cost (accelerator.pass_overhead_us; one thread's work, so it grows by ranks / cores once the
