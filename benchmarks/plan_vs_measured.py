@@ -327,7 +327,7 @@ REFERENCE = "_reference"  # the control trainer's key among a batch's trainers
 def batch_factors(reference_medians: list[float]) -> list[float]:
     """Each batch's slowness: the control's median step in that batch over the median of those medians (1.0 for
     every batch when there is no control or one batch). A shared machine's slow spell lasts minutes and lands on
-    every layout of a batch alike (batch-mean errors of -21% and +18% in one run of 2026-11-29 07:56); the control
+    every layout of a batch alike (batch-mean errors of -21% and +18% in one run of 2026-11-29 05:41); the control
     runs the same work in every batch, so dividing a layout's step by its batch's factor leaves its time at the
     run's typical speed, the speed the run's median rates price."""
     if len(reference_medians) < 2:
