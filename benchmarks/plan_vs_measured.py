@@ -752,6 +752,9 @@ def main() -> int:
     tau, chosen, best_gap = rank_order(four, [r["predicted"] for r in four])
     print(f"# {len(four)} layouts on {four[0]['world_size']} ranks: Kendall tau {tau:.3f} between predicted and measured "
           f"order; the predicted best ({chosen['name']}) measures {100 * best_gap:.1f}% over the measured best")
+    print("# each world size's median error, signed (how far its steps as a whole ran from its own measured rates): "
+          + ", ".join(f"{w} rank{'s' if w > 1 else ''} {100 * statistics.median(r['error'] for r in rows if r['world_size'] == w):+.1f}%"
+                      for w in sorted({r["world_size"] for r in rows})))
     for world_size in sorted({r["world_size"] for r in rows if r["cluster"].accelerator.ring_step_operators}):
         operators = next(r for r in rows if r["world_size"] == world_size)["cluster"].accelerator.ring_step_operators
         print(f"# {world_size} ranks: ring attention's own Python {operators:.1f} operators' worth per ring step and block "

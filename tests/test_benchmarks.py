@@ -411,6 +411,9 @@ def test_plan_vs_measured_times_a_control_in_every_batch_and_replays_its_factors
     assert [(r["measured"], r["measured_raw"], r["batch_factor"]) for r in again] == \
         [(r["measured"], r["measured_raw"], r["batch_factor"]) for r in rows]
     assert "# against the steps as measured (no control)" in replay
+    # the world size's signed median error: the single one-rank world here, its two rows' mean
+    drift = next(line for line in replay.splitlines() if line.startswith("# each world size's median error, signed"))
+    assert drift.endswith(f"1 rank {100 * (again[0]['error'] + again[1]['error']) / 2:+.1f}%"), drift
 
 
 def test_plan_repeatability_divides_out_each_runs_drift_and_summarises_each_layouts_median_error(tmp_path):
