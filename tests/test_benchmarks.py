@@ -416,6 +416,21 @@ def test_plan_vs_measured_times_a_control_in_every_batch_and_replays_its_factors
     assert drift.endswith(f"1 rank {100 * (again[0]['error'] + again[1]['error']) / 2:+.1f}%"), drift
 
 
+@pytest.mark.slow
+def test_plan_vs_measured_without_the_control_keeps_every_step_as_measured(tmp_path):
+    """--no-control: the same two one-rank batches, no control trainer, every factor 1 and every step its raw one,
+    and neither the factors' line nor the raw summary printed."""
+    rows_path = tmp_path / "rows.json"
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_vs_measured.py"), "--only", "single,single-full",
+                          "--batch", "1", "--steps", "1", "--warmup", "1", "--layers", "2", "--seq-len", "64",
+                          "--no-control", "--json", str(rows_path)],
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    assert "control step" not in out and "# against the steps as measured" not in out
+    rows = json.loads(rows_path.read_text())
+    assert [r["batch_factor"] for r in rows] == [1.0, 1.0]
+    assert all(r["measured"] == r["measured_raw"] for r in rows)
+
+
 def test_plan_repeatability_divides_out_each_runs_drift_and_summarises_each_layouts_median_error(tmp_path):
     """Three runs of five layouts. The second run's machine is twice as slow everywhere (drift: no deviation); `e`
     measures 1.3 s in the third run and 1.0 in the others, so once each run's drift per world size is divided out
