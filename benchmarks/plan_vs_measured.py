@@ -426,16 +426,25 @@ def _profiled(rows: list[dict], shares: dict[str, float]) -> None:
           f"{100 * statistics.median(model_errors):.1f}% modelled ({sum(e <= 0.1 for e in model_errors)} within 10%)")
 
 
+def _summary(rows: list[dict], errors: dict[str, float], measured: dict[str, float]) -> str:
+    """The summary of `errors` (each layout's, against the steps `measured`): median, multi-rank median, within 10%,
+    the worst row, and on the largest world size Kendall tau and the predicted best's gap."""
+    top = max(r["world_size"] for r in rows)
+    four = [r | {"measured": measured[r["name"]]} for r in rows if r["world_size"] == top]
+    tau, chosen, gap = rank_order(four, [(1 + errors[r["name"]]) * r["measured"] for r in four])
+    multi = [abs(errors[r["name"]]) for r in rows if r["world_size"] > 1]
+    worst = max(errors, key=lambda k: abs(errors[k]))
+    return (f"median {100 * statistics.median(abs(e) for e in errors.values()):.1f}%, "
+            f"multi-rank {100 * statistics.median(multi) if multi else 0.0:.1f}%, "
+            f"{sum(abs(e) <= 0.10 for e in errors.values())} within 10%, worst {100 * errors[worst]:+.1f}% ({worst}), "
+            f"tau {tau:.3f}, predicted best ({chosen['name']}) {100 * gap:.1f}% over the measured best")
+
+
 def _as_measured(rows: list[dict]) -> None:
     """Summarise the same predictions against each layout's step as measured, its batch's spell not divided out."""
-    errors = {r["name"]: r["predicted"] / r["measured_raw"] - 1 for r in rows}
-    worst = max(errors, key=lambda k: abs(errors[k]))
-    top = max(r["world_size"] for r in rows)
-    four = [r for r in rows if r["world_size"] == top]
-    tau, _, gap = rank_order([r | {"measured": r["measured_raw"]} for r in four], [r["predicted"] for r in four])
-    print(f"# against the steps as measured (no control): median {100 * statistics.median(abs(e) for e in errors.values()):.1f}%, "
-          f"{sum(abs(e) <= 0.10 for e in errors.values())} within 10%, worst {100 * errors[worst]:+.1f}% ({worst}), "
-          f"tau {tau:.3f}, predicted best {100 * gap:.1f}% over the measured best")
+    raw = {r["name"]: r["measured_raw"] for r in rows}
+    print("# against the steps as measured (no control): "
+          + _summary(rows, {r["name"]: r["predicted"] / raw[r["name"]] - 1 for r in rows}, raw))
 
 
 def _other_rates(rows: list[dict], shares: dict[str, float], name: str, key: str = "cluster_other_rates") -> None:
@@ -446,15 +455,9 @@ def _other_rates(rows: list[dict], shares: dict[str, float], name: str, key: str
     errors = {r["name"]: estimate(r["config"], r["world_size"], r[key], efficiency_of(r, shares),
                                   vocab_size=257).time.total / r["measured"] - 1 for r in rows}
     top = max(r["world_size"] for r in rows)
-    four = [r for r in rows if r["world_size"] == top]
-    tau, chosen, gap = rank_order(four, [(1 + errors[r["name"]]) * r["measured"] for r in four])
-    multi = [abs(errors[r["name"]]) for r in rows if r["world_size"] > 1]
-    worst = max(errors, key=lambda k: abs(errors[k]))
-    print(f"# with the {name} instead: median {100 * statistics.median(abs(e) for e in errors.values()):.1f}%, "
-          f"multi-rank {100 * statistics.median(multi) if multi else 0.0:.1f}%, "
-          f"{sum(abs(e) <= 0.10 for e in errors.values())} within 10%, worst {100 * errors[worst]:+.1f}% ({worst}), "
-          f"tau {tau:.3f}, predicted best ({chosen['name']}) {100 * gap:.1f}% over the measured best; "
-          f"by {top}-rank layout: " + ", ".join(f"{r['name']} {100 * errors[r['name']]:+.1f}%" for r in four))
+    print(f"# with the {name} instead: {_summary(rows, errors, {r['name']: r['measured'] for r in rows})}; "
+          f"by {top}-rank layout: " + ", ".join(f"{r['name']} {100 * errors[r['name']]:+.1f}%"
+                                                for r in rows if r["world_size"] == top))
 
 
 def fit_compute(rows: list[dict]) -> tuple[dict[str, float], float, list[dict]]:

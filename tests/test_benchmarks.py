@@ -285,6 +285,15 @@ def test_plan_vs_measured_prices_with_the_rates_asked(tmp_path):
     assert done.returncode == 2 and "--rates: invalid choice: 'fast'" in done.stderr
 
 
+def _plan_vs_measured_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_vs_measured", ROOT / "benchmarks" / "plan_vs_measured.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_plan_vs_measured_fits_one_compute_share_per_dtype():
     """`fit_compute` fits the share of the matmul rate per compute dtype (each dtype's peak is its own matmul
     rate) and the pass overhead on the dense fp32 anchors, then the routed experts' share on the MoE one: on steps
@@ -292,15 +301,11 @@ def test_plan_vs_measured_fits_one_compute_share_per_dtype():
     pass) it recovers all four, and a bf16 row (ZeRO's bf16 weights too) is priced at the bf16 share; a run with no
     bf16 anchor gives bf16 the fp32 share, one with no MoE anchor the routed experts the matmuls' (ratio 1). One
     share for both dtypes (the fit before) would put the bf16 step 2.5x off."""
-    import importlib.util
-
     from fivefold.config import load_config
     from fivefold.plan.cluster import PRESETS
     from fivefold.plan.estimate import estimate
 
-    spec = importlib.util.spec_from_file_location("plan_vs_measured", ROOT / "benchmarks" / "plan_vs_measured.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _plan_vs_measured_module()
     cluster = PRESETS["h100-sxm"]
     base = ["--model.preset", "tiny", "--model.vocab_size", "257", "--train.seq_len", "128", "--train.micro_batch_size", "4",
             "--model.n_layers", "4"]
@@ -339,15 +344,6 @@ def _repeatability(*args, check=True):
 def _result(out: str) -> dict[str, float]:
     line = next(line for line in out.splitlines() if line.startswith("RESULT name=plan_repeatability"))
     return {k: float(v) for k, v in (item.split("=", 1) for item in line.split()[1:]) if k != "name"}
-
-
-def _plan_vs_measured_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("plan_vs_measured", ROOT / "benchmarks" / "plan_vs_measured.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_plan_vs_measured_divides_each_batch_by_its_controls_slowness():
