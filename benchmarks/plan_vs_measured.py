@@ -663,6 +663,12 @@ def main() -> int:
     solo = {name for _, name, _ in SOLO}
     if args.replay:  # the stored measurements of an earlier run (its --json), predicted again
         stored = {r["name"]: r for r in json.loads(Path(args.replay).read_text())}
+        for name, row in stored.items():  # a step or factor that is not a positive number would price nonsense
+            bad = [key for key in ("measured", "measured_raw", "batch_factor")
+                   if key in row and not (isinstance(row[key], (int, float)) and math.isfinite(row[key]) and row[key] > 0)]
+            if bad or "measured" not in row:
+                parser.error(f"--replay {args.replay}: row {name!r} has {', '.join(bad) or 'no measured'} "
+                             f"{[row.get(k) for k in bad] if bad else ''} (must be finite and positive)")
         layouts = [row for row in layouts if row[1] in stored]
     measured_on = next((r["machine"] for r in stored.values() if "machine" in r), "not recorded") if args.replay \
         else machine()

@@ -103,6 +103,20 @@ def test_plan_vs_measured_refuses_an_unknown_layout_name():
     assert done.returncode == 2 and "--batch 0: must be at least 1" in done.stderr
 
 
+@pytest.mark.parametrize("row,bad", [({"name": "single", "measured": float("nan")}, "measured"),
+                                     ({"name": "single", "measured": 0.1, "measured_raw": float("inf")}, "measured_raw"),
+                                     ({"name": "single", "measured": 0.1, "batch_factor": -1.0}, "batch_factor"),
+                                     ({"name": "single", "measured": "fast"}, "measured"),
+                                     ({"name": "single"}, "no measured")])
+def test_plan_vs_measured_refuses_a_replayed_row_whose_step_or_factor_is_not_a_positive_number(tmp_path, row, bad):
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps([row]))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_vs_measured.py"), "--replay", str(rows)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and f"row 'single' has {bad}" in done.stderr and "must be finite and positive" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_plan_vs_measured_simulates_at_the_fidelity_asked(tmp_path):
     """--replay re-predicts stored measurements; --fidelity picks how the simulator plays collectives: at hybrid
     (the default) a backend all-reduce inside a node lasts its cluster-file link's time, at flow it is a ring's
