@@ -13,7 +13,10 @@ several runs (each run's --json, replayed at the current code first so that one 
    measures its own rates, so the planner follows it). What is left once the drift is divided out is each
    layout's deviation: how far its step moved between runs for reasons no description of the machine carries.
    If that deviation reaches 20% in a run, no fixed prediction is within 20% of every row of every run.
-3. Each layout's error across the runs: its median (the planner against a step measured that many times), mean
+3. Each world size's signed median error in each run (a whole world running long or short of the planner), its
+   mean over the runs, flagged as biased as below: a drift one run shows is that run's, one every run shows is a
+   term the model misses for that world size.
+4. Each layout's error across the runs: its median (the planner against a step measured that many times), mean
    and standard deviation, the bias flagged where the mean is over twice its standard error. The per-layout
    medians are summarised as one run is (median, within 10% and 20%, worst; tau between the layouts' median
    predicted and median measured steps on the largest world size, and how much slower the predicted best
@@ -110,6 +113,18 @@ def summary(errs: dict[Key, float], predicted: dict[Key, float], measured: dict[
             "worst_error": errs[worst], "worst_layout": worst[1], "kendall_tau": tau, "best_gap": gap}
 
 
+def world_drifts(errs: dict[str, dict[Key, float]]) -> dict[int, dict]:
+    """Per world size: each run's signed median error over its layouts (how far the world's steps as a whole ran
+    from the planner), their mean and standard deviation over the runs, and whether the world is biased (|mean|
+    over twice its standard error): a drift of one run is the machine's, a drift every run shares is the model's."""
+    out = {}
+    for w in sorted({w for run in errs.values() for w, _ in run}):
+        medians = [statistics.median(e for (world, _), e in run.items() if world == w) for run in errs.values()]
+        mean, sd = statistics.fmean(medians), statistics.stdev(medians)
+        out[w] = {"per_run": medians, "mean": mean, "sd": sd, "biased": abs(mean) > 2 * sd / math.sqrt(len(medians))}
+    return out
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-quantile by the nearest rank (no interpolation)."""
     ordered = sorted(values)
@@ -148,7 +163,7 @@ def analyse(runs: dict[str, list[dict]]) -> dict:
     together = summary({(r["world_size"], r["name"]): r["median"] for r in layout_rows}, median["predicted"],
                        median["measured"])
     every = [abs(d) for run in devs.values() for d in run.values()]
-    return {"layouts": layout_rows, "runs": per_run, "together": together,
+    return {"layouts": layout_rows, "runs": per_run, "together": together, "worlds": world_drifts(errs),
             "deviation": {"median": statistics.median(every), "p90": percentile(every, 0.9), "worst": max(every)}}
 
 
@@ -165,6 +180,11 @@ def report(runs: dict[str, list[dict]], result: dict, top: int) -> str:
     lines.append(f"# the measured steps, each run's drift per world size divided out, deviate from their median over "
                  f"the runs by a median {100 * d['median']:.1f}%, 90th percentile {100 * d['p90']:.1f}%, worst "
                  f"{100 * d['worst']:.1f}%")
+    lines.append("# each world size's signed median error per run (mean over the runs; * = biased: |mean| over twice "
+                 "its standard error): " + "; ".join(
+                     f"{w} rank{'s' if w > 1 else ''}{'*' if x['biased'] else ''} "
+                     + " ".join(f"{100 * m:+.1f}%" for m in x["per_run"]) + f" (mean {100 * x['mean']:+.1f}%)"
+                     for w, x in result["worlds"].items()))
     lines.append(f"# per layout over the runs (the {top} largest median errors; * = biased: |mean| over twice its "
                  "standard error):")
     lines.append(f"# {'layout':<22}{'ranks':>6}{'median':>9}{'mean':>8}{'sd':>7}{'min':>8}{'max':>8}{'meas. sd':>10}")

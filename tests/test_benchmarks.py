@@ -470,6 +470,10 @@ def test_plan_repeatability_divides_out_each_runs_drift_and_summarises_each_layo
     assert numbers["kendall_tau"] == approx(2 / 3) and numbers["best_gap"] == 0.0
     listed = {line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ") and "%" in line}
     assert {"a*", "b*", "c*", "d", "e*"} <= listed  # d's mean (-1%) is within twice its standard error
+    # each world size's signed median error per run: 1 rank +3.5% in every run (biased: no spread at all); 4 ranks
+    # the median of c, d, e: -3%, +1%, -3% (mean -1.7%, within twice its standard error 2.7%: not biased)
+    worlds = next(line for line in done.stdout.splitlines() if line.startswith("# each world size's signed median"))
+    assert worlds.endswith("1 rank* +3.5% +3.5% +3.5% (mean +3.5%); 4 ranks -3.0% +1.0% -3.0% (mean -1.7%)"), worlds
     again = _repeatability(str(tmp_path / "runs.json"))  # the compact form reads back to the same report
     assert _result(again.stdout) == numbers
     shown = _repeatability(str(tmp_path / "runs.json"), "--top", "2").stdout.splitlines()
