@@ -45,7 +45,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from plan_vs_measured import rank_order  # noqa: E402  (torch-free)
+from plan_vs_measured import rank_order, world_medians  # noqa: E402  (torch-free)
 
 ROW_KEYS = ("name", "world_size", "measured", "predicted")
 Key = tuple[int, str]  # (world size, layout name)
@@ -117,9 +117,10 @@ def world_drifts(errs: dict[str, dict[Key, float]]) -> dict[int, dict]:
     """Per world size: each run's signed median error over its layouts (how far the world's steps as a whole ran
     from the planner), their mean and standard deviation over the runs, and whether the world is biased (|mean|
     over twice its standard error): a drift of one run is the machine's, a drift every run shares is the model's."""
+    per_run = [world_medians(run) for run in errs.values()]
     out = {}
-    for w in sorted({w for run in errs.values() for w, _ in run}):
-        medians = [statistics.median(e for (world, _), e in run.items() if world == w) for run in errs.values()]
+    for w in per_run[0]:
+        medians = [run[w] for run in per_run]
         mean, sd = statistics.fmean(medians), statistics.stdev(medians)
         out[w] = {"per_run": medians, "mean": mean, "sd": sd, "biased": abs(mean) > 2 * sd / math.sqrt(len(medians))}
     return out

@@ -571,6 +571,13 @@ def with_overhead(cluster, overhead_us: float, cores: int):
                                                                         shared_cores=cores))
 
 
+def world_medians(errors: dict[tuple[int, str], float]) -> dict[int, float]:
+    """Each world size's signed median error over its layouts (errors: {(world size, layout): error}): how far its
+    steps as a whole ran from the planner (plan_repeatability.py reads it over runs)."""
+    return {w: statistics.median(e for (world, _), e in errors.items() if world == w)
+            for w in sorted({w for w, _ in errors})}
+
+
 def rank_order(rows: list[dict], predicted: list[float]) -> tuple[float, dict, float]:
     """(Kendall's tau between `predicted` and the rows' measured steps, the predicted best row, how much slower it
     measures than the measured best)."""
@@ -762,8 +769,8 @@ def main() -> int:
     print(f"# {len(four)} layouts on {four[0]['world_size']} ranks: Kendall tau {tau:.3f} between predicted and measured "
           f"order; the predicted best ({chosen['name']}) measures {100 * best_gap:.1f}% over the measured best")
     print("# each world size's median error, signed (how far its steps as a whole ran from its own measured rates): "
-          + ", ".join(f"{w} rank{'s' if w > 1 else ''} {100 * statistics.median(r['error'] for r in rows if r['world_size'] == w):+.1f}%"
-                      for w in sorted({r["world_size"] for r in rows})))
+          + ", ".join(f"{w} rank{'s' if w > 1 else ''} {100 * m:+.1f}%"
+                      for w, m in world_medians({(r["world_size"], r["name"]): r["error"] for r in rows}).items()))
     for world_size in sorted({r["world_size"] for r in rows if r["cluster"].accelerator.ring_step_operators}):
         operators = next(r for r in rows if r["world_size"] == world_size)["cluster"].accelerator.ring_step_operators
         print(f"# {world_size} ranks: ring attention's own Python {operators:.1f} operators' worth per ring step and block "
