@@ -33,12 +33,14 @@ import torch.distributed as dist
 
 def reference_model() -> tuple[torch.nn.Module, torch.Tensor]:
     """The reference model (one `tiny` block, its embedding and head, 257 tokens) and a batch of 4 x 128 tokens."""
-    from fivefold.model import build_model
+    from fivefold.model import build_model, materialize
     from fivefold.model.presets import PRESETS
 
     config = dataclasses.replace(PRESETS["tiny"], n_layers=1, vocab_size=257)
     generator = torch.Generator().manual_seed(0)
-    return build_model(config), torch.randint(0, 257, (4, 128), generator=generator)
+    # on the CPU with its weights initialised: `build_model` alone leaves it on the meta device, where a pass
+    # dispatches its operators and computes nothing (this experiment's passes until 2026-11-29 afternoon)
+    return materialize(build_model(config), "cpu"), torch.randint(0, 257, (4, 128), generator=generator)
 
 
 def pass_seconds(computing: int, repeats: int = 4) -> float:

@@ -94,6 +94,29 @@ def test_the_benchmarks_name_the_cpu_their_figures_come_from():
     assert described.endswith(f"{os.cpu_count()} cores")
 
 
+def test_the_passes_experiment_computes_on_an_initialised_cpu_model():
+    """shared_rates.py times a reference model's forward and backward: on the meta device (build_model alone) a pass
+    computes nothing, which the experiment timed until 2026-11-29 afternoon. Its model holds real, initialised
+    weights (norms at one), and a pass makes a finite loss and a gradient for every weight."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from shared_rates import reference_model
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    model, tokens = reference_model()
+    parameters = dict(model.named_parameters())
+    assert all(p.device.type == "cpu" for p in parameters.values())
+    assert all(torch.isfinite(p).all() for p in parameters.values())
+    assert all(torch.equal(p, torch.ones_like(p)) for name, p in parameters.items() if name.endswith("norm.weight"))
+    loss = model(tokens).float().pow(2).mean()
+    loss.backward()
+    assert torch.isfinite(loss) and loss > 0
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+               for p in parameters.values())
+
+
 def test_plan_vs_measured_refuses_an_unknown_layout_name():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_vs_measured.py"), "--only", "single,tp9"],
                           capture_output=True, text=True, timeout=120)

@@ -29,6 +29,17 @@ def test_built_on_meta_without_memory():
     assert model.rope_cos.device.type == "meta"
 
 
+def test_a_block_built_alone_has_unit_norms():
+    """A block made outside a model (plan/ring_host.py times one, plan/operators.py counts one) is a valid block:
+    its RMSNorm weights start at one as init_weights sets them, not as uninitialised memory (which held values
+    from 1e-10 to 1e38 and slowed the timed passes)."""
+    from fivefold.model.llama import TransformerBlock
+
+    block = TransformerBlock(micro_model(), 0)
+    norms = {name: p for name, p in block.named_parameters() if name.endswith("norm.weight")}
+    assert norms and all(torch.equal(p, torch.ones_like(p)) for p in norms.values())
+
+
 def test_causal_future_tokens_do_not_change_past_logits():
     model = make()
     tokens = torch.randint(0, 50, (1, 12))

@@ -40,7 +40,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
+        self.weight = nn.Parameter(torch.ones(dim))  # a block built alone (plan/ring_host.py) is a valid one
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         return rms_normalize(x, self.eps)
