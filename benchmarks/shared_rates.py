@@ -15,10 +15,13 @@ lends its core to the rest). The reference is the `tiny` preset's block (dim 256
 head over 257 tokens, 4 sequences of 128 tokens, fp32; bf16 is carried by the same ratio. The oversubscribed
 efficiency comes from the same passes: all ranks computing against only as many as the cores hold.
 
-What it found (docs/planner.md): the passes slow by 1.2-1.4x on 2 ranks and 2.1-2.5x on 4, so these rates are
-2.0-2.3x the matmul loop's, and every multi-rank layout is then predicted 31-42% short: the trainer's step on a
-shared CPU loses more than its passes do, to what the model prices as hidden or as time on the wire (gloo's
-copies, reductions and loopback transfers run on the same two cores). Not adopted.
+What it found (docs/planner.md). On the EPYC of 2026-11-27 the passes slowed by 1.2-1.4x on 2 ranks and 2.1-2.5x
+on 4, and every multi-rank layout was predicted 31-42% short; but until 2026-11-29 afternoon the reference model
+was left on the meta device, so those passes timed the operators' dispatch alone. With the model on the CPU (the
+AMX Xeon, 2026-11-29 14:14) the passes' rates still price every multi-rank layout short (median 17.7% against
+the square loop's 8.7% on the same steps, four-rank layouts 0-25% short): the trainer's step on a shared CPU
+loses more than its passes do, to what the model prices as hidden or as time on the wire (gloo's copies,
+reductions and loopback transfers run on the same two cores). Not adopted.
 """
 
 from __future__ import annotations

@@ -525,7 +525,7 @@ def test_plan_repeatability_refuses_what_it_cannot_compare(tmp_path):
 
 
 def test_plan_repeatability_of_the_stored_runs_is_what_the_docs_say():
-    """docs/planner.md quotes the report on the twelve stored runs (docs/data/plan-vs-measured-runs.json)."""
+    """docs/planner.md quotes the report on the stored runs (docs/data/plan-vs-measured-runs.json)."""
     numbers = _result(_repeatability(str(ROOT / "docs" / "data" / "plan-vs-measured-runs.json")).stdout)
     quoted = (f"median {100 * numbers['median_abs_error']:.1f}%, {numbers['within_10pct']:.0f} of "
               f"{numbers['layouts']:.0f} within 10%, all {numbers['within_20pct']:.0f} within 20%, worst "

@@ -13,7 +13,9 @@ It runs the small copy the counts run on (`tiny`'s, 16 tokens, where host work i
 with the runtime's ring on its loopback (ring rank 0, as the count runs it), for rings of 2 and 4, under
 torch.profiler. The functions' own time P (their self time: not in the operators they call) over the rest
 of the block's time per counted operator is what that Python is worth in operators; divided by the ring's
-steps, since the loop runs once per step (2026-11-28: 16-22 per step for a ring of 2, 21-22 for 4). A ratio of two times
+steps, since the loop runs once per step (2026-11-28: 16-22 per step for a ring of 2, 21-22 for 4; the timed
+block's norms held uninitialised memory until 2026-11-29 afternoon, and with them at one that day's run measured
+21.8 on 2 ranks and 23.7 on 4, against 20.1-20.6 and 20.4-20.8 on the three runs before). A ratio of two times
 taken in one profiled run varies far less between processes than the times do (a plain block's time moved
 by 30% from one process to the next), and the mean is stored with the cluster (`fivefold bench comm
 --cluster-file`), not timed at plan time, so that the planner's figures do not move from run to run.
