@@ -32,7 +32,7 @@ def test_built_on_meta_without_memory():
 def test_a_block_built_alone_has_unit_norms():
     """A block made outside a model (plan/ring_host.py times one, plan/operators.py counts one) is a valid block:
     its RMSNorm weights start at one as init_weights sets them, not as uninitialised memory (which held values
-    from 1e-10 to 1e38 and slowed the timed passes)."""
+    from 1e-10 to 1e38 here, and a block built so took 60-770 ms a pass at 4 x 128 tokens against 18-25 ms)."""
     from fivefold.model.llama import TransformerBlock
 
     block = TransformerBlock(micro_model(), 0)
