@@ -44,7 +44,11 @@ parallel splits, communication, recomputation, the pipeline bubble.
 
 Each round also times the fp32 matmul rate per rank over equal work between barriers (comm/bench.py
 matmul_tflops_together), beside the slowest rank's rate it prices with; both are printed per world size and
-stored (`fp32_tflops`, `fp32_tflops_together`), not priced.
+stored (`fp32_tflops`, `fp32_tflops_together`), not priced. So are rank 0's measurements alone on every core that
+each round takes for shared_rates.py (its fp32 matmul rate and the reference model's pass: `alone_fp32_tflops`,
+`alone_pass_s`, medians over the world size's rounds): the host's speed while each world size was timed, the same
+work in every phase, so that a run's drift between world sizes can be told from the host's (recorded since
+2026-11-29 afternoon, not priced).
 
 Each round also times rank 0 alone and a transformer's passes on every rank (shared_rates.py), so every run
 predicts the same steps with a second set of compute rates and prints that set's summary (`# with the ...
@@ -210,6 +214,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
     fitting: list[float] = []  # its fp32 rate with only as many ranks computing as the cores hold
     carried: dict[str, list[float]] = {"fp32": [], "bf16": []}  # rank 0's alone, carried by passes (shared_rates.py)
     efficiencies: list[float] = []  # the oversubscribed efficiency from the same passes
+    lone: list[tuple[float, float]] = []  # rank 0 alone on every core: (fp32 matmul TFLOP/s, reference pass seconds)
     bandwidths = []
     optimizer: list[tuple[float, float]] = []  # the runtime's AdamW: (GB/s of 28 bytes per parameter, us per tensor)
     codecs: list[tuple[dict, dict]] = []  # the gradient codecs' local work, ns per value (comm/bench.py codec_rates)
@@ -248,6 +253,7 @@ def _measure(rank: int, world_size: int, job) -> dict:
                 # rates below: one timing can land on a slow spell (sign 79 ns a value once, 30 on the run before)
                 codecs.append(codec_rates(torch.device("cpu"), list(compressed[0].model.parameters()), seconds=0.15))
             by_one, one_pass = alone_measurements(torch.device("cpu"), cores)
+            lone.append((by_one["fp32"], one_pass))
             shared, efficiency = shared_rates(cores, threads, by_one, one_pass) \
                 if world_size > 1 else (by_one, 1.0)
             efficiencies.append(efficiency)
@@ -284,6 +290,8 @@ def _measure(rank: int, world_size: int, job) -> dict:
                 "together_tflops": median(together),
                 "passes_rates": {dtype: median(values) for dtype, values in carried.items()},
                 "passes_oversubscribed_efficiency": median(efficiencies),
+                "alone_fp32_tflops": median([rate for rate, _ in lone]),
+                "alone_pass_s": median([seconds for _, seconds in lone]),
                 "memory_gbs": median(bandwidths),
                 "optimizer_gbs": median([g for g, _ in optimizer]),
                 "optimizer_tensor_us": median([u for _, u in optimizer]),
@@ -701,7 +709,8 @@ def main() -> int:
                              "cores": stored[name].get("cores", os.cpu_count() or 1), "machine": measured_on,
                              **{key: stored[name][key] for key in ("measured_raw", "batch_factor")  # since 2026-11-29
                                 if key in stored[name]},
-                             **{key: stored[name][key] for key in ("fp32_tflops", "fp32_tflops_together")
+                             **{key: stored[name][key] for key in ("fp32_tflops", "fp32_tflops_together",
+                                                                     "alone_fp32_tflops", "alone_pass_s")
                                 if key in stored[name]}})
             continue
         together = [(name, config) for name, config in configs if name not in alone] or \
@@ -725,7 +734,8 @@ def main() -> int:
                          "batch_factor": measured["batch_factor"][name], "cores": measured["cores"],
                          "machine": measured_on, "fp32_tflops": measured["rates"]["fp32"],
                          "native_batches": measured["native_batches"],
-                         "fp32_tflops_together": measured["together_tflops"]})
+                         "fp32_tflops_together": measured["together_tflops"],
+                         "alone_fp32_tflops": measured["alone_fp32_tflops"], "alone_pass_s": measured["alone_pass_s"]})
     shares, overhead, anchors = fit_compute(rows)
     for row in rows:  # the dispatch overhead is one thread's work: it slows once the ranks outnumber the cores
         for key in ("cluster", "cluster_other_rates", "cluster_batch"):
@@ -784,6 +794,12 @@ def main() -> int:
         print(f"# {world_size} ranks, fp32 matmul per rank while all compute: the slowest rank's {row['fp32_tflops']:.4f} "
               f"TFLOP/s (priced), equal work between barriers {row['fp32_tflops_together']:.4f} "
               f"({100 * (row['fp32_tflops_together'] / row['fp32_tflops'] - 1):+.1f}%; recorded, not priced)")
+    lone = {r["world_size"]: r for r in rows if "alone_pass_s" in r}
+    if lone:  # since 2026-11-29 afternoon (before, the pass ran on the meta device and was not stored)
+        print("# rank 0 alone on every core in each world size's rounds, the host's speed while that world size was timed "
+              "(recorded, not priced): " + ", ".join(
+                  f"{w} rank{'s' if w > 1 else ''}: reference pass {1e3 * r['alone_pass_s']:.1f} ms, fp32 matmul "
+                  f"{r['alone_fp32_tflops']:.4f} TFLOP/s" for w, r in sorted(lone.items())))
     for world_size in sorted({r["world_size"] for r in rows}):
         factors = sorted({r["batch_factor"] for r in rows if r["world_size"] == world_size and "batch_factor" in r})
         if len(factors) > 1:

@@ -70,6 +70,9 @@ def test_reliability_benchmark_runs_and_prints_result(script, args, expected):
     assert numbers.get("kendall_tau", 0.0) <= 1
     if script == "plan_vs_measured.py":  # the same steps predicted with the rates carried by a transformer's passes
         assert "# with the passes rates instead: median" in out
+        # the host's speed with rank 0 alone, timed in each world size's rounds (shared_rates.py, on a real model)
+        lone = next(line for line in out.splitlines() if line.startswith("# rank 0 alone on every core"))
+        assert "1 rank: reference pass" in lone and "2 ranks: reference pass" in lone
         # one batch per world size here, so each layout's own batch's rates are the whole run's: the same errors
         own = next(line for line in out.splitlines() if line.startswith("# with the rates of each layout's own batch"))
         # the line prints the median to 0.1 percentage point, RESULT to 0.01: compare within both roundings
