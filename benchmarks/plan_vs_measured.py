@@ -678,8 +678,8 @@ def main() -> int:
     solo = {name for _, name, _ in SOLO}
     if args.replay:  # the stored measurements of an earlier run (its --json), predicted again
         stored = {r["name"]: r for r in json.loads(Path(args.replay).read_text())}
-        for name, row in stored.items():  # a step or factor that is not a positive number would price nonsense
-            bad = [key for key in ("measured", "measured_raw", "batch_factor")
+        for name, row in stored.items():  # a step, factor or recorded speed that is not a positive number is nonsense
+            bad = [key for key in ("measured", "measured_raw", "batch_factor", "alone_fp32_tflops", "alone_pass_s")
                    if key in row and not (isinstance(row[key], (int, float)) and math.isfinite(row[key]) and row[key] > 0)]
             if bad or "measured" not in row:
                 parser.error(f"--replay {args.replay}: row {name!r} has {', '.join(bad) or 'no measured'} "

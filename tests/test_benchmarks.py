@@ -133,6 +133,8 @@ def test_plan_vs_measured_refuses_an_unknown_layout_name():
                                      ({"name": "single", "measured": 0.1, "measured_raw": float("inf")}, "measured_raw"),
                                      ({"name": "single", "measured": 0.1, "batch_factor": -1.0}, "batch_factor"),
                                      ({"name": "single", "measured": "fast"}, "measured"),
+                                     ({"name": "single", "measured": 0.1, "alone_pass_s": float("nan")}, "alone_pass_s"),
+                                     ({"name": "single", "measured": 0.1, "alone_fp32_tflops": 0.0}, "alone_fp32_tflops"),
                                      ({"name": "single"}, "no measured")])
 def test_plan_vs_measured_refuses_a_replayed_row_whose_step_or_factor_is_not_a_positive_number(tmp_path, row, bad):
     rows = tmp_path / "rows.json"
